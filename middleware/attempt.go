@@ -1,0 +1,262 @@
+package middleware
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strconv"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+)
+
+// MaxAttemptsCap is the hard cap on the attempt number: whatever headers a
+// message carries, the counter never reports more than this, and
+// RepublisherConfig.MaxAttempts cannot exceed it. So a forged or corrupted
+// header cannot buy unbounded retries.
+const MaxAttemptsCap = 1000
+
+// HeaderErrorKey holds a description of header values the library ignored
+// because they were malformed (non-numeric, negative, or not decodable). It
+// is informational; it is stripped from republished copies.
+const HeaderErrorKey = "rabbitretry-header-error"
+
+type attemptCtxKey struct{}
+
+// ContextWithAttempt returns ctx carrying attempt (1-based).
+func ContextWithAttempt(ctx context.Context, attempt int) context.Context {
+	return context.WithValue(ctx, attemptCtxKey{}, attempt)
+}
+
+// AttemptFromContext returns the attempt number the AttemptCounter stored
+// in ctx, and whether there was one.
+func AttemptFromContext(ctx context.Context) (int, bool) {
+	if ctx == nil {
+		return 0, false
+	}
+	n, ok := ctx.Value(attemptCtxKey{}).(int)
+	return n, ok
+}
+
+// Attempt returns the attempt number (1 on the first delivery) of msg: the
+// value the AttemptCounter put in the message's context; without a counter
+// in the chain, the AttemptKey metadata when it is a valid number in
+// [1, MaxAttemptsCap] (a larger one reads as MaxAttemptsCap); else 1.
+func Attempt(msg *message.Message) int {
+	if n, ok := AttemptFromContext(msg.Context()); ok {
+		return n
+	}
+	prev, err := HeaderSource().Previous(msg)
+	if err != nil {
+		return 1
+	}
+	return clampAttempt(1 + prev)
+}
+
+func clampAttempt(n int64) int {
+	if n < 1 {
+		return 1
+	}
+	if n > MaxAttemptsCap {
+		return MaxAttemptsCap
+	}
+	return int(n)
+}
+
+// AttemptSource reports how many attempts of a message already failed,
+// according to one kind of evidence (a header, the broker's x-death, ...).
+type AttemptSource struct {
+	// Name identifies the source in logs and in HeaderErrorKey.
+	Name string
+	// Previous returns the number of earlier failed attempts this source
+	// knows about: 0 when it has no evidence. It returns an error for a
+	// malformed value (non-numeric, negative); the counter then ignores the
+	// source for this message and records the error. A value too large for
+	// int64 must be returned as MaxAttemptsCap, not as an error.
+	Previous func(msg *message.Message) (int64, error)
+}
+
+// parseCount parses a non-negative decimal count. Out-of-range positive
+// values read as MaxAttemptsCap; negative or non-numeric values are errors.
+func parseCount(key, v string) (int64, error) {
+	n, err := strconv.ParseInt(v, 10, 64)
+	if err != nil {
+		var ne *strconv.NumError
+		if errors.As(err, &ne) && errors.Is(ne.Err, strconv.ErrRange) && len(v) > 0 && v[0] != '-' {
+			return MaxAttemptsCap, nil
+		}
+		return 0, fmt.Errorf("%s=%.40q is not a decimal number", key, v)
+	}
+	if n < 0 {
+		return 0, fmt.Errorf("%s=%d is negative", key, n)
+	}
+	if n > MaxAttemptsCap {
+		return MaxAttemptsCap, nil
+	}
+	return n, nil
+}
+
+// HeaderSource reads the library's own AttemptKey header, written by the
+// delayed republisher on every copy it schedules. The header holds the
+// attempt number of that delivery, so it contributes value-1 earlier
+// attempts. Absent: 0. Non-numeric, negative or zero: an error (ignored by the
+// counter). Larger than MaxAttemptsCap (including values that overflow
+// int64): MaxAttemptsCap.
+func HeaderSource() AttemptSource {
+	return AttemptSource{Name: "header", Previous: func(msg *message.Message) (int64, error) {
+		v, ok := msg.Metadata[AttemptKey]
+		if !ok {
+			return 0, nil
+		}
+		n, err := parseCount(AttemptKey, v)
+		if err != nil {
+			return 0, err
+		}
+		if n == 0 {
+			return 0, fmt.Errorf("%s=0 is not an attempt number (attempts start at 1)", AttemptKey)
+		}
+		return n - 1, nil
+	}}
+}
+
+// XDeathSource counts the broker's dead-lettering of the message out of its
+// originating queue, from the x-death header ("Dead Letter Exchanges") that
+// the amqpretry Marshaler exposes as JSON under XDeathKey: the sum of the
+// counts of entries whose queue is queue(msg) and whose reason is "rejected"
+// (a nack/reject with requeue=false, e.g. when the republish failed) or
+// "delivery_limit" (a quorum queue's delivery limit). Entries of other queues
+// and "expired" entries of wait queues do not count. The republisher strips
+// x-death from the copies it schedules, so these counts are the failures
+// since the last scheduled copy, and they add to HeaderSource.
+//
+// queue returns the originating queue name; nil means the router's subscribe
+// topic (message.SubscribeTopicFromCtx). Malformed JSON is an error; a count
+// below 0 is an error; the sum is capped at MaxAttemptsCap.
+func XDeathSource(queue func(msg *message.Message) string) AttemptSource {
+	if queue == nil {
+		queue = func(msg *message.Message) string { return message.SubscribeTopicFromCtx(msg.Context()) }
+	}
+	return AttemptSource{Name: "x-death", Previous: func(msg *message.Message) (int64, error) {
+		recs, err := ParseXDeath(msg.Metadata[XDeathKey])
+		if err != nil {
+			return 0, err
+		}
+		q := queue(msg)
+		var sum int64
+		for _, r := range recs {
+			if r.Queue != q || (r.Reason != "rejected" && r.Reason != "delivery_limit") {
+				continue
+			}
+			if r.Count < 0 {
+				return 0, fmt.Errorf("x-death count %d for queue %q is negative", r.Count, r.Queue)
+			}
+			sum += min(r.Count, MaxAttemptsCap)
+			if sum >= MaxAttemptsCap {
+				return MaxAttemptsCap, nil
+			}
+		}
+		return sum, nil
+	}}
+}
+
+// DeliveryCountSource reads the quorum-queue x-delivery-count header ("Quorum
+// Queues": the number of earlier deliveries that were returned to the queue,
+// e.g. by a consumer that crashed or a nack with requeue). It is not in the
+// default sources, because a requeue is not always a failed attempt; add it
+// when redeliveries should count. Non-numeric or negative: an error.
+func DeliveryCountSource() AttemptSource {
+	return AttemptSource{Name: "x-delivery-count", Previous: func(msg *message.Message) (int64, error) {
+		v, ok := msg.Metadata[XDeliveryCountKey]
+		if !ok {
+			return 0, nil
+		}
+		return parseCount(XDeliveryCountKey, v)
+	}}
+}
+
+// AttemptCounterConfig configures an AttemptCounter.
+type AttemptCounterConfig struct {
+	// Sources are summed: attempt = 1 + sum of Previous over all sources,
+	// clamped to [1, MaxAttemptsCap]. Default: HeaderSource and
+	// XDeathSource(nil).
+	Sources []AttemptSource
+	// Logger logs ignored malformed values at Info level. Default NopLogger.
+	Logger watermill.LoggerAdapter
+}
+
+func (c *AttemptCounterConfig) setDefaults() {
+	if len(c.Sources) == 0 {
+		c.Sources = []AttemptSource{HeaderSource(), XDeathSource(nil)}
+	}
+	if c.Logger == nil {
+		c.Logger = watermill.NopLogger{}
+	}
+}
+
+// Validate reports a source without Name or Previous.
+func (c AttemptCounterConfig) Validate() error {
+	for i, s := range c.Sources {
+		if s.Name == "" {
+			return fmt.Errorf("AttemptCounterConfig.Sources[%d].Name is empty", i)
+		}
+		if s.Previous == nil {
+			return fmt.Errorf("AttemptCounterConfig.Sources[%d].Previous is nil", i)
+		}
+	}
+	return nil
+}
+
+// AttemptCounter works out the attempt number of each delivery and puts it in
+// the message's context (AttemptFromContext) and metadata (AttemptKey), where
+// handlers (Attempt(msg)) and the other middlewares read it.
+type AttemptCounter struct {
+	sources []AttemptSource
+	logger  watermill.LoggerAdapter
+}
+
+// NewAttemptCounter returns a counter, or the error of cfg.Validate.
+func NewAttemptCounter(cfg AttemptCounterConfig) (*AttemptCounter, error) {
+	cfg.setDefaults()
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	return &AttemptCounter{sources: cfg.Sources, logger: cfg.Logger}, nil
+}
+
+// Count returns the attempt number of msg in [1, MaxAttemptsCap], and a
+// description of malformed values it ignored ("" if none).
+func (c *AttemptCounter) Count(msg *message.Message) (int, string) {
+	var prev int64
+	var bad string
+	for _, s := range c.sources {
+		n, err := s.Previous(msg)
+		if err != nil {
+			if bad != "" {
+				bad += "; "
+			}
+			bad += s.Name + ": " + err.Error()
+			continue
+		}
+		prev += n
+		if prev >= MaxAttemptsCap {
+			prev = MaxAttemptsCap
+		}
+	}
+	return clampAttempt(1 + prev), bad
+}
+
+// Middleware stores the attempt number and calls the handler.
+func (c *AttemptCounter) Middleware(h message.HandlerFunc) message.HandlerFunc {
+	return func(msg *message.Message) ([]*message.Message, error) {
+		n, bad := c.Count(msg)
+		if bad != "" {
+			msg.Metadata.Set(HeaderErrorKey, bad)
+			c.logger.Info("Ignoring malformed attempt headers", watermill.LogFields{
+				"message_uuid": msg.UUID, "problem": bad, "attempt": n,
+			})
+		}
+		msg.Metadata.Set(AttemptKey, strconv.Itoa(n))
+		msg.SetContext(ContextWithAttempt(msg.Context(), n))
+		return h(msg)
+	}
+}

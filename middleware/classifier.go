@@ -1,0 +1,328 @@
+package middleware
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+)
+
+// Action is what the retry chain does with a failed message.
+type Action int
+
+const (
+	// ActionRetry schedules the message for another attempt after a delay,
+	// while attempts are left; after the last attempt it goes to the poison
+	// queue.
+	ActionRetry Action = iota
+	// ActionPoison sends the message to the poison queue at once: retrying
+	// cannot help (malformed input, a permanent refusal).
+	ActionPoison
+	// ActionDrop acks and discards the message, logged at Info level. Use it
+	// for messages that are obsolete, never for ones that matter.
+	ActionDrop
+)
+
+// String returns "retry", "poison" or "drop".
+func (a Action) String() string {
+	switch a {
+	case ActionRetry:
+		return "retry"
+	case ActionPoison:
+		return "poison"
+	case ActionDrop:
+		return "drop"
+	default:
+		return fmt.Sprintf("Action(%d)", int(a))
+	}
+}
+
+// Error classes written under ErrorClassKey and used as metric labels.
+const (
+	ClassTransient  = "transient"
+	ClassPermanent  = "permanent"
+	ClassMalformed  = "malformed"
+	ClassRetryAfter = "retry-after"
+	ClassDropped    = "dropped"
+	ClassExhausted  = "exhausted"
+)
+
+type permanentError struct{ err error }
+
+func (e *permanentError) Error() string { return e.err.Error() }
+func (e *permanentError) Unwrap() error { return e.err }
+
+// Permanent marks err as not worth retrying: the default classifier sends it
+// to the poison queue at once. Permanent(nil) returns nil.
+func Permanent(err error) error {
+	if err == nil {
+		return nil
+	}
+	return &permanentError{err: err}
+}
+
+// IsPermanent reports whether err, or an error it wraps, was marked with
+// Permanent.
+func IsPermanent(err error) bool {
+	var p *permanentError
+	return errors.As(err, &p)
+}
+
+type dropError struct{ err error }
+
+func (e *dropError) Error() string { return e.err.Error() }
+func (e *dropError) Unwrap() error { return e.err }
+
+// Drop marks err so that the message is acked and discarded (logged), neither
+// retried nor poisoned. Drop(nil) returns nil.
+func Drop(err error) error {
+	if err == nil {
+		return nil
+	}
+	return &dropError{err: err}
+}
+
+// IsDrop reports whether err, or an error it wraps, was marked with Drop.
+func IsDrop(err error) bool {
+	var d *dropError
+	return errors.As(err, &d)
+}
+
+// RetryAfterError asks for the next attempt no earlier than After, e.g. from
+// an HTTP 429 or 503 Retry-After header. Construct it with RetryAfter.
+type RetryAfterError struct {
+	Err   error
+	After time.Duration
+}
+
+func (e *RetryAfterError) Error() string {
+	return fmt.Sprintf("%v (retry after %s)", e.Err, e.After)
+}
+func (e *RetryAfterError) Unwrap() error { return e.Err }
+
+// RetryAfter wraps err with a handler-chosen delay d (time.Duration, must be
+// > 0; a delay <= 0 means "use the backoff policy"). The republisher uses
+// max(d, backoff delay); the AMQP delayer then rounds up to a delay tier.
+// RetryAfter(nil, d) returns nil.
+func RetryAfter(err error, d time.Duration) error {
+	if err == nil {
+		return nil
+	}
+	return &RetryAfterError{Err: err, After: d}
+}
+
+// RetryAfterFrom returns the delay requested with RetryAfter, if any.
+func RetryAfterFrom(err error) (time.Duration, bool) {
+	var ra *RetryAfterError
+	if errors.As(err, &ra) && ra.After > 0 {
+		return ra.After, true
+	}
+	return 0, false
+}
+
+// Rule is one classification rule: when Match returns true for a handler
+// error, the message gets Action, and Class is recorded under ErrorClassKey.
+type Rule struct {
+	// Class names the rule's outcome, e.g. "malformed". Required.
+	Class string
+	// Match reports whether the rule applies. Required.
+	Match func(error) bool
+	// Action is what happens to the message.
+	Action Action
+}
+
+// MatchIs returns a matcher for errors.Is(err, target).
+func MatchIs(target error) func(error) bool {
+	return func(err error) bool { return errors.Is(err, target) }
+}
+
+// MatchAs returns a matcher for errors.As(err, *T).
+func MatchAs[T error]() func(error) bool {
+	return func(err error) bool {
+		var t T
+		return errors.As(err, &t)
+	}
+}
+
+// DefaultRules are evaluated in this order, the first match wins:
+//   - Drop(err) -> ActionDrop, class "dropped";
+//   - Permanent(err) -> ActionPoison, class "permanent";
+//   - RetryAfter(err, d) -> ActionRetry with delay d, class "retry-after";
+//   - *json.SyntaxError, *json.UnmarshalTypeError, *json.InvalidUnmarshalError
+//     -> ActionPoison, class "malformed" (a malformed message does not get
+//     better by waiting).
+//
+// Anything else falls to Classifier.Default (ActionRetry, class "transient"),
+// which includes context.Canceled and context.DeadlineExceeded: a handler
+// interrupted by shutdown or a timeout is retried, never poisoned.
+func DefaultRules() []Rule {
+	return []Rule{
+		{Class: ClassDropped, Match: IsDrop, Action: ActionDrop},
+		{Class: ClassPermanent, Match: IsPermanent, Action: ActionPoison},
+		{Class: ClassRetryAfter, Match: func(err error) bool { _, ok := RetryAfterFrom(err); return ok }, Action: ActionRetry},
+		{Class: ClassMalformed, Match: MatchAs[*json.SyntaxError](), Action: ActionPoison},
+		{Class: ClassMalformed, Match: MatchAs[*json.UnmarshalTypeError](), Action: ActionPoison},
+		{Class: ClassMalformed, Match: MatchAs[*json.InvalidUnmarshalError](), Action: ActionPoison},
+	}
+}
+
+// Classification is the verdict on one handler error.
+type Classification struct {
+	Action Action
+	// Class is the error class, e.g. "transient" or "malformed".
+	Class string
+	// Delay is a handler-requested delay (RetryAfter); 0 means "use backoff".
+	Delay time.Duration
+}
+
+// ClassifiedError carries a handler error with its Classification through
+// the middleware chain. The republisher and the poison forwarder read it with
+// errors.As; an error without it is classified with DefaultClassifier.
+type ClassifiedError struct {
+	Err error
+	Classification
+}
+
+func (e *ClassifiedError) Error() string { return e.Err.Error() }
+func (e *ClassifiedError) Unwrap() error { return e.Err }
+
+// ClassifierConfig configures a Classifier.
+type ClassifierConfig struct {
+	// Rules are checked before DefaultRules, first match wins.
+	Rules []Rule
+	// NoDefaultRules drops DefaultRules; only Rules then apply.
+	NoDefaultRules bool
+	// Default is the action for an error no rule matches. Default ActionRetry.
+	Default Action
+	// DefaultClass is the class for such an error. Default "transient".
+	DefaultClass string
+	// Logger logs dropped messages. Default watermill.NopLogger.
+	Logger watermill.LoggerAdapter
+}
+
+func (c *ClassifierConfig) setDefaults() {
+	if c.DefaultClass == "" {
+		c.DefaultClass = ClassTransient
+	}
+	if c.Logger == nil {
+		c.Logger = watermill.NopLogger{}
+	}
+}
+
+// Validate reports the first bad field: a rule without Class or Match, or an
+// unknown Default action.
+func (c ClassifierConfig) Validate() error {
+	for i, r := range c.Rules {
+		if r.Match == nil {
+			return fmt.Errorf("ClassifierConfig.Rules[%d].Match is nil", i)
+		}
+		if r.Class == "" {
+			return fmt.Errorf("ClassifierConfig.Rules[%d].Class is empty", i)
+		}
+		if r.Action < ActionRetry || r.Action > ActionDrop {
+			return fmt.Errorf("ClassifierConfig.Rules[%d].Action %d is not a known Action", i, int(r.Action))
+		}
+	}
+	if c.Default < ActionRetry || c.Default > ActionDrop {
+		return fmt.Errorf("ClassifierConfig.Default %d is not a known Action", int(c.Default))
+	}
+	return nil
+}
+
+// Classifier decides, for each handler error, whether to retry, poison or
+// drop. As a middleware it wraps the handler's error in a *ClassifiedError
+// and handles ActionDrop itself (ack, log); retry and poison are done by the
+// republisher and the poison forwarder further out in the chain.
+type Classifier struct {
+	rules        []Rule
+	def          Action
+	defaultClass string
+	logger       watermill.LoggerAdapter
+}
+
+// NewClassifier returns a Classifier, or the error of cfg.Validate.
+func NewClassifier(cfg ClassifierConfig) (*Classifier, error) {
+	cfg.setDefaults()
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	rules := append([]Rule(nil), cfg.Rules...)
+	if !cfg.NoDefaultRules {
+		rules = append(rules, DefaultRules()...)
+	}
+	return &Classifier{rules: rules, def: cfg.Default, defaultClass: cfg.DefaultClass, logger: cfg.Logger}, nil
+}
+
+// DefaultClassifier uses DefaultRules and retries everything else.
+var DefaultClassifier = func() *Classifier {
+	c, err := NewClassifier(ClassifierConfig{})
+	if err != nil {
+		panic(err) // static configuration; cannot fail
+	}
+	return c
+}()
+
+// Classify returns the verdict for err (err must be non-nil). An error that
+// is already a *ClassifiedError keeps its classification.
+func (c *Classifier) Classify(err error) Classification {
+	var ce *ClassifiedError
+	if errors.As(err, &ce) {
+		return ce.Classification
+	}
+	for _, r := range c.rules {
+		if r.Match(err) {
+			cl := Classification{Action: r.Action, Class: r.Class}
+			if d, ok := RetryAfterFrom(err); ok && r.Action == ActionRetry {
+				cl.Delay = d
+			}
+			return cl
+		}
+	}
+	cl := Classification{Action: c.def, Class: c.defaultClass}
+	if d, ok := RetryAfterFrom(err); ok && c.def == ActionRetry {
+		cl.Delay = d
+	}
+	return cl
+}
+
+// classify wraps err with its classification (idempotent).
+func (c *Classifier) classify(err error) *ClassifiedError {
+	var ce *ClassifiedError
+	if errors.As(err, &ce) {
+		return ce
+	}
+	return &ClassifiedError{Err: err, Classification: c.Classify(err)}
+}
+
+// Middleware classifies the handler's error. ActionDrop: the message is
+// acked (nil error, no produced messages) and the drop is logged.
+// Otherwise the error is returned wrapped in a *ClassifiedError.
+func (c *Classifier) Middleware(h message.HandlerFunc) message.HandlerFunc {
+	return func(msg *message.Message) ([]*message.Message, error) {
+		out, err := h(msg)
+		if err == nil {
+			return out, nil
+		}
+		ce := c.classify(err)
+		if ce.Action == ActionDrop {
+			c.logger.Info("Dropping message on handler request", watermill.LogFields{
+				"message_uuid": msg.UUID, "error": err.Error(), "attempt": Attempt(msg),
+			})
+			return nil, nil
+		}
+		return out, ce
+	}
+}
+
+// classificationOf returns the classification carried by err, or the
+// DefaultClassifier's verdict for an unclassified error.
+func classificationOf(err error) Classification {
+	var ce *ClassifiedError
+	if errors.As(err, &ce) {
+		return ce.Classification
+	}
+	return DefaultClassifier.Classify(err)
+}

@@ -1,0 +1,336 @@
+package middleware
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strconv"
+	"time"
+	"unicode/utf8"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/cenkalti/backoff/v4"
+)
+
+// Delayer holds a message for at least a delay and then delivers it again to
+// the consumer it came from. It is the one thing a broker must provide for
+// the republisher.
+//
+// Schedule must return nil only when the message is safely held (for AMQP:
+// the broker confirmed the publish to a wait queue, see "Consumer
+// Acknowledgements and Publisher Confirms"); the republisher acks the
+// original only after that. ctx is the original message's context, which
+// carries the router's subscribe topic and handler name
+// (message.SubscribeTopicFromCtx), from which a Delayer finds the
+// originating queue. msg is a fresh copy, safe to modify.
+type Delayer interface {
+	Schedule(ctx context.Context, msg *message.Message, delay time.Duration) error
+}
+
+// DelayerFunc adapts a function to Delayer.
+type DelayerFunc func(ctx context.Context, msg *message.Message, delay time.Duration) error
+
+// Schedule calls f.
+func (f DelayerFunc) Schedule(ctx context.Context, msg *message.Message, delay time.Duration) error {
+	return f(ctx, msg, delay)
+}
+
+// ExhaustedError is returned by the republisher when a retryable error
+// happened on the last allowed attempt. The poison forwarder sends such
+// messages to the poison queue with class "exhausted".
+type ExhaustedError struct {
+	Err      error
+	Attempts int
+}
+
+func (e *ExhaustedError) Error() string {
+	return fmt.Sprintf("gave up after %d attempts: %v", e.Attempts, e.Err)
+}
+func (e *ExhaustedError) Unwrap() error { return e.Err }
+
+// ScheduleError is returned when the Delayer could not hold the retry copy.
+// The message is then nacked, never acked: with amqpretry the broker
+// dead-letters it into the wait path (see "Dead Letter Exchanges"); with
+// other Pub/Subs it is redelivered according to their nack semantics.
+type ScheduleError struct {
+	Err        error // from Delayer.Schedule
+	HandlerErr error
+	Attempt    int
+}
+
+func (e *ScheduleError) Error() string {
+	return fmt.Sprintf("scheduling retry after attempt %d failed: %v (handler error: %v)", e.Attempt, e.Err, e.HandlerErr)
+}
+func (e *ScheduleError) Unwrap() error { return e.Err }
+
+// DefaultBackoff returns the default policy: exponential from 1 s, factor 2,
+// capped at 5 min per attempt, with ±50% jitter (RandomizationFactor 0.5) and
+// no elapsed-time limit. A fresh value is made per computation: backoff/v4's
+// ExponentialBackOff is stateful and not goroutine-safe.
+func DefaultBackoff() backoff.BackOff {
+	b := backoff.NewExponentialBackOff()
+	b.InitialInterval = time.Second
+	b.Multiplier = 2
+	b.RandomizationFactor = 0.5
+	b.MaxInterval = 5 * time.Minute
+	b.MaxElapsedTime = 0
+	b.Reset()
+	return b
+}
+
+// BackoffDelay returns the delay after failed attempt n (1-based) under
+// policy: a fresh policy() advanced n times, so it depends on n only, never
+// on shared state. ok is false when the policy says stop (backoff.Stop).
+func BackoffDelay(policy func() backoff.BackOff, n int) (d time.Duration, ok bool) {
+	b := policy()
+	b.Reset()
+	for i := 0; i < max(n, 1); i++ {
+		d = b.NextBackOff()
+		if d == backoff.Stop {
+			return 0, false
+		}
+	}
+	return max(d, 0), true
+}
+
+// Observer is told what the retry chain did with each failed message, e.g.
+// for metrics. Methods must be fast and goroutine-safe. NopObserver ignores
+// everything.
+type Observer interface {
+	// RetryScheduled: the copy for attempt+1 is held by the Delayer; took is
+	// how long Schedule needed (the publish-with-confirm latency on AMQP).
+	RetryScheduled(msg *message.Message, attempt int, delay, took time.Duration)
+	// RetryFailed: the Delayer returned err; the message is being nacked.
+	RetryFailed(msg *message.Message, attempt int, err error)
+	// Poisoned: the message was confirmed into the poison queue.
+	Poisoned(msg *message.Message, attempt int, class string)
+	// PoisonFailed: the poison publish failed; the message is being nacked.
+	PoisonFailed(msg *message.Message, attempt int, err error)
+	// Dropped: acked and discarded on ActionDrop.
+	Dropped(msg *message.Message, attempt int)
+}
+
+// NopObserver implements Observer and does nothing.
+type NopObserver struct{}
+
+func (NopObserver) RetryScheduled(*message.Message, int, time.Duration, time.Duration) {}
+func (NopObserver) RetryFailed(*message.Message, int, error)                           {}
+func (NopObserver) Poisoned(*message.Message, int, string)                             {}
+func (NopObserver) PoisonFailed(*message.Message, int, error)                          {}
+func (NopObserver) Dropped(*message.Message, int)                                      {}
+
+// DefaultMaxErrorBytes is the default cap on error text copied into headers.
+const DefaultMaxErrorBytes = 1024
+
+// ErrorText turns a handler error into the text stored in headers
+// (LastErrorKey, reason_poisoned): err.Error() cut to at most maxBytes bytes
+// on a UTF-8 boundary, with "…" appended when cut. Error texts can contain
+// secrets (URLs with credentials, tokens): configure ErrorText in the
+// Republisher and poison Forwarder configs to redact them.
+func ErrorText(err error, maxBytes int) string {
+	return Truncate(err.Error(), maxBytes)
+}
+
+// Truncate cuts s to at most maxBytes bytes on a UTF-8 boundary, marking a
+// cut with "…". maxBytes <= 0 means no limit.
+func Truncate(s string, maxBytes int) string {
+	if maxBytes <= 0 || len(s) <= maxBytes {
+		return s
+	}
+	const mark = "…"
+	cut := max(maxBytes-len(mark), 0)
+	for cut > 0 && !utf8.RuneStart(s[cut]) {
+		cut--
+	}
+	return s[:cut] + mark
+}
+
+// RepublisherConfig configures a Republisher.
+type RepublisherConfig struct {
+	// Delayer holds retry copies. Required.
+	Delayer Delayer
+	// MaxAttempts is the total number of attempts, the first delivery
+	// included: with 5, a message is retried 4 times. Default 5; must be in
+	// [1, MaxAttemptsCap].
+	MaxAttempts int
+	// Backoff makes a fresh backoff policy; the delay after attempt n is the
+	// n-th NextBackOff of a fresh value (BackoffDelay). Default DefaultBackoff.
+	// A policy returning backoff.Stop ends the retries (the message is then
+	// exhausted and poisoned).
+	Backoff func() backoff.BackOff
+	// QueueName names the originating queue of a message, recorded once under
+	// OriginalQueueKey. Default: the router's subscribe topic.
+	QueueName func(ctx context.Context) string
+	// ErrorText renders the handler error into LastErrorKey. Default:
+	// ErrorText(err, DefaultMaxErrorBytes). Use it to redact secrets.
+	ErrorText func(error) string
+	// Now returns the current time. Default time.Now.
+	Now func() time.Time
+	// Observer is told of each scheduled or failed retry. Default NopObserver.
+	Observer Observer
+	// Logger logs each retry at Info with message UUID, queue, attempt and
+	// delay. Default NopLogger.
+	Logger watermill.LoggerAdapter
+}
+
+func (c *RepublisherConfig) setDefaults() {
+	if c.MaxAttempts == 0 {
+		c.MaxAttempts = 5
+	}
+	if c.Backoff == nil {
+		c.Backoff = DefaultBackoff
+	}
+	if c.QueueName == nil {
+		c.QueueName = message.SubscribeTopicFromCtx
+	}
+	if c.ErrorText == nil {
+		c.ErrorText = func(err error) string { return ErrorText(err, DefaultMaxErrorBytes) }
+	}
+	if c.Now == nil {
+		c.Now = time.Now
+	}
+	if c.Observer == nil {
+		c.Observer = NopObserver{}
+	}
+	if c.Logger == nil {
+		c.Logger = watermill.NopLogger{}
+	}
+}
+
+// Validate reports the first bad field.
+func (c RepublisherConfig) Validate() error {
+	if c.Delayer == nil {
+		return errors.New("RepublisherConfig.Delayer is nil")
+	}
+	if c.MaxAttempts < 1 || c.MaxAttempts > MaxAttemptsCap {
+		return fmt.Errorf("RepublisherConfig.MaxAttempts %d is outside [1, %d]", c.MaxAttempts, MaxAttemptsCap)
+	}
+	return nil
+}
+
+// Republisher is the delayed republisher: on a retryable error with attempts
+// left it schedules a copy of the message for the next attempt through the
+// Delayer, and acks the original only once the Delayer confirmed.
+type Republisher struct {
+	cfg RepublisherConfig
+}
+
+// NewRepublisher returns a Republisher, or the error of cfg.Validate after
+// defaults are filled in.
+func NewRepublisher(cfg RepublisherConfig) (*Republisher, error) {
+	cfg.setDefaults()
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	return &Republisher{cfg: cfg}, nil
+}
+
+// MaxAttempts returns the configured total number of attempts.
+func (r *Republisher) MaxAttempts() int { return r.cfg.MaxAttempts }
+
+// Delay returns the delay before the attempt after failed attempt n, given a
+// handler-requested delay (RetryAfter, 0 if none): the larger of the two.
+// ok is false when the backoff policy stops.
+func (r *Republisher) Delay(n int, requested time.Duration) (time.Duration, bool) {
+	d, ok := BackoffDelay(r.cfg.Backoff, n)
+	if !ok {
+		return 0, false
+	}
+	return max(d, requested), true
+}
+
+// Middleware is the delayed republisher. For each handler error:
+//   - not ActionRetry (see Classifier): returned unchanged;
+//   - attempt >= MaxAttempts, or the backoff stops: *ExhaustedError;
+//   - else a copy (same UUID, payload and metadata; AttemptKey = attempt+1;
+//     failure metadata updated) is handed to the Delayer. On success the
+//     handler returns nil and the original is acked; on failure a
+//     *ScheduleError is returned and the original is nacked.
+//
+// Messages the handler produced on a failed attempt are discarded.
+func (r *Republisher) Middleware(h message.HandlerFunc) message.HandlerFunc {
+	return func(msg *message.Message) ([]*message.Message, error) {
+		out, err := h(msg)
+		if err == nil {
+			return out, nil
+		}
+		cl := classificationOf(err)
+		if cl.Action != ActionRetry {
+			return nil, err
+		}
+		attempt := Attempt(msg)
+		if attempt >= r.cfg.MaxAttempts {
+			return nil, &ExhaustedError{Err: err, Attempts: attempt}
+		}
+		delay, ok := r.Delay(attempt, cl.Delay)
+		if !ok {
+			return nil, &ExhaustedError{Err: err, Attempts: attempt}
+		}
+		ctx := msg.Context()
+		retry := r.copyForRetry(ctx, msg, attempt, cl, err, delay)
+		start := time.Now()
+		if serr := r.cfg.Delayer.Schedule(ctx, retry, delay); serr != nil {
+			// Not scheduled: never ack. The nack hands the message back to the broker.
+			r.cfg.Observer.RetryFailed(msg, attempt, serr)
+			r.cfg.Logger.Error("Retry not scheduled; nacking message", serr, watermill.LogFields{
+				"message_uuid": msg.UUID, "attempt": attempt, "queue": r.cfg.QueueName(ctx),
+			})
+			return nil, &ScheduleError{Err: serr, HandlerErr: err, Attempt: attempt}
+		}
+		// The copy is held (confirmed): only now may the original be acked.
+		took := time.Since(start)
+		r.cfg.Observer.RetryScheduled(msg, attempt, delay, took)
+		r.cfg.Logger.Info("Retry scheduled", watermill.LogFields{
+			"message_uuid": msg.UUID, "queue": r.cfg.QueueName(ctx), "attempt": attempt,
+			"next_attempt": attempt + 1, "delay": delay.String(), "error_class": cl.Class, "error": retry.Metadata[LastErrorKey],
+		})
+		return nil, nil
+	}
+}
+
+// deliveryOnlyKeys describe one delivery and never travel on a copy.
+var deliveryOnlyKeys = []string{XDeathKey, XDeliveryCountKey, DeliveryExchangeKey, DeliveryRoutingKeyKey, HeaderErrorKey}
+
+// StripDeliveryMetadata deletes from md the keys that describe one delivery
+// (x-death, x-delivery-count, the delivery exchange and routing key, header
+// errors), so that a copy does not carry them. On RabbitMQ 3.13 a republished
+// copy that still carries x-death can be dropped by dead-letter cycle
+// detection ("Dead Letter Exchanges").
+func StripDeliveryMetadata(md message.Metadata) {
+	for _, k := range deliveryOnlyKeys {
+		delete(md, k)
+	}
+}
+
+// RecordFailure writes the failure metadata shared by retry copies and
+// poisoned messages into md: first and last failure times, error text and
+// class, and the original exchange, routing key and queue (set once).
+func RecordFailure(md message.Metadata, now time.Time, errText, class, queue string) {
+	ts := now.UTC().Format(time.RFC3339Nano)
+	if md.Get(FirstFailureKey) == "" {
+		md.Set(FirstFailureKey, ts)
+	}
+	md.Set(LastFailureKey, ts)
+	md.Set(LastErrorKey, errText)
+	md.Set(ErrorClassKey, class)
+	if _, ok := md[OriginalExchangeKey]; !ok {
+		md.Set(OriginalExchangeKey, md.Get(DeliveryExchangeKey))
+		md.Set(OriginalRoutingKeyKey, md.Get(DeliveryRoutingKeyKey))
+	}
+	if md.Get(OriginalQueueKey) == "" && queue != "" {
+		md.Set(OriginalQueueKey, queue)
+	}
+}
+
+func (r *Republisher) copyForRetry(ctx context.Context, msg *message.Message, attempt int, cl Classification, err error, delay time.Duration) *message.Message {
+	c := message.NewMessage(msg.UUID, msg.Payload)
+	for k, v := range msg.Metadata {
+		c.Metadata[k] = v
+	}
+	RecordFailure(c.Metadata, r.cfg.Now(), r.cfg.ErrorText(err), cl.Class, r.cfg.QueueName(ctx))
+	StripDeliveryMetadata(c.Metadata)
+	c.Metadata.Set(AttemptKey, strconv.Itoa(attempt+1))
+	c.Metadata.Set(DelayKey, strconv.FormatInt(delay.Milliseconds(), 10))
+	return c
+}
