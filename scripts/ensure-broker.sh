@@ -80,6 +80,7 @@ run_t() {
 }
 
 port_open() {
+	# shellcheck disable=SC2016 # $1/$2 expand in the child bash
 	run_t 5 bash -c 'exec 3<>"/dev/tcp/$1/$2"' _ "$BROKER_HOST" "$BROKER_PORT" 2>/dev/null
 }
 
@@ -91,6 +92,7 @@ broker_answers() {
 		return
 	fi
 	local out
+	# shellcheck disable=SC2016 # $1/$2 expand in the child bash
 	out="$(run_t 5 bash -c '
 		exec 3<>"/dev/tcp/$1/$2" || exit 1
 		printf "AMQP\000\000\011\001" >&3
@@ -119,6 +121,7 @@ app_booting() {
 }
 
 START_LOG="${TMPDIR:-/tmp}/ensure-broker.$$.log"
+# shellcheck disable=SC2317 # called by the EXIT trap
 cleanup() { rm -f "$START_LOG"; }
 trap cleanup EXIT
 
