@@ -201,6 +201,9 @@ type ClassifierConfig struct {
 	DefaultClass string
 	// Logger logs dropped messages. Default watermill.NopLogger.
 	Logger watermill.LoggerAdapter
+	// Observer is told of each dropped message (Observer.Dropped). Default
+	// NopObserver.
+	Observer Observer
 }
 
 func (c *ClassifierConfig) setDefaults() {
@@ -209,6 +212,9 @@ func (c *ClassifierConfig) setDefaults() {
 	}
 	if c.Logger == nil {
 		c.Logger = watermill.NopLogger{}
+	}
+	if c.Observer == nil {
+		c.Observer = NopObserver{}
 	}
 }
 
@@ -241,6 +247,7 @@ type Classifier struct {
 	def          Action
 	defaultClass string
 	logger       watermill.LoggerAdapter
+	observer     Observer
 }
 
 // NewClassifier returns a Classifier, or the error of cfg.Validate.
@@ -253,7 +260,7 @@ func NewClassifier(cfg ClassifierConfig) (*Classifier, error) {
 	if !cfg.NoDefaultRules {
 		rules = append(rules, DefaultRules()...)
 	}
-	return &Classifier{rules: rules, def: cfg.Default, defaultClass: cfg.DefaultClass, logger: cfg.Logger}, nil
+	return &Classifier{rules: rules, def: cfg.Default, defaultClass: cfg.DefaultClass, logger: cfg.Logger, observer: cfg.Observer}, nil
 }
 
 // DefaultClassifier uses DefaultRules and retries everything else.
@@ -308,9 +315,11 @@ func (c *Classifier) Middleware(h message.HandlerFunc) message.HandlerFunc {
 		}
 		ce := c.classify(err)
 		if ce.Action == ActionDrop {
+			attempt := Attempt(msg)
 			c.logger.Info("Dropping message on handler request", watermill.LogFields{
-				"message_uuid": msg.UUID, "error": err.Error(), "attempt": Attempt(msg),
+				"message_uuid": msg.UUID, "error": err.Error(), "attempt": attempt,
 			})
+			c.observer.Dropped(msg, attempt)
 			return nil, nil
 		}
 		return out, ce

@@ -103,8 +103,12 @@ func (d *MemoryDelayer) Close() error {
 		if t.Stop() {
 			d.wg.Done()
 			dropped++
+			delete(d.pending, t)
 		}
-		delete(d.pending, t)
+		// Stop returned false: the timer already fired and its function is
+		// waiting for d.mu. Leave it pending so that it still publishes (a
+		// publish in progress, which Close waits for); deleting it here
+		// would make it drop the message silently, uncounted.
 	}
 	d.mu.Unlock()
 	d.wg.Wait()

@@ -139,7 +139,15 @@ func Truncate(s string, maxBytes int) string {
 		return s
 	}
 	const mark = "…"
-	cut := max(maxBytes-len(mark), 0)
+	if maxBytes < len(mark) {
+		// No room for the mark: cut without it, still within maxBytes.
+		cut := maxBytes
+		for cut > 0 && !utf8.RuneStart(s[cut]) {
+			cut--
+		}
+		return s[:cut]
+	}
+	cut := maxBytes - len(mark)
 	for cut > 0 && !utf8.RuneStart(s[cut]) {
 		cut--
 	}

@@ -113,6 +113,9 @@ func New(cfg Config) (*Chain, error) {
 	if ccfg.Logger == nil {
 		ccfg.Logger = cfg.Logger
 	}
+	if ccfg.Observer == nil {
+		ccfg.Observer = cfg.Observer
+	}
 	classifier, err := middleware.NewClassifier(ccfg)
 	if err != nil {
 		return nil, err

@@ -1,0 +1,371 @@
+// Package amqpretry is the RabbitMQ side of the retry library: the retry
+// topology (loop-back exchange, one wait queue per delay tier, poison queue),
+// a Marshaler that reads x-death and x-delivery-count instead of failing,
+// republishing with publisher confirms and mandatory returns, and New, which
+// wires it all into one Watermill middleware.
+//
+//	retry, err := amqpretry.New(amqpretry.Config{URI: uri, Subscriber: subCfg})
+//	sub, err := amqp.NewSubscriber(retry.SubscriberConfig(), logger)
+//	router.AddMiddleware(retry.Middleware)
+package amqpretry
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v2/pkg/amqp"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/cenkalti/backoff/v4"
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/rabbitretry/rabbitretry/middleware"
+	"github.com/rabbitretry/rabbitretry/router"
+)
+
+// MaxTiers bounds the number of delay tiers (one wait queue each, per
+// originating queue).
+const MaxTiers = 32
+
+// Config configures New. Zero values take the defaults given.
+type Config struct {
+	// URI is the AMQP URI the retry publisher connects to, e.g.
+	// "amqp://guest:guest@localhost:5672/". Default: Subscriber.Connection.AmqpURI.
+	URI string
+	// Subscriber is the watermill-amqp config of the subscriber(s) whose
+	// handlers get retries, e.g. wamqp.NewDurableQueueConfig(uri). Its
+	// Queue.GenerateName maps a subscribe topic to the originating queue.
+	// SubscriberConfig returns it with the retry topology, Marshaler and
+	// NoRequeueOnNack set. Its Queue.Arguments must not set
+	// x-dead-letter-exchange or x-dead-letter-routing-key (amqpretry does).
+	Subscriber wamqp.Config
+	// QueueType of the originating queue, wait and poison queues: "classic"
+	// (default) or "quorum". Default: "quorum" when Subscriber.Queue.Arguments
+	// has x-queue-type quorum. With quorum, dead-lettering is at-least-once
+	// (x-dead-letter-strategy at-least-once with x-overflow reject-publish;
+	// RabbitMQ 3.10+, "Quorum Queues"). amqpretry sets no x-delivery-limit: on
+	// RabbitMQ 4.0+ (default limit 20) a message over the limit is
+	// dead-lettered into the wait path, not dropped, because Q has a DLX, and
+	// its delivery_limit deaths count as attempts.
+	QueueType string
+	// MaxAttempts is the total number of attempts, the first included.
+	// Default 5; range [1, 1000].
+	MaxAttempts int
+	// Backoff makes a fresh backoff policy for each delay computation.
+	// Default middleware.DefaultBackoff (1 s, x2, ±50% jitter, 5 min cap).
+	Backoff func() backoff.BackOff
+	// Tiers are the wait-queue delays (time.Duration, each in [1 ms, MaxTTL],
+	// at most MaxTiers). A computed delay goes to the smallest tier >= it
+	// (see Topology.TierFor). Default: the delays of attempts 1..MaxAttempts-1
+	// under Backoff without jitter (for an *backoff.ExponentialBackOff policy;
+	// otherwise one sample each), rounded to milliseconds and deduplicated.
+	Tiers []time.Duration
+	// Naming of exchanges and queues. Defaults in Naming.
+	Naming Naming
+	// QueueName maps a message's context to its originating queue. Default:
+	// Subscriber.Queue.GenerateName(message.SubscribeTopicFromCtx(ctx)).
+	QueueName func(ctx context.Context) string
+	// Classifier configures error classification (router.Config.Classifier).
+	Classifier middleware.ClassifierConfig
+	// ErrorText renders errors into headers; redact secrets here. Default:
+	// err.Error() cut to 1 KiB.
+	ErrorText func(error) string
+	// Observer is told of retries and poisonings (metrics).
+	Observer middleware.Observer
+	// PublisherChannels is the number of AMQP channels used for republishing.
+	// Default 2.
+	PublisherChannels int
+	// ConfirmTimeout bounds the wait for a publisher confirm. Default 30 s.
+	ConfirmTimeout time.Duration
+	// Logger receives structured logs. Default NopLogger.
+	Logger watermill.LoggerAdapter
+}
+
+func (c *Config) setDefaults() {
+	if c.URI == "" {
+		c.URI = c.Subscriber.Connection.AmqpURI
+	}
+	if c.QueueType == "" {
+		c.QueueType = QueueTypeClassic
+		if qt, _ := c.Subscriber.Queue.Arguments["x-queue-type"].(string); qt == QueueTypeQuorum {
+			c.QueueType = QueueTypeQuorum
+		}
+	}
+	if c.MaxAttempts == 0 {
+		c.MaxAttempts = 5
+	}
+	if c.Backoff == nil {
+		c.Backoff = middleware.DefaultBackoff
+	}
+	if len(c.Tiers) == 0 && c.MaxAttempts >= 1 && c.MaxAttempts <= middleware.MaxAttemptsCap {
+		c.Tiers = DefaultTiers(c.Backoff, c.MaxAttempts)
+	}
+	c.Naming.setDefaults()
+	if c.QueueName == nil && c.Subscriber.Queue.GenerateName != nil {
+		gen := c.Subscriber.Queue.GenerateName
+		c.QueueName = func(ctx context.Context) string { return gen(message.SubscribeTopicFromCtx(ctx)) }
+	}
+	if c.Logger == nil {
+		c.Logger = watermill.NopLogger{}
+	}
+}
+
+// Validate reports the first bad field by name.
+func (c Config) Validate() error {
+	if c.URI == "" {
+		return errors.New("amqpretry.Config.URI is empty (and Subscriber.Connection.AmqpURI too)")
+	}
+	if c.Subscriber.Queue.GenerateName == nil {
+		return errors.New("amqpretry.Config.Subscriber.Queue.GenerateName is nil (use a watermill-amqp New*Config)")
+	}
+	for _, k := range []string{"x-dead-letter-exchange", "x-dead-letter-routing-key"} {
+		if _, ok := c.Subscriber.Queue.Arguments[k]; ok {
+			return fmt.Errorf("amqpretry.Config.Subscriber.Queue.Arguments sets %s, which amqpretry manages", k)
+		}
+	}
+	if c.QueueType != QueueTypeClassic && c.QueueType != QueueTypeQuorum {
+		return fmt.Errorf("amqpretry.Config.QueueType %q is neither %q nor %q", c.QueueType, QueueTypeClassic, QueueTypeQuorum)
+	}
+	if c.QueueType == QueueTypeQuorum && (c.Subscriber.Queue.AutoDelete || c.Subscriber.Queue.Exclusive) {
+		return errors.New("amqpretry.Config.Subscriber.Queue: quorum queues cannot be auto-delete or exclusive")
+	}
+	if c.MaxAttempts < 1 || c.MaxAttempts > middleware.MaxAttemptsCap {
+		return fmt.Errorf("amqpretry.Config.MaxAttempts %d is outside [1, %d]", c.MaxAttempts, middleware.MaxAttemptsCap)
+	}
+	if len(c.Tiers) > MaxTiers {
+		return fmt.Errorf("amqpretry.Config.Tiers has %d tiers, more than %d", len(c.Tiers), MaxTiers)
+	}
+	for i, d := range c.Tiers {
+		if d < time.Millisecond || d > MaxTTL {
+			return fmt.Errorf("amqpretry.Config.Tiers[%d] = %v is outside [1ms, %v] (RabbitMQ's TTL range)", i, d, MaxTTL)
+		}
+		if d%time.Millisecond != 0 {
+			return fmt.Errorf("amqpretry.Config.Tiers[%d] = %v is not a whole number of milliseconds (x-message-ttl is in ms)", i, d)
+		}
+	}
+	if c.PublisherChannels < 0 {
+		return fmt.Errorf("amqpretry.Config.PublisherChannels %d is negative", c.PublisherChannels)
+	}
+	if c.ConfirmTimeout < 0 {
+		return fmt.Errorf("amqpretry.Config.ConfirmTimeout %v is negative", c.ConfirmTimeout)
+	}
+	return nil
+}
+
+// DefaultTiers returns the tiers New uses when Config.Tiers is empty: the
+// delay after each of attempts 1..maxAttempts-1 under policy, without jitter
+// when policy makes an *backoff.ExponentialBackOff, clamped to [1 ms,
+// MaxTTL], rounded to ms, deduplicated, ascending, at most MaxTiers. With
+// maxAttempts 1 (no retries) it returns one 1 s tier, used only by the nack
+// path.
+func DefaultTiers(policy func() backoff.BackOff, maxAttempts int) []time.Duration {
+	p := policy
+	if eb, ok := policy().(*backoff.ExponentialBackOff); ok {
+		p = func() backoff.BackOff {
+			c := *eb
+			c.RandomizationFactor = 0
+			c.Reset()
+			return &c
+		}
+	}
+	var tiers []time.Duration
+	for n := 1; n < maxAttempts && len(tiers) < MaxTiers; n++ {
+		d, ok := middleware.BackoffDelay(p, n)
+		if !ok {
+			break
+		}
+		d = min(max(d.Round(time.Millisecond), time.Millisecond), MaxTTL)
+		if !slices.Contains(tiers, d) {
+			tiers = append(tiers, d)
+		}
+	}
+	if len(tiers) == 0 {
+		tiers = []time.Duration{time.Second}
+	}
+	slices.Sort(tiers)
+	return tiers
+}
+
+// Retry is what New returns: everything needed to plug retries into a
+// watermill-amqp subscriber and router.
+type Retry struct {
+	chain      *router.Chain
+	topology   *Topology
+	marshaler  Marshaler
+	publisher  *ConfirmPublisher
+	delayer    *Delayer
+	subscriber wamqp.Config
+	queueName  func(ctx context.Context) string
+}
+
+// New validates cfg, connects the retry publisher (publisher confirms) and
+// assembles the chain: attempt counter, poison forwarder, delayed
+// republisher, classifier. It returns Config.Validate's error, or a
+// connection error. Close it after the router.
+func New(cfg Config) (*Retry, error) {
+	cfg.setDefaults()
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	tiers := slices.Clone(cfg.Tiers)
+	slices.Sort(tiers)
+	tiers = slices.Compact(tiers)
+	topo := newTopology(cfg.Naming, tiers, cfg.QueueType, cfg.Logger)
+
+	inner := cfg.Subscriber.Marshaler
+	if m, ok := inner.(Marshaler); ok {
+		inner = m.Inner
+	}
+	marshaler := Marshaler{Inner: inner}
+
+	pub, err := NewConfirmPublisher(PublisherConfig{
+		URI: cfg.URI, Channels: cfg.PublisherChannels, ConfirmTimeout: cfg.ConfirmTimeout, Logger: cfg.Logger,
+	})
+	if err != nil {
+		return nil, fmt.Errorf("amqpretry: connecting the retry publisher: %w", err)
+	}
+	delayer := &Delayer{publisher: pub, topology: topo, marshaler: marshaler, queueName: cfg.QueueName, logger: cfg.Logger}
+	chain, err := router.New(router.Config{
+		Delayer:         delayer,
+		PoisonPublisher: &poisonPublisher{publisher: pub, topology: topo, marshaler: marshaler, logger: cfg.Logger},
+		PoisonTopic:     func(ctx context.Context) string { return topo.PoisonQueue(cfg.QueueName(ctx)) },
+		MaxAttempts:     cfg.MaxAttempts,
+		Backoff:         cfg.Backoff,
+		Classifier:      cfg.Classifier,
+		QueueName:       cfg.QueueName,
+		ErrorText:       cfg.ErrorText,
+		Observer:        cfg.Observer,
+		Logger:          cfg.Logger,
+	})
+	if err != nil {
+		_ = pub.Close()
+		return nil, err
+	}
+
+	sub := cfg.Subscriber
+	sub.TopologyBuilder = topo
+	sub.Marshaler = marshaler
+	// A nack must dead-letter (into the wait path), never requeue in a hot loop.
+	sub.Consume.NoRequeueOnNack = true
+	if cfg.QueueType == QueueTypeQuorum {
+		sub.Queue.Durable = true
+	}
+	return &Retry{chain: chain, topology: topo, marshaler: marshaler, publisher: pub, delayer: delayer,
+		subscriber: sub, queueName: cfg.QueueName}, nil
+}
+
+// Middleware is the retry chain; pass it to (*message.Router).AddMiddleware
+// or (*message.Handler).AddMiddleware.
+func (r *Retry) Middleware(h message.HandlerFunc) message.HandlerFunc { return r.chain.Middleware(h) }
+
+// Chain returns the assembled middlewares.
+func (r *Retry) Chain() *router.Chain { return r.chain }
+
+// SubscriberConfig returns Config.Subscriber with TopologyBuilder set to the
+// retry Topology, Marshaler set to the x-death-aware Marshaler and
+// Consume.NoRequeueOnNack set (a nack dead-letters into the wait path instead
+// of requeueing at once). Pass it to wamqp.NewSubscriber.
+func (r *Retry) SubscriberConfig() wamqp.Config { return r.subscriber }
+
+// Topology returns the topology builder (names, tiers, TierFor).
+func (r *Retry) Topology() *Topology { return r.topology }
+
+// Marshaler returns the x-death-aware Marshaler.
+func (r *Retry) Marshaler() Marshaler { return r.marshaler }
+
+// Publisher returns the confirm publisher used for retries and poison.
+func (r *Retry) Publisher() *ConfirmPublisher { return r.publisher }
+
+// QueueName returns the originating queue for a subscribe topic.
+func (r *Retry) QueueName(topic string) string { return r.subscriber.Queue.GenerateName(topic) }
+
+// Close closes the retry publisher, waiting for publishes in flight. Close
+// the router first.
+func (r *Retry) Close() error { return r.publisher.Close() }
+
+// Delayer implements middleware.Delayer on RabbitMQ: it publishes the copy to
+// the wait queue of the tier TierFor(delay) of the message's originating
+// queue, with mandatory set, and returns once the broker confirmed it.
+type Delayer struct {
+	publisher *ConfirmPublisher
+	topology  *Topology
+	marshaler Marshaler
+	queueName func(ctx context.Context) string
+	logger    watermill.LoggerAdapter
+}
+
+// Schedule publishes msg to its wait queue and waits for the confirm. If the
+// wait queue or exchange is missing (returned as unroutable, or 404
+// NOT_FOUND), it redeclares the queue's topology and tries once more, so the
+// nack that follows a failure still finds the dead-letter path. It does not
+// stop when ctx is cancelled (router shutdown): the publish is bounded by the
+// publisher's ConfirmTimeout instead, so a retry in flight is not lost to a
+// shutdown.
+func (d *Delayer) Schedule(ctx context.Context, msg *message.Message, delay time.Duration) error {
+	q := d.queueName(ctx)
+	if err := d.topology.CheckNames(q); err != nil {
+		return err
+	}
+	tier := d.topology.TierFor(delay)
+	p, err := d.marshaler.Marshal(msg)
+	if err != nil {
+		return fmt.Errorf("amqpretry: marshaling retry copy: %w", err)
+	}
+	pctx := context.WithoutCancel(ctx)
+	wq := d.topology.naming.WaitQueue(q, tier)
+	err = d.publisher.PublishRaw(pctx, d.topology.naming.WaitExchange, wq, p)
+	if err == nil || !topologyMissing(err) {
+		return err
+	}
+	d.logger.Error("Retry publish found no wait queue; redeclaring topology", err, watermill.LogFields{"queue": q, "wait_queue": wq})
+	if rerr := d.topology.Redeclare(d.publisher.Channel, q); rerr != nil {
+		return errors.Join(err, fmt.Errorf("amqpretry: redeclaring topology of %q: %w", q, rerr))
+	}
+	return d.publisher.PublishRaw(pctx, d.topology.naming.WaitExchange, wq, p)
+}
+
+func topologyMissing(err error) bool {
+	if errors.Is(err, ErrUnroutable) {
+		return true
+	}
+	var aerr *amqp.Error
+	return errors.As(err, &aerr) && aerr.Code == amqp.NotFound
+}
+
+// poisonPublisher publishes to the poison exchange with confirms; the topic is
+// the poison queue name (its binding key). If the poison queue is missing, it
+// redeclares the originating queue's topology (named by OriginalQueueKey) and
+// tries once more; a failure is returned, so the original is nacked.
+type poisonPublisher struct {
+	publisher *ConfirmPublisher
+	topology  *Topology
+	marshaler Marshaler
+	logger    watermill.LoggerAdapter
+}
+
+func (p *poisonPublisher) Publish(topic string, msgs ...*message.Message) error {
+	ps := make([]amqp.Publishing, 0, len(msgs))
+	for _, m := range msgs {
+		pub, err := p.marshaler.Marshal(m)
+		if err != nil {
+			return fmt.Errorf("amqpretry: marshaling poison copy: %w", err)
+		}
+		ps = append(ps, pub)
+	}
+	ex := p.topology.naming.PoisonExchange
+	err := p.publisher.PublishRawBatch(context.Background(), ex, topic, ps)
+	if err == nil || !topologyMissing(err) || len(msgs) == 0 {
+		return err
+	}
+	q := msgs[0].Metadata.Get(middleware.OriginalQueueKey)
+	p.logger.Error("Poison publish found no poison queue; redeclaring topology", err, watermill.LogFields{"queue": q, "poison_queue": topic})
+	if rerr := p.topology.Redeclare(p.publisher.Channel, q); rerr != nil {
+		return errors.Join(err, fmt.Errorf("amqpretry: redeclaring topology of %q: %w", q, rerr))
+	}
+	return p.publisher.PublishRawBatch(context.Background(), ex, topic, ps)
+}
+
+func (p *poisonPublisher) Close() error { return nil }

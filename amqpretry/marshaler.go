@@ -1,0 +1,307 @@
+package amqpretry
+
+import (
+	"fmt"
+	"maps"
+	"sort"
+	"strconv"
+	"strings"
+	"unicode/utf8"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v2/pkg/amqp"
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/rabbitretry/rabbitretry/middleware"
+)
+
+// DefaultMaxHeaderBytes is the default of Marshaler.MaxHeaderBytes: 16 KiB.
+//
+// All headers of a message travel in one AMQP content header frame, which
+// must fit in the connection's negotiated frame_max (RabbitMQ "Configuration",
+// frame_max, default 131072 bytes); RabbitMQ closes the connection on a
+// larger frame. 16 KiB leaves ample room for properties and for headers the
+// library does not control.
+const DefaultMaxHeaderBytes = 16 * 1024
+
+// TruncatedSuffix marks a header value that Marshal shortened to respect
+// Marshaler.MaxHeaderBytes.
+const TruncatedSuffix = "…(truncated)"
+
+// poisonReasonKey is the metadata key under which watermill's Poison
+// middleware stores the handler error (middleware.ReasonForPoisonedKey in
+// github.com/ThreeDotsLabs/watermill/message/router/middleware).
+const poisonReasonKey = "reason_poisoned"
+
+// Marshaler wraps a watermill-amqp Marshaler (default wamqp.DefaultMarshaler{})
+// so that broker-set, non-string headers become readable metadata instead of
+// failing Unmarshal, and so that broker-owned headers never travel on a
+// republished or forwarded copy.
+//
+// Why: wamqp.DefaultMarshaler.Unmarshal fails on any header that is not a
+// string (watermill issue #65). RabbitMQ adds such headers itself: x-death,
+// an array of tables, to every dead-lettered message ("Dead Letter
+// Exchanges"), and x-delivery-count, a long integer, to messages redelivered
+// by a quorum queue ("Quorum Queues"). Without this wrapper such a message
+// can never be unmarshaled and is nacked forever.
+//
+// Use the same value for the subscriber's and the publisher's
+// wamqp.Config.Marshaler. The zero value is ready to use. Marshaler
+// implements wamqp.Marshaler.
+type Marshaler struct {
+	// Inner does the actual conversion; nil means wamqp.DefaultMarshaler{}.
+	// Unmarshal hands it a delivery whose headers are all strings.
+	Inner wamqp.Marshaler
+
+	// MaxHeaderBytes bounds the total size, in bytes, of the string headers
+	// (keys plus values) of a publishing produced by Marshal. When the total
+	// is larger, Marshal shortens the longest values among the library's own
+	// keys (prefix "rabbitretry-") and watermill's "reason_poisoned" until it
+	// fits, ending each shortened value with TruncatedSuffix; other headers
+	// are never touched, so the total may still exceed the bound if they
+	// alone are too large. 0 means DefaultMaxHeaderBytes; a negative value
+	// disables truncation.
+	MaxHeaderBytes int
+}
+
+var _ wamqp.Marshaler = Marshaler{}
+
+func (m Marshaler) inner() wamqp.Marshaler {
+	if m.Inner == nil {
+		return wamqp.DefaultMarshaler{}
+	}
+	return m.Inner
+}
+
+// uuidHeaderKey returns the header Inner reads the message UUID from, when
+// Inner is a watermill-amqp DefaultMarshaler; otherwise the default key.
+func (m Marshaler) uuidHeaderKey() string {
+	var key string
+	switch d := m.inner().(type) {
+	case wamqp.DefaultMarshaler:
+		key = d.MessageUUIDHeaderKey
+	case *wamqp.DefaultMarshaler:
+		if d != nil {
+			key = d.MessageUUIDHeaderKey
+		}
+	}
+	if key == "" {
+		key = wamqp.DefaultMessageUUIDHeaderKey
+	}
+	return key
+}
+
+// Unmarshal converts an AMQP delivery into a watermill message. It never
+// modifies d (in particular not d.Headers). Before calling Inner, it
+// replaces every header by a string:
+//   - x-death (RabbitMQ "Dead Letter Exchanges") becomes the JSON written by
+//     middleware.EncodeXDeath under middleware.XDeathKey (see
+//     DeathRecordsFromTable);
+//   - x-delivery-count (RabbitMQ "Quorum Queues") becomes a decimal string
+//     under middleware.XDeliveryCountKey (see DeliveryCount);
+//   - every other non-string header, the message UUID header included,
+//     becomes its string form (see headerToString for the formats: numbers in
+//     decimal, timestamps in RFC 3339 UTC, tables and arrays as JSON).
+//
+// A header that cannot be converted (a malformed x-death or x-delivery-count,
+// say a forged one) is dropped, and a description of the problem is stored
+// under middleware.HeaderErrorKey; it never makes Unmarshal fail. Headers that
+// describe one publish or delivery only (PublishIDHeader, and any incoming
+// middleware.HeaderErrorKey, DeliveryExchangeKey or DeliveryRoutingKeyKey)
+// are dropped. The x-first-death-* and x-last-death-* headers are strings
+// and pass through as metadata.
+//
+// After Inner, the metadata gets middleware.DeliveryExchangeKey = d.Exchange
+// and middleware.DeliveryRoutingKeyKey = d.RoutingKey. A message without a
+// UUID header gets d.MessageId as its UUID (empty if that is unset too).
+//
+// It returns an error only if Inner does.
+func (m Marshaler) Unmarshal(d amqp.Delivery) (*message.Message, error) {
+	var problems []string
+	headers := make(amqp.Table, len(d.Headers))
+	for k, v := range d.Headers {
+		switch k {
+		case headerXDeath:
+			if v == nil {
+				continue
+			}
+			recs, err := DeathRecordsFromTable(v)
+			if err != nil {
+				problems = append(problems, headerXDeath+": "+err.Error())
+				continue
+			}
+			if recs == nil {
+				recs = []middleware.DeathRecord{}
+			}
+			headers[middleware.XDeathKey] = middleware.EncodeXDeath(recs)
+		case headerXDeliveryCount:
+			n, err := DeliveryCount(v)
+			if err != nil {
+				problems = append(problems, err.Error())
+				continue
+			}
+			headers[middleware.XDeliveryCountKey] = strconv.FormatInt(n, 10)
+		case PublishIDHeader, middleware.HeaderErrorKey, middleware.DeliveryExchangeKey, middleware.DeliveryRoutingKeyKey:
+			continue
+		default:
+			s, err := headerToString(v)
+			if err != nil {
+				problems = append(problems, fmt.Sprintf("header %q: %v", truncateForError(k), err))
+				continue
+			}
+			headers[k] = s
+		}
+	}
+
+	sd := d // a shallow copy: d.Headers itself is not modified
+	sd.Headers = headers
+	msg, err := m.inner().Unmarshal(sd)
+	if err != nil {
+		return nil, fmt.Errorf("amqpretry: unmarshaling delivery: %w", err)
+	}
+	if msg.UUID == "" && d.MessageId != "" {
+		msg.UUID = d.MessageId
+	}
+	if msg.Metadata == nil {
+		msg.Metadata = make(message.Metadata)
+	}
+	msg.Metadata.Set(middleware.DeliveryExchangeKey, d.Exchange)
+	msg.Metadata.Set(middleware.DeliveryRoutingKeyKey, d.RoutingKey)
+	if len(problems) > 0 {
+		sort.Strings(problems) // map order is random; keep the text stable
+		msg.Metadata.Set(middleware.HeaderErrorKey, strings.Join(problems, "; "))
+	}
+	return msg, nil
+}
+
+// isBrokerOwnedOrDeliveryOnly reports whether a header must not travel on a
+// publishing: the broker's dead-lettering and delivery-count headers, and the
+// metadata that describes one delivery or one publish.
+func isBrokerOwnedOrDeliveryOnly(k string) bool {
+	switch k {
+	case headerXDeath, headerXDeliveryCount, // == middleware.XDeathKey, XDeliveryCountKey
+		middleware.DeliveryExchangeKey, middleware.DeliveryRoutingKeyKey,
+		middleware.HeaderErrorKey, PublishIDHeader:
+		return true
+	}
+	return strings.HasPrefix(k, prefixXFirstDeath) || strings.HasPrefix(k, prefixXLastDeath)
+}
+
+// Marshal converts a watermill message into an AMQP publishing with Inner,
+// then deletes from the publishing's headers (msg itself is not modified):
+//   - x-death, every x-first-death-* and x-last-death-* header, and
+//     x-delivery-count: they belong to the broker and describe the consumed
+//     delivery, not the copy. On RabbitMQ 3.13 a republished copy that still
+//     carries x-death can be dropped by dead-letter cycle detection; RabbitMQ
+//     4.x ignores a client-set x-death; and the string x-death that Unmarshal
+//     produces could confuse a broker that does read it ("Dead Letter
+//     Exchanges");
+//   - middleware.DeliveryExchangeKey, middleware.DeliveryRoutingKeyKey,
+//     middleware.HeaderErrorKey and PublishIDHeader, which describe one
+//     delivery or one publish.
+//
+// Finally it truncates long library headers to MaxHeaderBytes (see
+// Marshaler.MaxHeaderBytes). It returns an error only if Inner does.
+func (m Marshaler) Marshal(msg *message.Message) (amqp.Publishing, error) {
+	p, err := m.inner().Marshal(msg)
+	if err != nil {
+		return amqp.Publishing{}, fmt.Errorf("amqpretry: marshaling message: %w", err)
+	}
+	if p.Headers == nil {
+		return p, nil
+	}
+	h := maps.Clone(p.Headers) // Inner may have returned a table it still holds
+	for k := range h {
+		if isBrokerOwnedOrDeliveryOnly(k) {
+			delete(h, k)
+		}
+	}
+	maxBytes := m.MaxHeaderBytes
+	if maxBytes == 0 {
+		maxBytes = DefaultMaxHeaderBytes
+	}
+	if maxBytes > 0 {
+		truncateHeaders(h, maxBytes)
+	}
+	p.Headers = h
+	return p, nil
+}
+
+// truncatable reports whether truncateHeaders may shorten the header k.
+func truncatable(k string) bool {
+	return strings.HasPrefix(k, "rabbitretry-") || k == poisonReasonKey
+}
+
+// truncateHeaders shortens string header values in h, in place, so that the
+// total size of the string headers (len(key)+len(value) summed) is at most
+// maxTotal. Only values of keys with prefix "rabbitretry-" and of
+// "reason_poisoned" are shortened, longest first: it finds the largest length
+// L such that cutting every such value longer than L+len(TruncatedSuffix) to
+// its first L bytes (at a UTF-8 boundary) plus TruncatedSuffix fits. If even
+// L = 0 does not fit, every candidate is cut that far and the total stays
+// above maxTotal. A maxTotal <= 0 disables truncation.
+func truncateHeaders(h amqp.Table, maxTotal int) {
+	if maxTotal <= 0 {
+		return
+	}
+	total := 0
+	var cand []string
+	longest := 0
+	for k, v := range h {
+		s, ok := v.(string)
+		if !ok {
+			continue
+		}
+		total += len(k) + len(s)
+		if truncatable(k) && len(s) > len(TruncatedSuffix) {
+			cand = append(cand, k)
+			longest = max(longest, len(s))
+		}
+	}
+	if total <= maxTotal || len(cand) == 0 {
+		return
+	}
+	ms := len(TruncatedSuffix)
+	// sizeAt is the total after cutting candidates to level l; it is
+	// non-decreasing in l.
+	sizeAt := func(l int) int {
+		t := total
+		for _, k := range cand {
+			n := len(h[k].(string))
+			if n > l+ms {
+				t -= n - (l + ms)
+			}
+		}
+		return t
+	}
+	lo, hi := 0, longest // find the largest l in [0, longest] with sizeAt(l) <= maxTotal
+	if sizeAt(0) > maxTotal {
+		hi = 0
+	}
+	for lo < hi {
+		mid := lo + (hi-lo+1)/2
+		if sizeAt(mid) <= maxTotal {
+			lo = mid
+		} else {
+			hi = mid - 1
+		}
+	}
+	for _, k := range cand {
+		s := h[k].(string)
+		if len(s) > lo+ms {
+			h[k] = cutUTF8(s, lo) + TruncatedSuffix
+		}
+	}
+}
+
+// cutUTF8 returns the longest prefix of s of at most n bytes that does not
+// split a UTF-8 encoded rune.
+func cutUTF8(s string, n int) string {
+	if n >= len(s) {
+		return s
+	}
+	for n > 0 && !utf8.RuneStart(s[n]) {
+		n--
+	}
+	return s[:n]
+}

@@ -1,0 +1,174 @@
+package amqpretry
+
+import (
+	"crypto/rand"
+	"encoding/hex"
+	"os"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+)
+
+const defaultTestAMQPURI = "amqp://guest:guest@127.0.0.1:5672/"
+
+var (
+	brokerOnce sync.Once
+	brokerErr  error
+)
+
+// brokerURI returns $AMQP_URI or the local default. It dials the broker once
+// per test binary; if that failed, the test is skipped, or failed when
+// CI=true (so CI cannot silently skip the integration tests).
+func brokerURI(t testing.TB) string {
+	t.Helper()
+	uri := os.Getenv("AMQP_URI")
+	if uri == "" {
+		uri = defaultTestAMQPURI
+	}
+	brokerOnce.Do(func() {
+		conn, err := amqp.DialConfig(uri, amqp.Config{Dial: amqp.DefaultDial(5 * time.Second)})
+		if err != nil {
+			brokerErr = err
+			return
+		}
+		_ = conn.Close()
+	})
+	if brokerErr != nil {
+		if os.Getenv("CI") == "true" {
+			t.Fatalf("RabbitMQ broker at %s unreachable: %v", redactURI(uri), brokerErr)
+		}
+		t.Skipf("RabbitMQ broker at %s unreachable (set AMQP_URI): %v", redactURI(uri), brokerErr)
+	}
+	return uri
+}
+
+// redactURI hides the password of an AMQP URI for log output.
+func redactURI(uri string) string {
+	u, err := amqp.ParseURI(uri)
+	if err != nil {
+		return "<invalid AMQP URI>"
+	}
+	u.Password = ""
+	return u.String()
+}
+
+// uniqueName returns "<prefix>.<test name>.<random>", safe as an AMQP queue
+// or exchange name (<= 255 bytes) and unique across concurrent test runs.
+func uniqueName(t testing.TB, prefix string) string {
+	t.Helper()
+	var b [6]byte
+	if _, err := rand.Read(b[:]); err != nil {
+		t.Fatalf("rand: %v", err)
+	}
+	name := strings.Map(func(r rune) rune {
+		switch {
+		case r >= 'a' && r <= 'z', r >= 'A' && r <= 'Z', r >= '0' && r <= '9', r == '-', r == '_':
+			return r
+		default:
+			return '_'
+		}
+	}, t.Name())
+	if len(name) > 150 {
+		name = name[:150]
+	}
+	return prefix + "." + name + "." + hex.EncodeToString(b[:])
+}
+
+// declareTempQueue declares a non-durable queue named name with args on ch
+// and deletes it in t.Cleanup (over a fresh connection, because ch may be
+// closed by then).
+func declareTempQueue(t testing.TB, ch *amqp.Channel, name string, args amqp.Table) {
+	t.Helper()
+	if _, err := ch.QueueDeclare(name, false, false, false, false, args); err != nil {
+		t.Fatalf("declaring queue %q: %v", name, err)
+	}
+	uri := brokerURI(t)
+	t.Cleanup(func() {
+		conn, err := amqp.Dial(uri)
+		if err != nil {
+			t.Errorf("cleanup: dialling to delete queue %q: %v", name, err)
+			return
+		}
+		defer conn.Close()
+		c, err := conn.Channel()
+		if err != nil {
+			t.Errorf("cleanup: channel to delete queue %q: %v", name, err)
+			return
+		}
+		if _, err := c.QueueDelete(name, false, false, false); err != nil {
+			t.Errorf("cleanup: deleting queue %q: %v", name, err)
+		}
+	})
+}
+
+// testChannel opens a plain channel on its own connection, closed in Cleanup.
+func testChannel(t testing.TB) *amqp.Channel {
+	t.Helper()
+	conn, err := amqp.Dial(brokerURI(t))
+	if err != nil {
+		t.Fatalf("dial: %v", err)
+	}
+	t.Cleanup(func() { _ = conn.Close() })
+	ch, err := conn.Channel()
+	if err != nil {
+		t.Fatalf("channel: %v", err)
+	}
+	return ch
+}
+
+// queueDepth returns the number of ready messages in queue, using a fresh
+// channel each time (a passive declare of a missing queue closes the channel).
+func queueDepth(t testing.TB, conn *amqp.Connection, queue string) int {
+	t.Helper()
+	ch, err := conn.Channel()
+	if err != nil {
+		t.Fatalf("channel: %v", err)
+	}
+	defer ch.Close()
+	q, err := ch.QueueDeclarePassive(queue, false, false, false, false, nil)
+	if err != nil {
+		t.Fatalf("passive declare of %q: %v", queue, err)
+	}
+	return q.Messages
+}
+
+// waitFor polls cond every 20ms until it returns true or timeout elapses,
+// then fails the test with msg. It is a condition wait with a deadline, not a
+// fixed sleep.
+func waitFor(t testing.TB, timeout time.Duration, msg string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(timeout)
+	tick := time.NewTicker(20 * time.Millisecond)
+	defer tick.Stop()
+	for {
+		if cond() {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("condition not met within %s: %s", timeout, msg)
+		}
+		<-tick.C
+	}
+}
+
+// newTestPublisher creates a ConfirmPublisher against the test broker and
+// closes it in Cleanup.
+func newTestPublisher(t testing.TB, cfg PublisherConfig) *ConfirmPublisher {
+	t.Helper()
+	if cfg.URI == "" && cfg.Dial == nil {
+		cfg.URI = brokerURI(t)
+	}
+	p, err := NewConfirmPublisher(cfg)
+	if err != nil {
+		t.Fatalf("NewConfirmPublisher: %v", err)
+	}
+	t.Cleanup(func() {
+		if err := p.Close(); err != nil {
+			t.Errorf("Close: %v", err)
+		}
+	})
+	return p
+}

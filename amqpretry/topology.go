@@ -1,0 +1,332 @@
+package amqpretry
+
+import (
+	"errors"
+	"fmt"
+	"regexp"
+	"slices"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v2/pkg/amqp"
+	amqp "github.com/rabbitmq/amqp091-go"
+)
+
+// Queue types for Config.QueueType ("Quorum Queues", "Classic Queues").
+const (
+	QueueTypeClassic = "classic"
+	QueueTypeQuorum  = "quorum"
+)
+
+// MaxTTL is the largest queue TTL RabbitMQ accepts: 2^32-1 ms
+// ("Time-To-Live and Expiration").
+const MaxTTL = time.Duration(1<<32-1) * time.Millisecond
+
+// maxQueueNameBytes is RabbitMQ's limit on queue and exchange names.
+const maxQueueNameBytes = 255
+
+// Naming gives the names of the retry topology. Zero fields take the
+// defaults shown; the same Naming must be used by every process that shares
+// the queues.
+type Naming struct {
+	// LoopBackExchange is the direct exchange expired retries come back
+	// through; each originating queue Q is bound to it with routing key Q, so
+	// a retry returns to Q only. Default "rabbitretry.loopback".
+	LoopBackExchange string
+	// WaitExchange is the direct exchange retries are published to; each
+	// wait queue is bound to it with its own name as routing key. It is also
+	// Q's dead-letter exchange. Default "rabbitretry.wait".
+	WaitExchange string
+	// PoisonExchange is the direct exchange poison queues are bound to with
+	// their own names. Default "rabbitretry.poison".
+	PoisonExchange string
+	// WaitQueue names Q's wait queue for a delay tier. Default
+	// "<Q>.wait.<tier>" with tier as "500ms", "1s", "2m", "1h".
+	WaitQueue func(queue string, tier time.Duration) string
+	// PoisonQueue names Q's poison queue. Default "<Q>.poison".
+	PoisonQueue func(queue string) string
+}
+
+// FormatTier renders a delay tier compactly for queue names: "250ms", "1s",
+// "90s", "5m", "2h".
+func FormatTier(d time.Duration) string {
+	switch {
+	case d >= time.Hour && d%time.Hour == 0:
+		return strconv.FormatInt(int64(d/time.Hour), 10) + "h"
+	case d >= time.Minute && d%time.Minute == 0:
+		return strconv.FormatInt(int64(d/time.Minute), 10) + "m"
+	case d >= time.Second && d%time.Second == 0:
+		return strconv.FormatInt(int64(d/time.Second), 10) + "s"
+	default:
+		return strconv.FormatInt(d.Milliseconds(), 10) + "ms"
+	}
+}
+
+func (n *Naming) setDefaults() {
+	if n.LoopBackExchange == "" {
+		n.LoopBackExchange = "rabbitretry.loopback"
+	}
+	if n.WaitExchange == "" {
+		n.WaitExchange = "rabbitretry.wait"
+	}
+	if n.PoisonExchange == "" {
+		n.PoisonExchange = "rabbitretry.poison"
+	}
+	if n.WaitQueue == nil {
+		n.WaitQueue = func(q string, tier time.Duration) string { return q + ".wait." + FormatTier(tier) }
+	}
+	if n.PoisonQueue == nil {
+		n.PoisonQueue = func(q string) string { return q + ".poison" }
+	}
+}
+
+// DeclareError is returned when the broker refuses a declare or bind. For a
+// PRECONDITION_FAILED (406) on an existing queue whose arguments differ,
+// Argument names the argument the broker reported ("inequivalent arg").
+type DeclareError struct {
+	// Kind is "queue", "exchange" or "binding".
+	Kind string
+	// Name is the queue or exchange name.
+	Name string
+	// Argument is the conflicting argument, e.g. "x-dead-letter-exchange",
+	// when the broker named one.
+	Argument string
+	Err      error
+}
+
+func (e *DeclareError) Error() string {
+	if e.Argument != "" {
+		return fmt.Sprintf("amqpretry: declaring %s %q: argument %s conflicts with the existing %s (delete it or align its arguments): %v",
+			e.Kind, e.Name, e.Argument, e.Kind, e.Err)
+	}
+	return fmt.Sprintf("amqpretry: declaring %s %q: %v", e.Kind, e.Name, e.Err)
+}
+func (e *DeclareError) Unwrap() error { return e.Err }
+
+var inequivalentArg = regexp.MustCompile(`inequivalent arg '([^']+)'`)
+
+func declareError(kind, name string, err error) error {
+	if err == nil {
+		return nil
+	}
+	de := &DeclareError{Kind: kind, Name: name, Err: err}
+	var aerr *amqp.Error
+	if errors.As(err, &aerr) && aerr.Code == amqp.PreconditionFailed {
+		if m := inequivalentArg.FindStringSubmatch(aerr.Reason); m != nil {
+			de.Argument = m[1]
+		}
+	}
+	return de
+}
+
+// Topology declares, for each originating queue Q, the retry topology:
+//
+//	business exchange --(routing key)--> Q   (x-dead-letter-exchange = WaitExchange,
+//	                                          x-dead-letter-routing-key = Q.wait.<first tier>)
+//	WaitExchange --(Q.wait.<tier>)--> Q.wait.<tier>   (x-message-ttl = tier,
+//	                                          x-dead-letter-exchange = LoopBackExchange,
+//	                                          x-dead-letter-routing-key = Q)
+//	LoopBackExchange --(Q)--> Q
+//	PoisonExchange --(Q.poison)--> Q.poison
+//
+// Wait queues have no consumers: the broker dead-letters each message when
+// its queue TTL expires ("Time-To-Live and Expiration", "Dead Letter
+// Exchanges"). One queue per tier, with a queue-level TTL, avoids the
+// head-of-line blocking of per-message TTL. All declares are idempotent.
+//
+// Topology implements watermill-amqp's TopologyBuilder, so the subscriber
+// declares it (again) on every (re)connect.
+type Topology struct {
+	naming    Naming
+	tiers     []time.Duration
+	queueType string
+	logger    watermill.LoggerAdapter
+
+	mu       sync.Mutex
+	declared map[string]declaredQueue // originating queue -> how BuildTopology declared it
+}
+
+type declaredQueue struct {
+	exchange string
+	config   wamqp.Config
+}
+
+func newTopology(naming Naming, tiers []time.Duration, queueType string, logger watermill.LoggerAdapter) *Topology {
+	return &Topology{naming: naming, tiers: tiers, queueType: queueType, logger: logger, declared: map[string]declaredQueue{}}
+}
+
+// Tiers returns the delay tiers, ascending.
+func (t *Topology) Tiers() []time.Duration { return slices.Clone(t.tiers) }
+
+// Naming returns the names in use.
+func (t *Topology) Naming() Naming { return t.naming }
+
+// TierFor maps a computed delay to the tier that holds it: the smallest tier
+// >= d, so a retry never comes earlier than computed, and later by at most
+// the gap to that tier; a delay above the longest tier gets the longest tier
+// (earlier than computed).
+func (t *Topology) TierFor(d time.Duration) time.Duration {
+	i, _ := slices.BinarySearch(t.tiers, d)
+	if i == len(t.tiers) {
+		return t.tiers[len(t.tiers)-1]
+	}
+	return t.tiers[i]
+}
+
+// WaitQueues returns Q's wait queue names, one per tier, in tier order.
+func (t *Topology) WaitQueues(queue string) []string {
+	names := make([]string, len(t.tiers))
+	for i, tier := range t.tiers {
+		names[i] = t.naming.WaitQueue(queue, tier)
+	}
+	return names
+}
+
+// PoisonQueue returns Q's poison queue name.
+func (t *Topology) PoisonQueue(queue string) string { return t.naming.PoisonQueue(queue) }
+
+// CheckNames returns an error naming the first derived queue name longer
+// than 255 bytes, or an empty queue name.
+func (t *Topology) CheckNames(queue string) error {
+	if queue == "" {
+		return errors.New("amqpretry: empty originating queue name (server-named queues cannot be retried into)")
+	}
+	for _, n := range append(t.WaitQueues(queue), queue, t.PoisonQueue(queue)) {
+		if len(n) > maxQueueNameBytes {
+			return fmt.Errorf("amqpretry: queue name %.60q... is %d bytes, more than RabbitMQ's %d (shorten queue %.60q or set Naming)",
+				n, len(n), maxQueueNameBytes, queue)
+		}
+	}
+	return nil
+}
+
+// originArgs are the arguments amqpretry sets on the originating queue.
+func (t *Topology) originArgs(queue string, user amqp.Table) amqp.Table {
+	args := amqp.Table{}
+	for k, v := range user {
+		args[k] = v
+	}
+	args["x-dead-letter-exchange"] = t.naming.WaitExchange
+	args["x-dead-letter-routing-key"] = t.naming.WaitQueue(queue, t.tiers[0])
+	if t.queueType == QueueTypeQuorum {
+		args["x-queue-type"] = QueueTypeQuorum
+		args["x-dead-letter-strategy"] = "at-least-once"
+		args["x-overflow"] = "reject-publish"
+	}
+	return args
+}
+
+func (t *Topology) sideQueueArgs() amqp.Table {
+	args := amqp.Table{}
+	if t.queueType == QueueTypeQuorum {
+		args["x-queue-type"] = QueueTypeQuorum
+	}
+	return args
+}
+
+func (t *Topology) waitArgs(queue string, tier time.Duration) amqp.Table {
+	args := t.sideQueueArgs()
+	args["x-message-ttl"] = tier.Milliseconds()
+	args["x-dead-letter-exchange"] = t.naming.LoopBackExchange
+	args["x-dead-letter-routing-key"] = queue
+	if t.queueType == QueueTypeQuorum {
+		// At-least-once dead-lettering needs reject-publish overflow; with
+		// drop-head RabbitMQ silently falls back to at-most-once.
+		args["x-dead-letter-strategy"] = "at-least-once"
+		args["x-overflow"] = "reject-publish"
+	}
+	return args
+}
+
+// ExchangeDeclare implements wamqp.TopologyBuilder: the business exchange,
+// declared as watermill-amqp's DefaultTopologyBuilder does.
+func (t *Topology) ExchangeDeclare(ch *amqp.Channel, exchangeName string, config wamqp.Config) error {
+	return declareError("exchange", exchangeName, ch.ExchangeDeclare(exchangeName, config.Exchange.Type,
+		config.Exchange.Durable, config.Exchange.AutoDeleted, config.Exchange.Internal, config.Exchange.NoWait, config.Exchange.Arguments))
+}
+
+// BuildTopology implements wamqp.TopologyBuilder. It declares the
+// originating queue with the dead-letter arguments above merged into
+// config.Queue.Arguments, the business exchange and binding as
+// watermill-amqp does, then DeclareRetry. A refused declare returns a
+// *DeclareError; the channel is then closed by the broker.
+func (t *Topology) BuildTopology(ch *amqp.Channel, queueName, exchangeName string, config wamqp.Config, logger watermill.LoggerAdapter) error {
+	if err := t.CheckNames(queueName); err != nil {
+		return err
+	}
+	if _, err := ch.QueueDeclare(queueName, config.Queue.Durable || t.queueType == QueueTypeQuorum, config.Queue.AutoDelete,
+		config.Queue.Exclusive, config.Queue.NoWait, t.originArgs(queueName, config.Queue.Arguments)); err != nil {
+		return declareError("queue", queueName, err)
+	}
+	if exchangeName != "" {
+		if err := t.ExchangeDeclare(ch, exchangeName, config); err != nil {
+			return err
+		}
+		if err := ch.QueueBind(queueName, config.QueueBind.GenerateRoutingKey(queueName), exchangeName,
+			config.QueueBind.NoWait, config.QueueBind.Arguments); err != nil {
+			return declareError("binding", queueName+" <- "+exchangeName, err)
+		}
+	}
+	if err := t.DeclareRetry(ch, queueName); err != nil {
+		return err
+	}
+	t.mu.Lock()
+	t.declared[queueName] = declaredQueue{exchange: exchangeName, config: config}
+	t.mu.Unlock()
+	return nil
+}
+
+// DeclareRetry declares Q's side of the retry topology (loop-back binding,
+// wait exchange and queues, poison exchange and queue), not Q itself. All
+// exchanges and queues are durable: RabbitMQ 4.3 refuses non-durable shared
+// queues, and waiting messages must survive a broker restart.
+func (t *Topology) DeclareRetry(ch *amqp.Channel, queue string) error {
+	if err := t.CheckNames(queue); err != nil {
+		return err
+	}
+	for _, ex := range []string{t.naming.LoopBackExchange, t.naming.WaitExchange, t.naming.PoisonExchange} {
+		if err := ch.ExchangeDeclare(ex, amqp.ExchangeDirect, true, false, false, false, nil); err != nil {
+			return declareError("exchange", ex, err)
+		}
+	}
+	if err := ch.QueueBind(queue, queue, t.naming.LoopBackExchange, false, nil); err != nil {
+		return declareError("binding", queue+" <- "+t.naming.LoopBackExchange, err)
+	}
+	for _, tier := range t.tiers {
+		wq := t.naming.WaitQueue(queue, tier)
+		if _, err := ch.QueueDeclare(wq, true, false, false, false, t.waitArgs(queue, tier)); err != nil {
+			return declareError("queue", wq, err)
+		}
+		if err := ch.QueueBind(wq, wq, t.naming.WaitExchange, false, nil); err != nil {
+			return declareError("binding", wq+" <- "+t.naming.WaitExchange, err)
+		}
+	}
+	pq := t.naming.PoisonQueue(queue)
+	if _, err := ch.QueueDeclare(pq, true, false, false, false, t.sideQueueArgs()); err != nil {
+		return declareError("queue", pq, err)
+	}
+	if err := ch.QueueBind(pq, pq, t.naming.PoisonExchange, false, nil); err != nil {
+		return declareError("binding", pq+" <- "+t.naming.PoisonExchange, err)
+	}
+	return nil
+}
+
+// Redeclare declares again the whole topology of an originating queue that
+// BuildTopology declared before (e.g. after a wait queue was deleted), on a
+// channel from open. It returns an error for a queue never declared here.
+func (t *Topology) Redeclare(open func() (*amqp.Channel, error), queue string) error {
+	t.mu.Lock()
+	dq, ok := t.declared[queue]
+	t.mu.Unlock()
+	ch, err := open()
+	if err != nil {
+		return err
+	}
+	defer ch.Close()
+	if !ok {
+		return t.DeclareRetry(ch, queue)
+	}
+	return t.BuildTopology(ch, queue, dq.exchange, dq.config, t.logger)
+}

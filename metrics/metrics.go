@@ -1,0 +1,379 @@
+package metrics
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math"
+	"regexp"
+	"strconv"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/rabbitretry/rabbitretry/middleware"
+)
+
+// DefaultNamespace is the metric name prefix used when Config.Namespace is
+// empty.
+const DefaultNamespace = "rabbitretry"
+
+// UnknownQueue is the queue label value for a message whose queue neither
+// Config.QueueName nor the "rabbitretry-original-queue" metadata names.
+const UnknownQueue = "unknown"
+
+// Outcome label values of attempts_total.
+const (
+	OutcomeSuccess = "success"
+	OutcomeError   = "error"
+)
+
+// DefaultDelayBuckets are the retry_delay_seconds buckets, in seconds: from
+// 100 ms to 1 h, covering middleware.DefaultBackoff (1 s doubling up to
+// 5 min, ±50% jitter) and the usual wait-queue tiers.
+func DefaultDelayBuckets() []float64 {
+	return []float64{0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800, 3600}
+}
+
+// DefaultLatencyBuckets are the republish_seconds buckets, in seconds: from
+// 0.5 ms to 10 s, for a publish with broker confirm.
+func DefaultLatencyBuckets() []float64 {
+	return []float64{0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10}
+}
+
+// AttemptNumberBuckets are the fixed buckets of the attempt_number
+// histogram.
+func AttemptNumberBuckets() []float64 {
+	return []float64{1, 2, 3, 5, 8, 13, 21}
+}
+
+// Config configures Metrics. Zero values take the defaults.
+type Config struct {
+	// Namespace prefixes every metric name: "<Namespace>_attempts_total".
+	// Default DefaultNamespace ("rabbitretry"). Must match
+	// [a-zA-Z_][a-zA-Z0-9_]*.
+	Namespace string
+	// Registerer receives the collectors. Default
+	// prometheus.DefaultRegisterer.
+	Registerer prometheus.Registerer
+	// QueueName names the queue label from the message's context (the
+	// router's context, which the observer also receives). Default
+	// message.SubscribeTopicFromCtx. When it returns "", the
+	// "rabbitretry-original-queue" metadata is used, then "unknown". Use the
+	// same function as router.Config.QueueName.
+	QueueName func(ctx context.Context) string
+	// Tier maps a requested retry delay to the delay tier that holds it, for
+	// the tier label of retries_scheduled_total. Default: the delay rounded
+	// to a millisecond. With a jittered backoff that makes many label values:
+	// with amqpretry pass the topology's TierFor.
+	Tier func(delay time.Duration) time.Duration
+	// DelayBuckets are the retry_delay_seconds buckets, in seconds,
+	// strictly increasing. Default DefaultDelayBuckets().
+	DelayBuckets []float64
+	// LatencyBuckets are the republish_seconds buckets, in seconds,
+	// strictly increasing. Default DefaultLatencyBuckets().
+	LatencyBuckets []float64
+}
+
+var namespaceRE = regexp.MustCompile(`^[a-zA-Z_][a-zA-Z0-9_]*$`)
+
+func (c *Config) setDefaults() {
+	if c.Namespace == "" {
+		c.Namespace = DefaultNamespace
+	}
+	if c.Registerer == nil {
+		c.Registerer = prometheus.DefaultRegisterer
+	}
+	if c.QueueName == nil {
+		c.QueueName = message.SubscribeTopicFromCtx
+	}
+	if c.Tier == nil {
+		c.Tier = func(d time.Duration) time.Duration { return d.Round(time.Millisecond) }
+	}
+	if len(c.DelayBuckets) == 0 {
+		c.DelayBuckets = DefaultDelayBuckets()
+	}
+	if len(c.LatencyBuckets) == 0 {
+		c.LatencyBuckets = DefaultLatencyBuckets()
+	}
+}
+
+// Validate reports the first bad field. Zero values are valid (they take
+// the defaults).
+func (c Config) Validate() error {
+	if c.Namespace != "" && !namespaceRE.MatchString(c.Namespace) {
+		return fmt.Errorf("metrics.Config.Namespace %q does not match [a-zA-Z_][a-zA-Z0-9_]*", c.Namespace)
+	}
+	if err := checkBuckets(c.DelayBuckets); err != nil {
+		return fmt.Errorf("metrics.Config.DelayBuckets: %w", err)
+	}
+	if err := checkBuckets(c.LatencyBuckets); err != nil {
+		return fmt.Errorf("metrics.Config.LatencyBuckets: %w", err)
+	}
+	return nil
+}
+
+func checkBuckets(b []float64) error {
+	for i, v := range b {
+		if math.IsNaN(v) {
+			return fmt.Errorf("bucket %d is NaN", i)
+		}
+		if i > 0 && v <= b[i-1] {
+			return fmt.Errorf("buckets are not strictly increasing: %g after %g", v, b[i-1])
+		}
+	}
+	return nil
+}
+
+// Metrics holds the collectors. It implements middleware.Observer (pass it
+// as router.Config.Observer) and provides Middleware, which counts handler
+// attempts. Its methods are safe for concurrent use.
+type Metrics struct {
+	queueName func(ctx context.Context) string
+	tier      func(time.Duration) time.Duration
+
+	attempts         *prometheus.CounterVec
+	attemptNumber    *prometheus.HistogramVec
+	retriesScheduled *prometheus.CounterVec
+	retryDelay       *prometheus.HistogramVec
+	republish        *prometheus.HistogramVec
+	retryFailures    *prometheus.CounterVec
+	poisoned         *prometheus.CounterVec
+	poisonFailures   *prometheus.CounterVec
+	dropped          *prometheus.CounterVec
+}
+
+var _ middleware.Observer = (*Metrics)(nil)
+
+// Description describes one metric.
+type Description struct {
+	// Name is the full metric name, namespace included.
+	Name string
+	// Type is "counter" or "histogram".
+	Type string
+	// Labels are the label names, in order.
+	Labels []string
+	// Help is the metric's HELP text.
+	Help string
+}
+
+// Metric names without the namespace, in Descriptions order.
+const (
+	nameAttempts         = "attempts_total"
+	nameAttemptNumber    = "attempt_number"
+	nameRetriesScheduled = "retries_scheduled_total"
+	nameRetryDelay       = "retry_delay_seconds"
+	nameRepublish        = "republish_seconds"
+	nameRetryFailures    = "retry_failures_total"
+	namePoisoned         = "poisoned_total"
+	namePoisonFailures   = "poison_failures_total"
+	nameDropped          = "dropped_total"
+)
+
+type spec struct {
+	name, typ string
+	labels    []string
+	help      string
+}
+
+var specs = []spec{
+	{nameAttempts, "counter", []string{"queue", "outcome"},
+		`Handler attempts, by queue and outcome ("success" or "error").`},
+	{nameAttemptNumber, "histogram", []string{"queue"},
+		"Attempt number (1 = first delivery) of each handled attempt."},
+	{nameRetriesScheduled, "counter", []string{"queue", "tier"},
+		"Retries held by the Delayer (publish confirmed), by queue and delay tier."},
+	{nameRetryDelay, "histogram", []string{"queue"},
+		"Delay requested for each scheduled retry, in seconds."},
+	{nameRepublish, "histogram", []string{"queue"},
+		"Time the Delayer took to hold a retry copy (publish and confirm), in seconds."},
+	{nameRetryFailures, "counter", []string{"queue"},
+		"Retries the Delayer could not hold; the message was nacked."},
+	{namePoisoned, "counter", []string{"queue", "class"},
+		"Messages confirmed into the poison queue, by queue and error class."},
+	{namePoisonFailures, "counter", []string{"queue"},
+		"Poison-queue publishes that failed; the message was nacked."},
+	{nameDropped, "counter", []string{"queue"},
+		"Messages acked and discarded on a drop verdict."},
+}
+
+// Descriptions returns the metrics New registers, with full names for
+// namespace ("" means DefaultNamespace), types, labels and help texts.
+func Descriptions(namespace string) []Description {
+	if namespace == "" {
+		namespace = DefaultNamespace
+	}
+	out := make([]Description, len(specs))
+	for i, s := range specs {
+		out[i] = Description{
+			Name:   prometheus.BuildFQName(namespace, "", s.name),
+			Type:   s.typ,
+			Labels: append([]string(nil), s.labels...),
+			Help:   s.help,
+		}
+	}
+	return out
+}
+
+func specFor(name string) spec {
+	for _, s := range specs {
+		if s.name == name {
+			return s
+		}
+	}
+	panic("metrics: no spec for " + name)
+}
+
+// New creates the collectors and registers them with cfg.Registerer. It
+// returns the error of cfg.Validate, or the first registration error wrapped
+// with the metric's name (errors.As finds a prometheus.AlreadyRegisteredError
+// when the same metrics are registered twice with one Registerer); the
+// collectors registered before the failure are then unregistered again.
+func New(cfg Config) (*Metrics, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	cfg.setDefaults()
+	ns := cfg.Namespace
+	counter := func(name string) *prometheus.CounterVec {
+		s := specFor(name)
+		return prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: ns, Name: s.name, Help: s.help}, s.labels)
+	}
+	histogram := func(name string, buckets []float64) *prometheus.HistogramVec {
+		s := specFor(name)
+		return prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Namespace: ns, Name: s.name, Help: s.help, Buckets: append([]float64(nil), buckets...),
+		}, s.labels)
+	}
+	m := &Metrics{
+		queueName:        cfg.QueueName,
+		tier:             cfg.Tier,
+		attempts:         counter(nameAttempts),
+		attemptNumber:    histogram(nameAttemptNumber, AttemptNumberBuckets()),
+		retriesScheduled: counter(nameRetriesScheduled),
+		retryDelay:       histogram(nameRetryDelay, cfg.DelayBuckets),
+		republish:        histogram(nameRepublish, cfg.LatencyBuckets),
+		retryFailures:    counter(nameRetryFailures),
+		poisoned:         counter(namePoisoned),
+		poisonFailures:   counter(namePoisonFailures),
+		dropped:          counter(nameDropped),
+	}
+	collectors := []struct {
+		name string
+		c    prometheus.Collector
+	}{
+		{nameAttempts, m.attempts},
+		{nameAttemptNumber, m.attemptNumber},
+		{nameRetriesScheduled, m.retriesScheduled},
+		{nameRetryDelay, m.retryDelay},
+		{nameRepublish, m.republish},
+		{nameRetryFailures, m.retryFailures},
+		{namePoisoned, m.poisoned},
+		{namePoisonFailures, m.poisonFailures},
+		{nameDropped, m.dropped},
+	}
+	for i, c := range collectors {
+		if err := cfg.Registerer.Register(c.c); err != nil {
+			for _, done := range collectors[:i] {
+				cfg.Registerer.Unregister(done.c)
+			}
+			msg := "registering"
+			if are := (prometheus.AlreadyRegisteredError{}); errors.As(err, &are) {
+				msg = "already registered (one metrics.New per Registerer and Namespace):"
+			}
+			return nil, fmt.Errorf("metrics.New: %s %s: %w", msg, prometheus.BuildFQName(ns, "", c.name), err)
+		}
+	}
+	return m, nil
+}
+
+// Middleware counts each handler attempt in attempts_total (outcome
+// "success" when h returns a nil error, else "error"; a panic counts as
+// "error" and is passed on) and observes its attempt number
+// (middleware.Attempt) in attempt_number. Add it after the retry chain's
+// middleware, so that it runs inside the chain:
+// r.AddMiddleware(chain.Middleware, m.Middleware).
+func (m *Metrics) Middleware(h message.HandlerFunc) message.HandlerFunc {
+	return func(msg *message.Message) (out []*message.Message, err error) {
+		queue := m.queue(msg)
+		attempt := middleware.Attempt(msg)
+		returned := false
+		defer func() {
+			outcome := OutcomeSuccess
+			if err != nil || !returned {
+				outcome = OutcomeError
+			}
+			m.attempts.WithLabelValues(queue, outcome).Inc()
+			m.attemptNumber.WithLabelValues(queue).Observe(float64(attempt))
+		}()
+		out, err = h(msg)
+		returned = true
+		return out, err
+	}
+}
+
+// RetryScheduled implements middleware.Observer: it counts the retry in
+// retries_scheduled_total under its delay tier, and observes delay in
+// retry_delay_seconds and took in republish_seconds.
+func (m *Metrics) RetryScheduled(msg *message.Message, attempt int, delay, took time.Duration) {
+	q := m.queue(msg)
+	m.retriesScheduled.WithLabelValues(q, FormatTier(m.tier(delay))).Inc()
+	m.retryDelay.WithLabelValues(q).Observe(delay.Seconds())
+	m.republish.WithLabelValues(q).Observe(took.Seconds())
+}
+
+// RetryFailed implements middleware.Observer: it counts
+// retry_failures_total.
+func (m *Metrics) RetryFailed(msg *message.Message, attempt int, err error) {
+	m.retryFailures.WithLabelValues(m.queue(msg)).Inc()
+}
+
+// Poisoned implements middleware.Observer: it counts poisoned_total under
+// class ("unknown" when empty).
+func (m *Metrics) Poisoned(msg *message.Message, attempt int, class string) {
+	if class == "" {
+		class = "unknown"
+	}
+	m.poisoned.WithLabelValues(m.queue(msg), class).Inc()
+}
+
+// PoisonFailed implements middleware.Observer: it counts
+// poison_failures_total.
+func (m *Metrics) PoisonFailed(msg *message.Message, attempt int, err error) {
+	m.poisonFailures.WithLabelValues(m.queue(msg)).Inc()
+}
+
+// Dropped implements middleware.Observer: it counts dropped_total.
+func (m *Metrics) Dropped(msg *message.Message, attempt int) {
+	m.dropped.WithLabelValues(m.queue(msg)).Inc()
+}
+
+// queue returns the queue label of msg.
+func (m *Metrics) queue(msg *message.Message) string {
+	if q := m.queueName(msg.Context()); q != "" {
+		return q
+	}
+	if q := msg.Metadata.Get(middleware.OriginalQueueKey); q != "" {
+		return q
+	}
+	return UnknownQueue
+}
+
+// FormatTier renders a delay tier as the tier label value: "0ms", "250ms",
+// "1s", "90s", "5m", "2h" (whole hours, minutes or seconds when exact, else
+// milliseconds, rounded down). Negative delays render as "0ms". It matches
+// the wait-queue suffix of amqpretry's default naming.
+func FormatTier(d time.Duration) string {
+	d = max(d, 0)
+	switch {
+	case d >= time.Hour && d%time.Hour == 0:
+		return strconv.FormatInt(int64(d/time.Hour), 10) + "h"
+	case d >= time.Minute && d%time.Minute == 0:
+		return strconv.FormatInt(int64(d/time.Minute), 10) + "m"
+	case d >= time.Second && d%time.Second == 0:
+		return strconv.FormatInt(int64(d/time.Second), 10) + "s"
+	default:
+		return strconv.FormatInt(d.Milliseconds(), 10) + "ms"
+	}
+}

@@ -1,0 +1,53 @@
+// Package admin inspects and repairs RabbitMQ poison queues written by
+// poison.Forwarder: list and show poisoned messages, replay them to the queue
+// they came from, move them to another queue, purge them selectively, and
+// summarise a queue.
+//
+// # How a queue is read
+//
+// RabbitMQ has no "peek". Every operation reads the queue with basic.get and
+// manual acknowledgements (noAck=false) on one dedicated channel: it first
+// asks the broker for the queue's depth with a passive queue.declare
+// ("Queues" guide), then fetches at most that many messages. A fetched,
+// unacknowledged message is invisible to other consumers and is not
+// delivered again on the same channel, so the scan sees each message at most
+// once and terminates even while other messages arrive. Messages the
+// operation does not remove are handed back with basic.nack requeue=true and
+// the channel is closed; closing the channel (or losing the connection)
+// requeues them as well ("Consumer Acknowledgements and Publisher Confirms",
+// "Negative Acknowledgement and Requeuing"). A message is removed (acked)
+// only after whatever had to be done with it succeeded; for Replay and Move
+// that means after the broker confirmed the copy with a publisher confirm.
+//
+// Consequences worth knowing:
+//
+//   - Reading is not free: a listed message comes back with the redelivered
+//     flag set, and RabbitMQ may requeue it at its original position or, for
+//     some queue types, at the tail.
+//   - On quorum queues every read increments the message's x-delivery-count.
+//     On RabbitMQ 4.0 and later that count is checked against the queue's
+//     delivery limit (default 20): a message listed 20 times is dropped or
+//     dead-lettered by the broker ("Quorum Queues", "Poison Message
+//     Handling"). Set a policy with delivery-limit -1 (unlimited) on poison
+//     queues, e.g.
+//     rabbitmqctl set_policy poison-unlimited '\.poison$' '{"delivery-limit":-1}' --apply-to quorum_queues
+//   - Messages held unacknowledged by other consumers of the queue, and
+//     messages published after the scan started, are not seen. Run one
+//     operation at a time per queue and stop consumers of a poison queue
+//     before repairing it.
+//   - All messages of one scan are held unacknowledged until the operation
+//     ends. RabbitMQ closes a channel that keeps a delivery unacknowledged
+//     longer than consumer_timeout (default 30 minutes, "Delivery
+//     Acknowledgement Timeout"); the operation then fails, unremoved
+//     messages return to the queue, and a replayed message whose ack was lost
+//     remains in the poison queue as well (a duplicate, never a loss).
+//   - basic.get is one round trip per message: expect thousands of messages
+//     per second, not more; the scanned messages are kept in memory.
+//
+// # Concurrency
+//
+// An Admin holds one AMQP connection. Its methods may be called from several
+// goroutines, but two operations on the same queue at the same time hide
+// messages from each other (see above), so results are incomplete: use it
+// from one caller at a time.
+package admin
