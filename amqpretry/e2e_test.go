@@ -1,13 +1,23 @@
 package amqpretry_test
 
 import (
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"strings"
+	"sync"
 	"testing"
 	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 
+	"github.com/rabbitretry/rabbitretry/amqpretry"
 	"github.com/rabbitretry/rabbitretry/middleware"
+	"github.com/rabbitretry/rabbitretry/poison"
 )
 
 // Two queues bound to one exchange with the same routing key; A fails twice
@@ -71,6 +81,359 @@ func TestE2E_RetryReturnsToFailingQueueOnly(t *testing.T) {
 		if last.Get(middleware.OriginalQueueKey) != qa || last.Get(middleware.OriginalExchangeKey) != e.exchange ||
 			last.Get(middleware.OriginalRoutingKeyKey) != "order.created" {
 			t.Errorf("original delivery metadata wrong: %v", last)
+		}
+	})
+}
+
+// poisoned returns the poison queue's messages, acked.
+func (e *testEnv) poisoned(q string) []amqp.Delivery {
+	return e.drain(e.retry.Topology().PoisonQueue(q))
+}
+
+// A permanent error goes to the poison queue at once with its metadata; a
+// transient error that never clears lands there after exactly MaxAttempts.
+func TestE2E_PoisonPermanentAndExhausted(t *testing.T) {
+	forEachQueueType(t, func(t *testing.T, qt string) {
+		e := newEnv(t, qt)
+		rec := newRecorder()
+		perm := message.NewMessage(watermill.NewUUID(), []byte("perm"))
+		trans := message.NewMessage(watermill.NewUUID(), []byte("trans"))
+		q := e.handle("svc", func(msg *message.Message) error {
+			rec.record(msg, middleware.Attempt(msg))
+			if msg.UUID == perm.UUID {
+				return middleware.Permanent(errors.New("order references unknown customer"))
+			}
+			return errTransient
+		})
+		e.start()
+		start := time.Now()
+		e.publish(perm, trans)
+		pq := e.retry.Topology().PoisonQueue(q)
+		waitFor(t, 15*time.Second, "2 poisoned messages", func() bool { return e.depth(pq) == 2 })
+		e.stopRouter()
+		if got, _ := rec.get(perm.UUID); len(got) != 1 {
+			t.Errorf("permanent error: %d attempts, want 1", len(got))
+		}
+		if got, _ := rec.get(trans.UUID); fmt.Sprint(got) != "[1 2 3]" {
+			t.Errorf("transient error: attempts %v, want [1 2 3]", got)
+		}
+		byUUID := map[string]amqp.Delivery{}
+		for _, d := range e.poisoned(q) {
+			byUUID[d.Headers["_watermill_message_uuid"].(string)] = d
+		}
+		check := func(uuid, class, attempts, reason string) {
+			d, ok := byUUID[uuid]
+			if !ok {
+				t.Fatalf("message %s not in poison queue", uuid)
+			}
+			h := func(k string) string { s, _ := d.Headers[k].(string); return s }
+			if h(poison.AttemptsKey) != attempts || h(middleware.ErrorClassKey) != class {
+				t.Errorf("%s: attempts %q class %q, want %s %s", uuid, h(poison.AttemptsKey), h(middleware.ErrorClassKey), attempts, class)
+			}
+			if !strings.Contains(h(poison.ReasonKey), reason) {
+				t.Errorf("%s: reason %q does not contain %q", uuid, h(poison.ReasonKey), reason)
+			}
+			if h(poison.TopicKey) != q || h(poison.HandlerKey) != "svc" || h(poison.SubscriberKey) == "" {
+				t.Errorf("%s: watermill poison keys wrong: topic %q handler %q subscriber %q", uuid, h(poison.TopicKey), h(poison.HandlerKey), h(poison.SubscriberKey))
+			}
+			if h(middleware.OriginalQueueKey) != q || h(middleware.OriginalExchangeKey) != e.exchange || h(middleware.OriginalRoutingKeyKey) != "order.created" {
+				t.Errorf("%s: origin %q %q %q", uuid, h(middleware.OriginalQueueKey), h(middleware.OriginalExchangeKey), h(middleware.OriginalRoutingKeyKey))
+			}
+			first, err1 := time.Parse(time.RFC3339Nano, h(middleware.FirstFailureKey))
+			last, err2 := time.Parse(time.RFC3339Nano, h(middleware.LastFailureKey))
+			if err1 != nil || err2 != nil || first.Before(start.Add(-time.Second)) || last.Before(first) {
+				t.Errorf("%s: failure times first %q last %q", uuid, h(middleware.FirstFailureKey), h(middleware.LastFailureKey))
+			}
+			for k := range d.Headers {
+				// A quorum queue sets x-delivery-count on the delivery itself.
+				if strings.HasPrefix(k, "x-") && k != "x-delivery-count" {
+					t.Errorf("%s: broker header %s carried into the poison queue", uuid, k)
+				}
+			}
+		}
+		check(perm.UUID, middleware.ClassPermanent, "1", "unknown customer")
+		check(trans.UUID, middleware.ClassExhausted, "3", "dependency unavailable")
+		e.waitQueuesEmpty(q, 5*time.Second)
+	})
+}
+
+// 1,000 messages with random transient and permanent failures: every message
+// ends handled or poisoned, the counts add up, the wait queues end empty.
+func TestE2E_ThousandMessagesAccounting(t *testing.T) {
+	forEachQueueType(t, func(t *testing.T, qt string) {
+		e := newEnv(t, qt)
+		const n = 1000
+		rng := rand.New(rand.NewPCG(1, 2))
+		type plan struct {
+			failures  int // transient failures before success
+			permanent bool
+		}
+		plans := map[string]plan{}
+		msgs := make([]*message.Message, n)
+		wantOK, wantPoison := 0, 0
+		for i := range msgs {
+			m := message.NewMessage(watermill.NewUUID(), []byte(fmt.Sprint(i)))
+			p := plan{failures: rng.IntN(5), permanent: rng.IntN(10) == 0}
+			if p.permanent || p.failures >= 3 { // MaxAttempts 3
+				wantPoison++
+			} else {
+				wantOK++
+			}
+			plans[m.UUID] = p
+			msgs[i] = m
+		}
+		var mu sync.Mutex
+		handled := map[string]int{}
+		seen := map[string]int{}
+		q := e.handle("svc", func(msg *message.Message) error {
+			mu.Lock()
+			defer mu.Unlock()
+			p, ok := plans[msg.UUID]
+			if !ok {
+				return middleware.Permanent(fmt.Errorf("unknown message %s", msg.UUID))
+			}
+			seen[msg.UUID]++
+			if p.permanent {
+				return middleware.Permanent(errors.New("bad order"))
+			}
+			if middleware.Attempt(msg) <= p.failures {
+				return errTransient
+			}
+			handled[msg.UUID]++
+			return nil
+		})
+		e.start()
+		e.publish(msgs...)
+		pq := e.retry.Topology().PoisonQueue(q)
+		waitFor(t, 60*time.Second, "every message handled or poisoned", func() bool {
+			mu.Lock()
+			h := len(handled)
+			mu.Unlock()
+			return h == wantOK && e.depth(pq) == wantPoison
+		})
+		e.stopRouter()
+		e.waitQueuesEmpty(q, 5*time.Second)
+		poisonedUUIDs := map[string]int{}
+		for _, d := range e.poisoned(q) {
+			poisonedUUIDs[d.Headers["_watermill_message_uuid"].(string)]++
+		}
+		var ok, poisoned, dup, lost int
+		for uuid, p := range plans {
+			h, pz := handled[uuid], poisonedUUIDs[uuid]
+			switch {
+			case h == 0 && pz == 0:
+				lost++
+			case h > 0 && pz > 0:
+				t.Errorf("%s both handled and poisoned", uuid)
+			}
+			if h > 1 || pz > 1 {
+				dup++
+			}
+			if h > 0 {
+				ok++
+			}
+			if pz > 0 {
+				poisoned++
+				wantAttempts := 3
+				if p.permanent {
+					wantAttempts = 1
+				}
+				if seen[uuid] != wantAttempts {
+					t.Errorf("%s poisoned after %d attempts, want %d", uuid, seen[uuid], wantAttempts)
+				}
+			}
+		}
+		t.Logf("published %d: handled %d, poisoned %d, duplicates %d, lost %d", n, ok, poisoned, dup, lost)
+		if ok != wantOK || poisoned != wantPoison || lost != 0 || ok+poisoned != n {
+			t.Fatalf("accounting: handled %d (want %d), poisoned %d (want %d), lost %d", ok, wantOK, poisoned, wantPoison, lost)
+		}
+		if e.depth(q) != 0 {
+			t.Fatalf("queue %s not empty", q)
+		}
+	})
+}
+
+// The nack path: when the republish fails, the message is nacked, the broker
+// dead-letters it through Q's DLX into the first wait queue and back to Q,
+// and its attempt is counted from x-death.
+func TestE2E_NackPathCountsFromXDeath(t *testing.T) {
+	forEachQueueType(t, func(t *testing.T, qt string) {
+		e := newEnv(t, qt)
+		rec := newRecorder()
+		q := e.handle("svc", func(msg *message.Message) error {
+			rec.record(msg, middleware.Attempt(msg))
+			if middleware.Attempt(msg) < 3 {
+				return errTransient
+			}
+			return nil
+		})
+		e.start()
+		// Break the retry publisher: every Schedule now fails, so the chain
+		// must nack, and the broker's dead-letter path takes over.
+		if err := e.retry.Publisher().Close(); err != nil {
+			t.Fatal(err)
+		}
+		msg := message.NewMessage(watermill.NewUUID(), []byte("x"))
+		e.publish(msg)
+		waitFor(t, 15*time.Second, "3 attempts via the dead-letter path", func() bool { return rec.count(msg.UUID) == 3 })
+		attempts, times := rec.get(msg.UUID)
+		if fmt.Sprint(attempts) != "[1 2 3]" {
+			t.Fatalf("attempts %v, want [1 2 3] counted from x-death", attempts)
+		}
+		tier0 := e.retry.Topology().Tiers()[0]
+		for i := 1; i < 3; i++ {
+			if gap := times[i].Sub(times[i-1]); gap < tier0 {
+				t.Errorf("dead-letter retry %d came after %v, earlier than the first tier %v (hot loop?)", i, gap, tier0)
+			}
+		}
+		rec.mu.Lock()
+		md := rec.meta[msg.UUID][2]
+		rec.mu.Unlock()
+		deaths, err := middleware.ParseXDeath(md.Get(middleware.XDeathKey))
+		if err != nil {
+			t.Fatal(err)
+		}
+		var rejected int64
+		for _, d := range deaths {
+			if d.Queue == q && d.Reason == "rejected" {
+				rejected = d.Count
+			}
+		}
+		if rejected != 2 {
+			t.Errorf("x-death rejected count for %s = %d, want 2 (deaths %+v)", q, rejected, deaths)
+		}
+		e.waitQueuesEmpty(q, 5*time.Second)
+	})
+}
+
+// Messages carrying x-death and x-delivery-count headers (non-string AMQP
+// values that watermill-amqp's DefaultMarshaler refuses) unmarshal and are
+// handled; x-death rejections of this queue count as attempts.
+func TestE2E_BrokerHeadersUnmarshal(t *testing.T) {
+	forEachQueueType(t, func(t *testing.T, qt string) {
+		e := newEnv(t, qt)
+		rec := newRecorder()
+		q := e.handle("svc", func(msg *message.Message) error {
+			rec.record(msg, middleware.Attempt(msg))
+			return nil
+		})
+		e.start()
+		msg := message.NewMessage(watermill.NewUUID(), []byte("x"))
+		p, err := amqpretry.Marshaler{}.Marshal(msg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		p.Headers["x-death"] = []interface{}{
+			amqp.Table{"queue": q, "reason": "rejected", "count": int64(1), "exchange": e.exchange,
+				"routing-keys": []interface{}{"order.created"}, "time": time.Now().Truncate(time.Second)},
+			amqp.Table{"queue": "elsewhere", "reason": "expired", "count": int64(4)},
+		}
+		p.Headers["x-delivery-count"] = int64(2)
+		p.Headers["x-first-death-queue"] = q
+		p.Headers["an-int"] = int32(7)
+		if err := e.ch.PublishWithContext(context.Background(), e.exchange, "order.created", false, false, p); err != nil {
+			t.Fatal(err)
+		}
+		waitFor(t, 10*time.Second, "message handled", func() bool { return rec.count(msg.UUID) == 1 })
+		rec.mu.Lock()
+		md := rec.meta[msg.UUID][0]
+		att := rec.attempts[msg.UUID][0]
+		rec.mu.Unlock()
+		if att != 2 {
+			t.Errorf("attempt %d, want 2 (one x-death rejection from this queue)", att)
+		}
+		if md.Get("x-delivery-count") != "2" || md.Get("an-int") != "7" {
+			t.Errorf("metadata x-delivery-count %q an-int %q", md.Get("x-delivery-count"), md.Get("an-int"))
+		}
+		if deaths, err := middleware.ParseXDeath(md.Get(middleware.XDeathKey)); err != nil || len(deaths) != 2 {
+			t.Errorf("x-death metadata %q: %v", md.Get(middleware.XDeathKey), err)
+		}
+		if e.depth(q) != 0 {
+			t.Error("message left in queue")
+		}
+	})
+}
+
+// A message in a long tier does not delay one in a short tier: one wait queue
+// per tier, no per-message TTL at the head of a shared queue.
+func TestE2E_NoHeadOfLineBlocking(t *testing.T) {
+	forEachQueueType(t, func(t *testing.T, qt string) {
+		e := newEnv(t, qt, func(c *amqpretry.Config) { c.Tiers = []time.Duration{200 * time.Millisecond, 5 * time.Second} })
+		rec := newRecorder()
+		long := message.NewMessage(watermill.NewUUID(), []byte("long"))
+		short := message.NewMessage(watermill.NewUUID(), []byte("short"))
+		e.handle("svc", func(msg *message.Message) error {
+			rec.record(msg, middleware.Attempt(msg))
+			if middleware.Attempt(msg) > 1 {
+				return nil
+			}
+			if msg.UUID == long.UUID {
+				return middleware.RetryAfter(errTransient, 5*time.Second)
+			}
+			return errTransient
+		})
+		e.start()
+		e.publish(long)
+		waitFor(t, 5*time.Second, "long message's first attempt", func() bool { return rec.count(long.UUID) == 1 })
+		e.publish(short)
+		waitFor(t, 5*time.Second, "short message's retry", func() bool { return rec.count(short.UUID) == 2 })
+		_, st := rec.get(short.UUID)
+		if gap := st[1].Sub(st[0]); gap < 200*time.Millisecond || gap > 2*time.Second {
+			t.Errorf("short-tier retry took %v, want 200ms..2s", gap)
+		}
+		if rec.count(long.UUID) != 1 {
+			t.Errorf("long-tier message came back before the short one")
+		}
+		waitFor(t, 10*time.Second, "long message's retry", func() bool { return rec.count(long.UUID) == 2 })
+		_, lt := rec.get(long.UUID)
+		if gap := lt[1].Sub(lt[0]); gap < 5*time.Second {
+			t.Errorf("long-tier retry came after %v, before its 5s tier", gap)
+		}
+	})
+}
+
+// Forged retry headers give the documented behaviour and a bounded number of
+// attempts: non-numeric and negative values are ignored (counting starts at
+// 1), values beyond the cap read as the cap (one attempt, then poison).
+func TestE2E_ForgedRetryHeaders(t *testing.T) {
+	forEachQueueType(t, func(t *testing.T, qt string) {
+		e := newEnv(t, qt)
+		rec := newRecorder()
+		q := e.handle("svc", func(msg *message.Message) error {
+			rec.record(msg, middleware.Attempt(msg))
+			return errTransient
+		})
+		e.start()
+		cases := []struct {
+			value        string
+			wantAttempts string
+		}{
+			{"abc", "[1 2 3]"},
+			{"-5", "[1 2 3]"},
+			{"0", "[1 2 3]"},
+			{"99999999999999999999", "[1000]"},
+			{"2", "[2 3]"},
+		}
+		msgs := map[string]string{}
+		for _, c := range cases {
+			m := message.NewMessage(watermill.NewUUID(), []byte(c.value))
+			m.Metadata.Set(middleware.AttemptKey, c.value)
+			msgs[c.value] = m.UUID
+			e.publish(m)
+		}
+		pq := e.retry.Topology().PoisonQueue(q)
+		waitFor(t, 15*time.Second, "all forged messages poisoned", func() bool { return e.depth(pq) == len(cases) })
+		for _, c := range cases {
+			got, _ := rec.get(msgs[c.value])
+			if fmt.Sprint(got) != c.wantAttempts {
+				t.Errorf("header %q: attempts %v, want %s", c.value, got, c.wantAttempts)
+			}
+		}
+		rec.mu.Lock()
+		md := rec.meta[msgs["abc"]][0]
+		rec.mu.Unlock()
+		if !strings.Contains(md.Get(middleware.HeaderErrorKey), "not a decimal number") {
+			t.Errorf("ignored header not reported: %q", md.Get(middleware.HeaderErrorKey))
 		}
 	})
 }

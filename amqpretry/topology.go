@@ -163,14 +163,25 @@ func (t *Topology) Tiers() []time.Duration { return slices.Clone(t.tiers) }
 // Naming returns the names in use.
 func (t *Topology) Naming() Naming { return t.naming }
 
-// TierFor maps a computed delay to the tier that holds it: the smallest tier
-// >= d, so a retry never comes earlier than computed, and later by at most
-// the gap to that tier; a delay above the longest tier gets the longest tier
-// (earlier than computed).
+// TierFor maps a computed delay to the tier that holds it: the nearest tier
+// on a logarithmic scale (between tiers a < b the boundary is sqrt(a*b)), so
+// the actual wait differs from the computed delay by at most a factor
+// sqrt(b/a) (1.41 for doubling tiers), and jittered delays spread over
+// neighbouring tiers instead of piling into the next one up. A delay below
+// the shortest tier gets the shortest; above the longest, the longest.
 func (t *Topology) TierFor(d time.Duration) time.Duration {
-	i, _ := slices.BinarySearch(t.tiers, d)
-	if i == len(t.tiers) {
+	i, found := slices.BinarySearch(t.tiers, d)
+	switch {
+	case found:
+		return t.tiers[i]
+	case i == 0:
+		return t.tiers[0]
+	case i == len(t.tiers):
 		return t.tiers[len(t.tiers)-1]
+	}
+	lo, hi := float64(t.tiers[i-1]), float64(t.tiers[i])
+	if float64(d)*float64(d) < lo*hi {
+		return t.tiers[i-1]
 	}
 	return t.tiers[i]
 }

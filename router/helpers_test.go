@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -57,8 +58,9 @@ func exactBackoff(initial time.Duration) func() backoff.BackOff {
 // Publish synchronously, so counts are exact when the handler returns.
 type poisonRecorder struct {
 	message.Publisher
-	mu   sync.Mutex
-	msgs []*message.Message
+	mu     sync.Mutex
+	msgs   []*message.Message
+	topics []string
 }
 
 func (p *poisonRecorder) Publish(topic string, msgs ...*message.Message) error {
@@ -68,6 +70,9 @@ func (p *poisonRecorder) Publish(topic string, msgs ...*message.Message) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	p.msgs = append(p.msgs, msgs...)
+	for range msgs {
+		p.topics = append(p.topics, topic)
+	}
 	return nil
 }
 
@@ -265,3 +270,29 @@ func (c *calls) len() int {
 }
 
 var errTransient = errors.New("service unavailable")
+
+// fakeDelayer counts Schedule calls and returns err.
+type fakeDelayer struct {
+	n         atomic.Int64
+	last      *message.Message
+	lastDelay time.Duration
+	err       error
+}
+
+func (d *fakeDelayer) Schedule(_ context.Context, msg *message.Message, delay time.Duration) error {
+	d.n.Add(1)
+	d.last, d.lastDelay = msg, delay
+	return d.err
+}
+
+type nopPublisher struct{}
+
+func (nopPublisher) Publish(string, ...*message.Message) error { return nil }
+func (nopPublisher) Close() error                              { return nil }
+
+type failingPublisher struct{}
+
+func (failingPublisher) Publish(string, ...*message.Message) error {
+	return errors.New("poison broker down")
+}
+func (failingPublisher) Close() error { return nil }

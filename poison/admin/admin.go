@@ -56,14 +56,16 @@ func New(cfg Config) (*Admin, error) {
 	return &Admin{cfg: cfg, logger: cfg.Logger, pub: pub}, nil
 }
 
-// RedactURI returns uri with its password removed, for messages and logs;
-// "<invalid AMQP URI>" if it does not parse.
+// RedactURI returns uri with its password replaced by "xxxxx", for
+// messages and logs; "<invalid AMQP URI>" if it does not parse.
 func RedactURI(uri string) string {
 	u, err := amqp.ParseURI(uri)
 	if err != nil {
 		return "<invalid AMQP URI>"
 	}
-	u.Password = ""
+	if u.Password != "" {
+		u.Password = "xxxxx"
+	}
 	return u.String()
 }
 
@@ -176,8 +178,7 @@ type item struct {
 // scan is one read of a queue: every message fetched is held
 // unacknowledged on ch until release.
 type scan struct {
-	queue   string
-	ch      *amqp.Channel
+	ch        *amqp.Channel
 	depth     int // ready messages at the start (passive declare)
 	consumers int // consumers at the start
 	scanned   int // messages fetched
@@ -213,7 +214,7 @@ func (a *Admin) scanQueue(ctx context.Context, queue string, f Filter, visit fun
 		_ = ch.Close()
 		return nil, classify("queue", queue, err)
 	}
-	s := &scan{queue: queue, ch: ch, depth: q.Messages, consumers: q.Consumers}
+	s := &scan{ch: ch, depth: q.Messages, consumers: q.Consumers}
 	for s.scanned < s.depth {
 		if f.Limit > 0 && len(s.matched) >= f.Limit {
 			break
@@ -269,10 +270,14 @@ func (s *scan) release() error {
 
 // List returns the messages of queue that f matches, in queue order, at
 // most f.Limit of them (0: all), and leaves every message in the queue: they
-// are read with basic.get and requeued afterwards (see the package
-// documentation: they come back with the redelivered flag, and on quorum
-// queues with x-delivery-count incremented). Only messages that were ready
-// when List started are examined.
+// are read with basic.get (noAck=false) and requeued afterwards with
+// basic.nack requeue=true ("Consumer Acknowledgements and Publisher
+// Confirms"). They come back with the redelivered flag, and on quorum queues
+// with x-delivery-count incremented, which on RabbitMQ 4.0+ counts toward
+// the delivery limit (default 20): give poison queues a policy with
+// delivery-limit -1 there ("Quorum Queues"). Only messages that were ready
+// when List started are examined (passive queue.declare message count,
+// "Queues").
 //
 // Errors: a *NotFoundError matching ErrQueueNotFound if queue does not
 // exist; a Filter.Validate error; ErrClosed; ctx.Err() (wrapped) if ctx ends

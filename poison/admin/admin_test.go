@@ -59,15 +59,15 @@ func TestMessageFromDeliveryTolerant(t *testing.T) {
 		DeliveryTag: 7,
 		Redelivered: true,
 		Headers: amqp.Table{
-			"rabbitretry-attempts":    "many",
-			"rabbitretry-attempt":     int32(3),
-			"rabbitretry-poisoned-at": "yesterday",
+			"rabbitretry-attempts":     "many",
+			"rabbitretry-attempt":      int32(3),
+			"rabbitretry-poisoned-at":  "yesterday",
 			"rabbitretry-last-failure": time.Date(2024, 1, 2, 3, 4, 5, 0, time.UTC),
-			"rabbitretry-error-class": []byte("malformed"),
-			"x-death":                 []any{amqp.Table{"count": int64(2), "queue": "q"}},
-			"dec":                     amqp.Decimal{Scale: 2, Value: 12345},
-			"flag":                    true,
-			"nil":                     nil,
+			"rabbitretry-error-class":  []byte("malformed"),
+			"x-death":                  []any{amqp.Table{"count": int64(2), "queue": "q"}},
+			"dec":                      amqp.Decimal{Scale: 2, Value: 12345},
+			"flag":                     true,
+			"nil":                      nil,
 		},
 	}
 	m := admin.MessageFromDelivery(d)
@@ -481,5 +481,55 @@ func TestClosed(t *testing.T) {
 	}
 	if _, err := a.List(context.Background(), "q", admin.Filter{}); !errors.Is(err, admin.ErrClosed) {
 		t.Fatalf("List after Close: %v", err)
+	}
+}
+
+func TestQuorumPoisonQueue(t *testing.T) {
+	fx := newFixture(t)
+	qq := fx.Q + ".qq.poison"
+	ch, err := fx.conn.Channel()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ch.Close()
+	if _, err := ch.QueueDeclare(qq, true, false, false, false, amqp.Table{"x-queue-type": "quorum"}); err != nil {
+		t.Skipf("quorum queues unavailable: %v", err)
+	}
+	t.Cleanup(func() {
+		if c, err := fx.conn.Channel(); err == nil {
+			_, _ = c.QueueDelete(qq, false, false, false)
+			_ = c.Close()
+		}
+	})
+	fx.publish(t, qq, []amqp.Publishing{
+		{Headers: fx.poisonHeaders(0, "qq-0", "permanent", time.Now()), Body: []byte("0")},
+		{Headers: fx.poisonHeaders(1, "qq-1", "malformed", time.Now()), Body: []byte("1")},
+	})
+	t.Logf("depth before list: %d", fx.depth(t, qq))
+	a := newAdmin(t, fx.uri)
+	for range 2 {
+		msgs, err := a.List(ctxT(t), qq, admin.Filter{})
+		if err != nil || len(msgs) != 2 {
+			t.Fatalf("List = %d messages, %v", len(msgs), err)
+		}
+	}
+	msgs, err := a.List(ctxT(t), qq, admin.Filter{UUIDs: []string{"qq-1"}})
+	if err != nil || len(msgs) != 1 {
+		t.Fatalf("List = %v, %v", msgs, err)
+	}
+	t.Logf("x-delivery-count after two lists: %q", msgs[0].Headers["x-delivery-count"])
+	res, err := a.Replay(ctxT(t), qq, admin.Filter{Class: "malformed"}, admin.ReplayOptions{})
+	if err != nil || res.Replayed != 1 {
+		t.Fatalf("Replay = %+v, %v", res, err)
+	}
+	got := fx.drain(t, fx.Q)
+	if len(got) != 1 || uuidOf(got[0]) != "qq-1" {
+		t.Fatalf("Q got %d messages", len(got))
+	}
+	if _, ok := got[0].Headers["x-delivery-count"]; ok {
+		t.Errorf("replayed copy carries x-delivery-count")
+	}
+	if d := fx.depth(t, qq); d != 1 {
+		t.Fatalf("quorum poison queue depth %d, want 1", d)
 	}
 }

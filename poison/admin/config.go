@@ -101,6 +101,7 @@ type NotFoundError struct {
 	Err error
 }
 
+// Error says which queue or exchange does not exist.
 func (e *NotFoundError) Error() string {
 	return fmt.Sprintf("poison/admin: %s %q does not exist", e.Kind, e.Name)
 }
@@ -132,6 +133,7 @@ type MessageError struct {
 	Err error
 }
 
+// Error names the message, the destination queue if known, and the cause.
 func (e *MessageError) Error() string {
 	if e.Queue == "" {
 		return fmt.Sprintf("message %q: %v", e.UUID, e.Err)

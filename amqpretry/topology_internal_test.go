@@ -1,0 +1,54 @@
+package amqpretry
+
+import (
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+)
+
+func TestTierFor(t *testing.T) {
+	ms := time.Millisecond
+	topo := newTopology(Naming{}, []time.Duration{100 * ms, 200 * ms, 400 * ms, 10 * time.Second}, QueueTypeClassic, watermill.NopLogger{})
+	cases := []struct{ d, want time.Duration }{
+		{0, 100 * ms}, {-5 * ms, 100 * ms}, {50 * ms, 100 * ms}, {100 * ms, 100 * ms},
+		{141 * ms, 100 * ms}, {142 * ms, 200 * ms}, {200 * ms, 200 * ms}, {282 * ms, 200 * ms}, {283 * ms, 400 * ms},
+		{1999 * ms, 400 * ms}, {2100 * ms, 10 * time.Second}, {time.Hour, 10 * time.Second},
+	}
+	for _, c := range cases {
+		if got := topo.TierFor(c.d); got != c.want {
+			t.Errorf("TierFor(%v) = %v, want %v", c.d, got, c.want)
+		}
+	}
+}
+
+func TestFormatTier(t *testing.T) {
+	cases := map[time.Duration]string{
+		250 * time.Millisecond: "250ms", time.Second: "1s", 90 * time.Second: "90s", 5 * time.Minute: "5m",
+		2 * time.Hour: "2h", 1500 * time.Millisecond: "1500ms", time.Millisecond: "1ms",
+	}
+	for d, want := range cases {
+		if got := FormatTier(d); got != want {
+			t.Errorf("FormatTier(%v) = %q, want %q", d, got, want)
+		}
+	}
+}
+
+func TestCheckNames(t *testing.T) {
+	n := Naming{}
+	n.setDefaults()
+	topo := newTopology(n, []time.Duration{time.Second}, QueueTypeClassic, watermill.NopLogger{})
+	if err := topo.CheckNames(""); err == nil {
+		t.Error("empty queue name accepted")
+	}
+	if err := topo.CheckNames(strings.Repeat("q", 250)); err == nil || !strings.Contains(err.Error(), "255") {
+		t.Errorf("queue whose wait queue name exceeds 255 bytes: err = %v", err)
+	}
+	if err := topo.CheckNames(strings.Repeat("q", 255-len(".wait.1s"))); err != nil {
+		t.Errorf("name of exactly 255 bytes rejected: %v", err)
+	}
+	if err := topo.CheckNames("orders.mailer v2"); err != nil {
+		t.Errorf("dots and spaces rejected: %v", err)
+	}
+}
