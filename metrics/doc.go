@@ -2,8 +2,8 @@
 // attempts, scheduled and failed retries, poisoned and dropped messages.
 //
 // A *Metrics is two things at once: a middleware.Observer, told by the
-// republisher and the poison forwarder what they did with each failed
-// message, and a Watermill middleware (Metrics.Middleware) that counts every
+// republisher, the poison forwarder and the classifier what they did with
+// each failed message, and a Watermill middleware (Metrics.Middleware) that counts every
 // handler attempt. Wire both:
 //
 //	reg := prometheus.NewRegistry() // or leave Registerer nil for prometheus.DefaultRegisterer

@@ -478,23 +478,49 @@ func TestNewTwiceOnOneRegistry(t *testing.T) {
 	}
 }
 
+// failingRegisterer fails the registration of the collector describing
+// failName and remembers what is registered.
+type failingRegisterer struct {
+	failName   string
+	registered map[prometheus.Collector]bool
+}
+
+func (f *failingRegisterer) Register(c prometheus.Collector) error {
+	ch := make(chan *prometheus.Desc, 10)
+	c.Describe(ch)
+	close(ch)
+	for d := range ch {
+		if strings.Contains(d.String(), `"`+f.failName+`"`) {
+			return errors.New("refused")
+		}
+	}
+	f.registered[c] = true
+	return nil
+}
+
+func (f *failingRegisterer) MustRegister(cs ...prometheus.Collector) {
+	for _, c := range cs {
+		if err := f.Register(c); err != nil {
+			panic(err)
+		}
+	}
+}
+
+func (f *failingRegisterer) Unregister(c prometheus.Collector) bool {
+	ok := f.registered[c]
+	delete(f.registered, c)
+	return ok
+}
+
 // A failed New leaves nothing registered.
 func TestNewRollsBackOnError(t *testing.T) {
-	reg := prometheus.NewRegistry()
-	// Take the name of a later metric with a different type.
-	gauge := prometheus.NewGauge(prometheus.GaugeOpts{Name: "rabbitretry_dropped_total", Help: "x"})
-	if err := reg.Register(gauge); err != nil {
-		t.Fatal(err)
-	}
+	reg := &failingRegisterer{failName: "rabbitretry_dropped_total", registered: map[prometheus.Collector]bool{}}
 	_, err := metrics.New(metrics.Config{Registerer: reg})
-	if err == nil || !strings.Contains(err.Error(), "rabbitretry_dropped_total") {
-		t.Fatalf("New: %v, want an error naming rabbitretry_dropped_total", err)
+	if err == nil || !strings.Contains(err.Error(), "rabbitretry_dropped_total") || !strings.Contains(err.Error(), "refused") {
+		t.Fatalf("New: %v, want an error naming rabbitretry_dropped_total and wrapping the cause", err)
 	}
-	// The collectors registered before the failure are gone again: once the
-	// name is free, New succeeds on the same registry.
-	reg.Unregister(gauge)
-	if _, err := metrics.New(metrics.Config{Registerer: reg}); err != nil {
-		t.Errorf("New after the failed one: %v (collectors left registered?)", err)
+	if len(reg.registered) != 0 {
+		t.Errorf("%d collectors left registered after the failed New", len(reg.registered))
 	}
 }
 

@@ -42,8 +42,8 @@ func jsonTypeErr(t *testing.T) error {
 
 func jsonInvalidUnmarshalErr(t *testing.T) error {
 	t.Helper()
-	var v struct{}
-	err := json.Unmarshal([]byte(`{}`), v) // not a pointer
+	var v *struct{}
+	err := json.Unmarshal([]byte(`{}`), v) // a nil pointer
 	var ie *json.InvalidUnmarshalError
 	if !errors.As(err, &ie) {
 		t.Fatalf("expected *json.InvalidUnmarshalError, got %T %v", err, err)

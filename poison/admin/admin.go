@@ -178,6 +178,7 @@ type item struct {
 // scan is one read of a queue: every message fetched is held
 // unacknowledged on ch until release.
 type scan struct {
+	queue     string
 	ch        *amqp.Channel
 	depth     int // ready messages at the start (passive declare)
 	consumers int // consumers at the start
@@ -214,7 +215,7 @@ func (a *Admin) scanQueue(ctx context.Context, queue string, f Filter, visit fun
 		_ = ch.Close()
 		return nil, classify("queue", queue, err)
 	}
-	s := &scan{ch: ch, depth: q.Messages, consumers: q.Consumers}
+	s := &scan{queue: queue, ch: ch, depth: q.Messages, consumers: q.Consumers}
 	for s.scanned < s.depth {
 		if f.Limit > 0 && len(s.matched) >= f.Limit {
 			break
@@ -247,6 +248,40 @@ func (a *Admin) scanQueue(ctx context.Context, queue string, f Filter, visit fun
 	}
 	return s, nil
 }
+
+// finish releases s (see release) and then, if messages were handed back,
+// waits until the broker shows them ready again: requeueing happens
+// asynchronously after the channel closed (a few milliseconds on quorum
+// queues, which apply returns through Raft), and without the wait an
+// operation right after this one could miss them. It polls the queue depth
+// (passive queue.declare) until it is at least the initial depth minus the
+// removed messages, for at most requeueWait; consumers draining the queue
+// concurrently only make it wait that long. The error is release's.
+func (a *Admin) finish(s *scan, removed int) error {
+	err := s.release()
+	if s.scanned-removed <= 0 {
+		return err
+	}
+	want := s.depth - removed
+	ch, cerr := a.channel()
+	if cerr != nil {
+		return err
+	}
+	defer ch.Close()
+	deadline := time.Now().Add(requeueWait)
+	pause := time.Millisecond
+	for {
+		q, qerr := ch.QueueDeclarePassive(s.queue, false, false, false, false, nil)
+		if qerr != nil || q.Messages >= want || time.Now().After(deadline) {
+			return err
+		}
+		time.Sleep(pause)
+		pause = min(2*pause, 50*time.Millisecond)
+	}
+}
+
+// requeueWait bounds finish's wait for requeued messages to reappear.
+const requeueWait = 2 * time.Second
 
 // release requeues every message of the scan not acked yet (basic.nack
 // delivery-tag=0 multiple=true requeue=true) and closes the channel. The close handshake
@@ -291,7 +326,7 @@ func (a *Admin) List(ctx context.Context, queue string, f Filter) ([]Message, er
 	for i, it := range s.matched {
 		msgs[i] = it.msg
 	}
-	if err := s.release(); err != nil {
+	if err := a.finish(s, 0); err != nil {
 		a.logger.Debug("Releasing listed messages failed; the broker requeues them when the channel closes", watermill.LogFields{
 			"queue": queue, "error": err.Error(),
 		})
@@ -351,6 +386,6 @@ func (a *Admin) Stats(ctx context.Context, queue string) (Stats, error) {
 	st.Depth = s.depth
 	st.Consumers = s.consumers
 	st.Scanned = s.scanned
-	_ = s.release()
+	_ = a.finish(s, 0)
 	return st, nil
 }

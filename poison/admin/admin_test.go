@@ -505,7 +505,6 @@ func TestQuorumPoisonQueue(t *testing.T) {
 		{Headers: fx.poisonHeaders(0, "qq-0", "permanent", time.Now()), Body: []byte("0")},
 		{Headers: fx.poisonHeaders(1, "qq-1", "malformed", time.Now()), Body: []byte("1")},
 	})
-	t.Logf("depth before list: %d", fx.depth(t, qq))
 	a := newAdmin(t, fx.uri)
 	for range 2 {
 		msgs, err := a.List(ctxT(t), qq, admin.Filter{})

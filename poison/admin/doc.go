@@ -15,7 +15,10 @@
 // operation does not remove are handed back with basic.nack requeue=true and
 // the channel is closed; closing the channel (or losing the connection)
 // requeues them as well ("Consumer Acknowledgements and Publisher Confirms",
-// "Negative Acknowledgement and Requeuing"). A message is removed (acked)
+// "Negative Acknowledgement and Requeuing"). The broker requeues
+// asynchronously (quorum queues take a few milliseconds), so each operation
+// then waits, up to 2 seconds, until the queue depth shows the messages
+// again, so that the next operation sees them. A message is removed (acked)
 // only after whatever had to be done with it succeeded; for Replay and Move
 // that means after the broker confirmed the copy with a publisher confirm.
 //

@@ -45,10 +45,11 @@ type ReplayResult struct {
 	// Errors has one *MessageError per skipped or failed message. Failed
 	// messages stay in the poison queue.
 	Errors []error `json:"-"`
-	// Duplicated lists the UUIDs of messages that were republished
-	// (confirmed) but whose removal from the poison queue may not have taken
-	// effect, because the channel closed: they may now be both in their
-	// original queue and in the poison queue. Never a loss.
+	// Duplicated lists the UUIDs of messages that may now be both in their
+	// original queue and in the poison queue: republished (confirmed) but
+	// their removal from the poison queue may not have taken effect because
+	// the channel closed, or written but unconfirmed (confirm timeout,
+	// channel closed while waiting). Never a loss.
 	Duplicated []string `json:"duplicated,omitempty"`
 }
 
@@ -188,7 +189,7 @@ func (a *Admin) Replay(ctx context.Context, queue string, f Filter, opts ReplayO
 				res.Replayed++
 			}
 		}
-		_ = s.release()
+		_ = a.finish(s, 0)
 		return res, nil
 	}
 
@@ -230,6 +231,10 @@ loop:
 			continue
 		default:
 			res.Errors = append(res.Errors, &MessageError{UUID: it.msg.UUID, Queue: to, Err: err})
+			if errors.Is(err, amqpretry.ErrConfirmTimeout) || errors.Is(err, amqpretry.ErrChannelClosed) {
+				// Written but unconfirmed: the copy may have been enqueued.
+				res.Duplicated = append(res.Duplicated, it.msg.UUID)
+			}
 			opErr = fmt.Errorf("poison/admin: replay from %q stopped after %d of %d messages: publishing message %q: %w", queue, done, total, it.msg.UUID, err)
 			break loop
 		}
@@ -243,7 +248,7 @@ loop:
 		res.Replayed++
 		handled()
 	}
-	if err := s.release(); err != nil && len(acked) > 0 {
+	if err := a.finish(s, len(acked)); err != nil && len(acked) > 0 {
 		// The close handshake failed: acks sent may not have been applied.
 		res.Duplicated = append(res.Duplicated, acked...)
 		if opErr == nil {
@@ -275,7 +280,7 @@ func (a *Admin) Purge(ctx context.Context, queue string, f Filter, dryRun bool) 
 		return 0, err
 	}
 	if dryRun {
-		_ = s.release()
+		_ = a.finish(s, 0)
 		return len(s.matched), nil
 	}
 	n := 0
@@ -291,7 +296,7 @@ func (a *Admin) Purge(ctx context.Context, queue string, f Filter, dryRun bool) 
 		}
 		n++
 	}
-	if err := s.release(); err != nil && opErr == nil && n > 0 {
+	if err := a.finish(s, n); err != nil && opErr == nil && n > 0 {
 		opErr = fmt.Errorf("poison/admin: purge of %q: closing the channel failed, so the removal of %d messages is unconfirmed: %w", queue, n, err)
 	}
 	a.logger.Info("Purged poisoned messages", watermill.LogFields{"queue": queue, "removed": n, "matched": len(s.matched)})
@@ -329,7 +334,7 @@ func (a *Admin) Move(ctx context.Context, from, to string, f Filter, dryRun bool
 		return 0, err
 	}
 	if dryRun {
-		_ = s.release()
+		_ = a.finish(s, 0)
 		return len(s.matched), nil
 	}
 	n := 0
@@ -352,7 +357,7 @@ func (a *Admin) Move(ctx context.Context, from, to string, f Filter, dryRun bool
 		}
 		n++
 	}
-	if err := s.release(); err != nil && opErr == nil && n > 0 {
+	if err := a.finish(s, n); err != nil && opErr == nil && n > 0 {
 		opErr = fmt.Errorf("poison/admin: move from %q to %q: closing the channel failed, so the removal of %d moved messages from %q is unconfirmed (they may be duplicated, never lost): %w", from, to, n, from, err)
 	}
 	a.logger.Info("Moved poisoned messages", watermill.LogFields{"from": from, "to": to, "moved": n, "matched": len(s.matched)})
