@@ -117,6 +117,16 @@ func (m Marshaler) uuidHeaderKey() string {
 //
 // It returns an error only if Inner does.
 func (m Marshaler) Unmarshal(d amqp.Delivery) (*message.Message, error) {
+	if onlyPlainStringHeaders(d.Headers) {
+		// Fast path (the common case: no broker header, nothing to convert):
+		// no copy of the headers.
+		msg, err := m.inner().Unmarshal(d)
+		if err != nil {
+			return nil, fmt.Errorf("amqpretry: unmarshaling delivery: %w", err)
+		}
+		delete(msg.Metadata, PublishIDHeader)
+		return m.finishUnmarshal(msg, d, nil), nil
+	}
 	var problems []string
 	headers := make(amqp.Table, len(d.Headers))
 	for k, v := range d.Headers {
@@ -159,6 +169,26 @@ func (m Marshaler) Unmarshal(d amqp.Delivery) (*message.Message, error) {
 	if err != nil {
 		return nil, fmt.Errorf("amqpretry: unmarshaling delivery: %w", err)
 	}
+	return m.finishUnmarshal(msg, d, problems), nil
+}
+
+// onlyPlainStringHeaders reports whether every header is a string and none
+// needs conversion or removal other than PublishIDHeader.
+func onlyPlainStringHeaders(h amqp.Table) bool {
+	for k, v := range h {
+		if _, ok := v.(string); !ok {
+			return false
+		}
+		switch k {
+		case headerXDeath, headerXDeliveryCount, middleware.HeaderErrorKey, middleware.DeliveryExchangeKey, middleware.DeliveryRoutingKeyKey:
+			return false
+		}
+	}
+	return true
+}
+
+// finishUnmarshal adds the delivery metadata and the header problems.
+func (m Marshaler) finishUnmarshal(msg *message.Message, d amqp.Delivery, problems []string) *message.Message {
 	if msg.UUID == "" && d.MessageId != "" {
 		msg.UUID = d.MessageId
 	}
@@ -171,7 +201,7 @@ func (m Marshaler) Unmarshal(d amqp.Delivery) (*message.Message, error) {
 		sort.Strings(problems) // map order is random; keep the text stable
 		msg.Metadata.Set(middleware.HeaderErrorKey, strings.Join(problems, "; "))
 	}
-	return msg, nil
+	return msg
 }
 
 // isBrokerOwnedOrDeliveryOnly reports whether a header must not travel on a

@@ -313,17 +313,25 @@ func (c *Classifier) Middleware(h message.HandlerFunc) message.HandlerFunc {
 		if err == nil {
 			return out, nil
 		}
-		ce := c.classify(err)
-		if ce.Action == ActionDrop {
-			attempt := Attempt(msg)
-			c.logger.Info("Dropping message on handler request", watermill.LogFields{
-				"message_uuid": msg.UUID, "error": err.Error(), "attempt": attempt,
-			})
-			c.observer.Dropped(msg, attempt)
-			return nil, nil
-		}
-		return out, ce
+		return c.onFailure(msg, out, err)
 	}
+}
+
+// onFailure is kept out of line so that the success path's closure stays
+// small (see Republisher.onFailure).
+//
+//go:noinline
+func (c *Classifier) onFailure(msg *message.Message, out []*message.Message, err error) ([]*message.Message, error) {
+	ce := c.classify(err)
+	if ce.Action == ActionDrop {
+		attempt := Attempt(msg)
+		c.logger.Info("Dropping message on handler request", watermill.LogFields{
+			"message_uuid": msg.UUID, "error": err.Error(), "attempt": attempt,
+		})
+		c.observer.Dropped(msg, attempt)
+		return nil, nil
+	}
+	return out, ce
 }
 
 // classificationOf returns the classification carried by err, or the

@@ -263,38 +263,47 @@ func (r *Republisher) Middleware(h message.HandlerFunc) message.HandlerFunc {
 		if err == nil {
 			return out, nil
 		}
-		cl := classificationOf(err)
-		if cl.Action != ActionRetry {
-			return nil, err
-		}
-		attempt := Attempt(msg)
-		if attempt >= r.cfg.MaxAttempts {
-			return nil, &ExhaustedError{Err: err, Attempts: attempt}
-		}
-		delay, ok := r.Delay(attempt, cl.Delay)
-		if !ok {
-			return nil, &ExhaustedError{Err: err, Attempts: attempt}
-		}
-		ctx := msg.Context()
-		retry := r.copyForRetry(ctx, msg, attempt, cl, err, delay)
-		start := time.Now()
-		if serr := r.cfg.Delayer.Schedule(ctx, retry, delay); serr != nil {
-			// Not scheduled: never ack. The nack hands the message back to the broker.
-			r.cfg.Observer.RetryFailed(msg, attempt, serr)
-			r.cfg.Logger.Error("Retry not scheduled; nacking message", serr, watermill.LogFields{
-				"message_uuid": msg.UUID, "attempt": attempt, "queue": r.cfg.QueueName(ctx),
-			})
-			return nil, &ScheduleError{Err: serr, HandlerErr: err, Attempt: attempt}
-		}
-		// The copy is held (confirmed): only now may the original be acked.
-		took := time.Since(start)
-		r.cfg.Observer.RetryScheduled(msg, attempt, delay, took)
-		r.cfg.Logger.Info("Retry scheduled", watermill.LogFields{
-			"message_uuid": msg.UUID, "queue": r.cfg.QueueName(ctx), "attempt": attempt,
-			"next_attempt": attempt + 1, "delay": delay.String(), "error_class": cl.Class, "error": retry.Metadata[LastErrorKey],
-		})
-		return nil, nil
+		return nil, r.onFailure(msg, err)
 	}
+}
+
+// onFailure handles a handler error. It is kept out of line so that the
+// success path's closure stays small: Watermill runs each message on a fresh
+// goroutine, and large frames in the chain force a stack copy per message.
+//
+//go:noinline
+func (r *Republisher) onFailure(msg *message.Message, err error) error {
+	cl := classificationOf(err)
+	if cl.Action != ActionRetry {
+		return err
+	}
+	attempt := Attempt(msg)
+	if attempt >= r.cfg.MaxAttempts {
+		return &ExhaustedError{Err: err, Attempts: attempt}
+	}
+	delay, ok := r.Delay(attempt, cl.Delay)
+	if !ok {
+		return &ExhaustedError{Err: err, Attempts: attempt}
+	}
+	ctx := msg.Context()
+	retry := r.copyForRetry(ctx, msg, attempt, cl, err, delay)
+	start := time.Now()
+	if serr := r.cfg.Delayer.Schedule(ctx, retry, delay); serr != nil {
+		// Not scheduled: never ack. The nack hands the message back to the broker.
+		r.cfg.Observer.RetryFailed(msg, attempt, serr)
+		r.cfg.Logger.Error("Retry not scheduled; nacking message", serr, watermill.LogFields{
+			"message_uuid": msg.UUID, "attempt": attempt, "queue": r.cfg.QueueName(ctx),
+		})
+		return &ScheduleError{Err: serr, HandlerErr: err, Attempt: attempt}
+	}
+	// The copy is held (confirmed): only now may the original be acked.
+	took := time.Since(start)
+	r.cfg.Observer.RetryScheduled(msg, attempt, delay, took)
+	r.cfg.Logger.Info("Retry scheduled", watermill.LogFields{
+		"message_uuid": msg.UUID, "queue": r.cfg.QueueName(ctx), "attempt": attempt,
+		"next_attempt": attempt + 1, "delay": delay.String(), "error_class": cl.Class, "error": retry.Metadata[LastErrorKey],
+	})
+	return nil
 }
 
 // deliveryOnlyKeys describe one delivery and never travel on a copy.

@@ -146,29 +146,40 @@ func (e *PoisonError) Unwrap() error { return e.Err }
 func (f *Forwarder) Middleware(h message.HandlerFunc) message.HandlerFunc {
 	return func(msg *message.Message) ([]*message.Message, error) {
 		out, err := h(msg)
-		if err == nil || !f.cfg.ShouldPoison(err) {
-			return out, err
+		if err == nil {
+			return out, nil
 		}
-		ctx := msg.Context()
-		attempt := middleware.Attempt(msg)
-		class := errorClass(err)
-		p := f.poisonCopy(ctx, msg, err, attempt, class)
-		topic := f.cfg.Topic(ctx)
-		if perr := f.cfg.Publisher.Publish(topic, p); perr != nil {
-			f.cfg.Observer.PoisonFailed(msg, attempt, perr)
-			f.cfg.Logger.Error("Poison publish failed; nacking message", perr, watermill.LogFields{
-				"message_uuid": msg.UUID, "poison_topic": topic, "attempt": attempt,
-			})
-			return nil, &PoisonError{Err: perr, HandlerErr: err}
-		}
-		// The poison copy is confirmed: only now may the original be acked.
-		f.cfg.Observer.Poisoned(msg, attempt, class)
-		f.cfg.Logger.Info("Message poisoned", watermill.LogFields{
-			"message_uuid": msg.UUID, "poison_topic": topic, "attempt": attempt,
-			"error_class": class, "error": p.Metadata[ReasonKey],
-		})
-		return nil, nil
+		return f.onFailure(msg, out, err)
 	}
+}
+
+// onFailure is kept out of line so that the success path's closure stays
+// small (see middleware.Republisher).
+//
+//go:noinline
+func (f *Forwarder) onFailure(msg *message.Message, out []*message.Message, err error) ([]*message.Message, error) {
+	if !f.cfg.ShouldPoison(err) {
+		return out, err
+	}
+	ctx := msg.Context()
+	attempt := middleware.Attempt(msg)
+	class := errorClass(err)
+	p := f.poisonCopy(ctx, msg, err, attempt, class)
+	topic := f.cfg.Topic(ctx)
+	if perr := f.cfg.Publisher.Publish(topic, p); perr != nil {
+		f.cfg.Observer.PoisonFailed(msg, attempt, perr)
+		f.cfg.Logger.Error("Poison publish failed; nacking message", perr, watermill.LogFields{
+			"message_uuid": msg.UUID, "poison_topic": topic, "attempt": attempt,
+		})
+		return nil, &PoisonError{Err: perr, HandlerErr: err}
+	}
+	// The poison copy is confirmed: only now may the original be acked.
+	f.cfg.Observer.Poisoned(msg, attempt, class)
+	f.cfg.Logger.Info("Message poisoned", watermill.LogFields{
+		"message_uuid": msg.UUID, "poison_topic": topic, "attempt": attempt,
+		"error_class": class, "error": p.Metadata[ReasonKey],
+	})
+	return nil, nil
 }
 
 func errorClass(err error) string {

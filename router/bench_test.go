@@ -75,3 +75,29 @@ func BenchmarkChainRetry(b *testing.B) {
 		}
 	}
 }
+
+// runOnFreshGoroutines calls h once per iteration on a new goroutine, as
+// Watermill's router does per message, so that stack growth caused by the
+// chain's frames shows up in the figure.
+func runOnFreshGoroutines(b *testing.B, h message.HandlerFunc) {
+	msg := message.NewMessage("bench", []byte(`{"id":1}`))
+	done := make(chan struct{})
+	b.ReportAllocs()
+	for b.Loop() {
+		msg.SetContext(context.Background())
+		go func() {
+			_, _ = h(msg)
+			done <- struct{}{}
+		}()
+		<-done
+	}
+}
+
+// BenchmarkBareHandlerGoroutine: the no-op handler on a fresh goroutine.
+func BenchmarkBareHandlerGoroutine(b *testing.B) { runOnFreshGoroutines(b, noop) }
+
+// BenchmarkChainSuccessGoroutine: the chain around the no-op handler on a
+// fresh goroutine per message.
+func BenchmarkChainSuccessGoroutine(b *testing.B) {
+	runOnFreshGoroutines(b, benchChain(b, &fakeDelayer{}).Middleware(noop))
+}
