@@ -297,7 +297,9 @@ type Delayer struct {
 	logger    watermill.LoggerAdapter
 }
 
-// Schedule publishes msg to its wait queue and waits for the confirm. If the
+// Schedule publishes msg to its wait queue and waits for the confirm. The
+// tier is TierFor(delay), or, when ctx carries a middleware.MinimumDelay (a
+// handler's RetryAfter), the smallest tier at or above it. If the
 // wait queue or exchange is missing (returned as unroutable, or 404
 // NOT_FOUND), it redeclares the queue's topology and tries once more, so the
 // nack that follows a failure still finds the dead-letter path. It does not
@@ -310,6 +312,15 @@ func (d *Delayer) Schedule(ctx context.Context, msg *message.Message, delay time
 		return err
 	}
 	tier := d.topology.TierFor(delay)
+	if minimum, ok := middleware.MinimumDelay(ctx); ok {
+		// A handler's RetryAfter is a floor: round up, never down.
+		var fits bool
+		if tier, fits = d.topology.TierAtLeast(max(delay, minimum)); !fits {
+			d.logger.Info("Requested retry delay exceeds the longest tier; using the longest", watermill.LogFields{
+				"queue": q, "requested": minimum.String(), "tier": tier.String(),
+			})
+		}
+	}
 	p, err := d.marshaler.Marshal(msg)
 	if err != nil {
 		return fmt.Errorf("amqpretry: marshaling retry copy: %w", err)

@@ -186,6 +186,18 @@ func (t *Topology) TierFor(d time.Duration) time.Duration {
 	return t.tiers[i]
 }
 
+// TierAtLeast returns the smallest tier >= d, for delays that are a minimum
+// (a handler's RetryAfter): the message never comes back earlier than asked.
+// ok is false when d exceeds the longest tier; the longest tier is returned
+// then, and the message comes back earlier than asked (add a longer tier).
+func (t *Topology) TierAtLeast(d time.Duration) (tier time.Duration, ok bool) {
+	i, _ := slices.BinarySearch(t.tiers, d)
+	if i == len(t.tiers) {
+		return t.tiers[len(t.tiers)-1], false
+	}
+	return t.tiers[i], true
+}
+
 // WaitQueues returns Q's wait queue names, one per tier, in tier order.
 func (t *Topology) WaitQueues(queue string) []string {
 	names := make([]string, len(t.tiers))

@@ -52,3 +52,17 @@ func TestCheckNames(t *testing.T) {
 		t.Errorf("dots and spaces rejected: %v", err)
 	}
 }
+
+func TestTierAtLeast(t *testing.T) {
+	ms := time.Millisecond
+	topo := newTopology(Naming{}, []time.Duration{100 * ms, 200 * ms, 400 * ms}, QueueTypeClassic, watermill.NopLogger{})
+	cases := []struct {
+		d, want time.Duration
+		ok      bool
+	}{{0, 100 * ms, true}, {100 * ms, 100 * ms, true}, {101 * ms, 200 * ms, true}, {399 * ms, 400 * ms, true}, {401 * ms, 400 * ms, false}}
+	for _, c := range cases {
+		if got, ok := topo.TierAtLeast(c.d); got != c.want || ok != c.ok {
+			t.Errorf("TierAtLeast(%v) = %v, %v; want %v, %v", c.d, got, ok, c.want, c.ok)
+		}
+	}
+}

@@ -28,6 +28,22 @@ type Delayer interface {
 	Schedule(ctx context.Context, msg *message.Message, delay time.Duration) error
 }
 
+type minDelayCtxKey struct{}
+
+// WithMinimumDelay returns ctx carrying a lower bound d for the delay being
+// scheduled: the republisher sets it when a handler asked for RetryAfter(d),
+// so that a Delayer that rounds delays (amqpretry's tiers) rounds up, never
+// bringing the message back earlier than the handler asked.
+func WithMinimumDelay(ctx context.Context, d time.Duration) context.Context {
+	return context.WithValue(ctx, minDelayCtxKey{}, d)
+}
+
+// MinimumDelay returns the lower bound set with WithMinimumDelay, if any.
+func MinimumDelay(ctx context.Context) (time.Duration, bool) {
+	d, ok := ctx.Value(minDelayCtxKey{}).(time.Duration)
+	return d, ok && d > 0
+}
+
 // DelayerFunc adapts a function to Delayer.
 type DelayerFunc func(ctx context.Context, msg *message.Message, delay time.Duration) error
 
@@ -287,8 +303,12 @@ func (r *Republisher) onFailure(msg *message.Message, err error) error {
 	}
 	ctx := msg.Context()
 	retry := r.copyForRetry(ctx, msg, attempt, cl, err, delay)
+	schedCtx := ctx
+	if cl.Delay > 0 {
+		schedCtx = WithMinimumDelay(ctx, cl.Delay)
+	}
 	start := time.Now()
-	if serr := r.cfg.Delayer.Schedule(ctx, retry, delay); serr != nil {
+	if serr := r.cfg.Delayer.Schedule(schedCtx, retry, delay); serr != nil {
 		// Not scheduled: never ack. The nack hands the message back to the broker.
 		r.cfg.Observer.RetryFailed(msg, attempt, serr)
 		r.cfg.Logger.Error("Retry not scheduled; nacking message", serr, watermill.LogFields{

@@ -1,0 +1,742 @@
+// Package faults is the fault-injection suite of rabbitretry: broker
+// restarts, killed consumers, failing republishes and poison publishes,
+// shutdowns, bad input and forged headers. Every scenario ends in an exact
+// accounting of the messages it published, logged as one line
+//
+//	ACCOUNT <test>: published=N handled=N poisoned=N duplicates=N lost=N
+//
+// where handled counts distinct UUIDs handled successfully, poisoned counts
+// distinct UUIDs found in the poison queue and never handled, lost counts
+// published UUIDs that are neither (it must be 0), and duplicates counts
+// extra completions: every success or poison copy beyond the first one of a
+// UUID (at-least-once delivery allows them).
+//
+// Tests that stop the broker (and so break every other client of a shared
+// broker) only run with RABBITRETRY_FAULTS=1 (make test-faults).
+package faults
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v2/pkg/amqp"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/cenkalti/backoff/v4"
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/rabbitretry/rabbitretry/amqpretry"
+)
+
+const routingKey = "order.created"
+
+// brokerURI returns $AMQP_URI or the local default; it skips the test when
+// no broker answers (fails under CI=true).
+func brokerURI(t testing.TB) string {
+	t.Helper()
+	uri := os.Getenv("AMQP_URI")
+	if uri == "" {
+		uri = "amqp://guest:guest@127.0.0.1:5672/"
+	}
+	conn, err := amqp.DialConfig(uri, amqp.Config{Dial: amqp.DefaultDial(5 * time.Second)})
+	if err != nil {
+		if os.Getenv("CI") == "true" {
+			t.Fatalf("RabbitMQ unreachable at AMQP_URI: %v", err)
+		}
+		t.Skipf("RabbitMQ unreachable (set AMQP_URI): %v", err)
+	}
+	_ = conn.Close()
+	return uri
+}
+
+// requireDisruptive skips tests that stop the shared broker unless
+// RABBITRETRY_FAULTS=1.
+func requireDisruptive(t *testing.T) {
+	t.Helper()
+	if os.Getenv("RABBITRETRY_FAULTS") != "1" {
+		t.Skip("stops and restarts the RabbitMQ app, breaking other clients of the broker; run it with `make test-faults` (RABBITRETRY_FAULTS=1)")
+	}
+}
+
+// exactBackoff: initial, x2, no jitter, no elapsed-time limit.
+func exactBackoff(initial time.Duration) func() backoff.BackOff {
+	return func() backoff.BackOff {
+		b := backoff.NewExponentialBackOff()
+		b.InitialInterval = initial
+		b.RandomizationFactor = 0
+		b.Multiplier = 2
+		b.MaxInterval = time.Minute
+		b.MaxElapsedTime = 0
+		return b
+	}
+}
+
+// waitFor polls cond every 20 ms until it holds, failing after timeout.
+func waitFor(t testing.TB, timeout time.Duration, what string, cond func() bool) {
+	t.Helper()
+	if !poll(timeout, cond) {
+		t.Fatalf("timed out after %v waiting for %s", timeout, what)
+	}
+}
+
+// poll is waitFor without the failure: it reports whether cond held in time.
+func poll(timeout time.Duration, cond func() bool) bool {
+	deadline := time.Now().Add(timeout)
+	for !cond() {
+		if time.Now().After(deadline) {
+			return false
+		}
+		time.Sleep(20 * time.Millisecond) // polling interval, not a synchronisation point
+	}
+	return true
+}
+
+// uniquePrefix is a name prefix unique to this test run, safe for AMQP names.
+func uniquePrefix(t testing.TB) string {
+	name := strings.Map(func(r rune) rune {
+		switch {
+		case r >= 'a' && r <= 'z', r >= 'A' && r <= 'Z', r >= '0' && r <= '9', r == '-', r == '_':
+			return r
+		}
+		return '_'
+	}, t.Name())
+	if len(name) > 80 {
+		name = name[:80]
+	}
+	return "faults." + name + "." + watermill.NewShortUUID()[:8]
+}
+
+// uniqueNaming gives the fault tests their own exchanges, so deleting or
+// breaking one never touches the default "rabbitretry.*" exchanges that
+// other tests on the same broker use.
+func uniqueNaming(prefix string) amqpretry.Naming {
+	return amqpretry.Naming{
+		LoopBackExchange: prefix + ".loopback",
+		WaitExchange:     prefix + ".wait",
+		PoisonExchange:   prefix + ".poison",
+	}
+}
+
+// ---------------------------------------------------------------------------
+// admin: a reconnecting side connection for inspection and publishing.
+
+type admin struct {
+	t   testing.TB
+	uri string
+
+	mu   sync.Mutex
+	conn *amqp.Connection
+}
+
+func newAdmin(t testing.TB, uri string) *admin {
+	a := &admin{t: t, uri: uri}
+	t.Cleanup(func() {
+		a.mu.Lock()
+		defer a.mu.Unlock()
+		if a.conn != nil {
+			_ = a.conn.Close()
+		}
+	})
+	return a
+}
+
+// connection returns a live connection, redialling (for up to 90 s, e.g.
+// across a broker restart) when the last one died.
+func (a *admin) connection() (*amqp.Connection, error) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.conn != nil && !a.conn.IsClosed() {
+		return a.conn, nil
+	}
+	var err error
+	deadline := time.Now().Add(90 * time.Second)
+	for {
+		a.conn, err = amqp.DialConfig(a.uri, amqp.Config{Dial: amqp.DefaultDial(5 * time.Second)})
+		if err == nil {
+			return a.conn, nil
+		}
+		if time.Now().After(deadline) {
+			return nil, err
+		}
+		time.Sleep(250 * time.Millisecond)
+	}
+}
+
+// channel returns a fresh channel; the caller closes it.
+func (a *admin) channel() *amqp.Channel {
+	a.t.Helper()
+	for i := 0; ; i++ {
+		c, err := a.connection()
+		if err != nil {
+			a.t.Fatalf("admin connection: %v", err)
+		}
+		ch, err := c.Channel()
+		if err == nil {
+			return ch
+		}
+		if i == 5 {
+			a.t.Fatalf("admin channel: %v", err)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+}
+
+// depth returns the ready messages of q (-1 if q does not exist).
+func (a *admin) depth(q string) int {
+	a.t.Helper()
+	for i := 0; ; i++ {
+		ch := a.channel()
+		st, err := ch.QueueDeclarePassive(q, false, false, false, false, nil)
+		_ = ch.Close()
+		if err == nil {
+			return st.Messages
+		}
+		var aerr *amqp.Error
+		if errors.As(err, &aerr) && aerr.Code == amqp.NotFound {
+			return -1
+		}
+		if i == 20 {
+			a.t.Fatalf("inspecting %s: %v", q, err)
+		}
+		time.Sleep(250 * time.Millisecond) // connection lost (broker restart): retry
+	}
+}
+
+// drain gets and acks every message of q.
+func (a *admin) drain(q string) []amqp.Delivery {
+	a.t.Helper()
+	ch := a.channel()
+	defer ch.Close()
+	var out []amqp.Delivery
+	for {
+		d, ok, err := ch.Get(q, true)
+		if err != nil {
+			a.t.Fatalf("draining %s: %v", q, err)
+		}
+		if !ok {
+			return out
+		}
+		out = append(out, d)
+	}
+}
+
+// publish publishes ps to exchange/key with mandatory set and waits for
+// every publisher confirm; an unroutable or nacked message fails the test.
+func (a *admin) publish(exchange, key string, ps ...amqp.Publishing) {
+	a.t.Helper()
+	ch := a.channel()
+	defer ch.Close()
+	if err := ch.Confirm(false); err != nil {
+		a.t.Fatalf("confirm mode: %v", err)
+	}
+	returns := ch.NotifyReturn(make(chan amqp.Return, len(ps)+1))
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	const window = 256
+	pending := make([]*amqp.DeferredConfirmation, 0, window)
+	flush := func() {
+		for _, dc := range pending {
+			ok, err := dc.WaitContext(ctx)
+			if err != nil || !ok {
+				a.t.Fatalf("publish to %s/%s not confirmed: ack=%v err=%v", exchange, key, ok, err)
+			}
+		}
+		pending = pending[:0]
+	}
+	for _, p := range ps {
+		dc, err := ch.PublishWithDeferredConfirmWithContext(ctx, exchange, key, true, false, p)
+		if err != nil {
+			a.t.Fatalf("publish to %s/%s: %v", exchange, key, err)
+		}
+		pending = append(pending, dc)
+		if len(pending) == window {
+			flush()
+		}
+	}
+	flush()
+	select {
+	case r := <-returns:
+		a.t.Fatalf("published message returned unroutable: %d %s (exchange %q key %q)", r.ReplyCode, r.ReplyText, r.Exchange, r.RoutingKey)
+	default:
+	}
+}
+
+// deleteQueues deletes queues and exchanges, ignoring errors (cleanup).
+func (a *admin) deleteAll(queues, exchanges []string) {
+	c, err := a.connection()
+	if err != nil {
+		return
+	}
+	for _, q := range queues {
+		if ch, err := c.Channel(); err == nil {
+			_, _ = ch.QueueDelete(q, false, false, false)
+			_ = ch.Close()
+		}
+	}
+	for _, ex := range exchanges {
+		if ch, err := c.Channel(); err == nil {
+			_ = ch.ExchangeDelete(ex, false, false)
+			_ = ch.Close()
+		}
+	}
+}
+
+// ---------------------------------------------------------------------------
+// env: one business exchange, one originating queue, a Retry, and routers
+// that can be started and stopped several times.
+
+type env struct {
+	t         *testing.T
+	uri       string
+	prefix    string
+	exchange  string
+	queue     string
+	queueType string
+	naming    amqpretry.Naming
+	cfg       amqpretry.Config
+	retry     *amqpretry.Retry
+	logs      *recLogger
+	admin     *admin
+
+	sub    *wamqp.Subscriber
+	router *message.Router
+	cancel context.CancelFunc
+	done   chan struct{}
+
+	extraQueues    []string
+	extraExchanges []string
+}
+
+type envOption func(e *env, c *amqpretry.Config)
+
+// newEnv creates the names and the Retry; the topology is declared when a
+// consumer starts (or by declare).
+func newEnv(t *testing.T, queueType string, opts ...envOption) *env {
+	t.Helper()
+	uri := brokerURI(t)
+	prefix := uniquePrefix(t)
+	e := &env{
+		t: t, uri: uri, prefix: prefix, exchange: prefix + ".biz", queue: prefix + ".q",
+		queueType: queueType, naming: uniqueNaming(prefix), logs: &recLogger{}, admin: newAdmin(t, uri),
+	}
+	subCfg := wamqp.NewDurableQueueConfig(uri)
+	subCfg.Exchange = wamqp.ExchangeConfig{GenerateName: func(string) string { return e.exchange }, Type: "direct", Durable: true}
+	subCfg.QueueBind = wamqp.QueueBindConfig{GenerateRoutingKey: func(string) string { return routingKey }}
+	subCfg.Consume.Qos.PrefetchCount = 16
+	// Reconnect quickly after a broker restart (default backoff grows to 60 s).
+	subCfg.Connection.Reconnect = &wamqp.ReconnectConfig{
+		BackoffInitialInterval: 200 * time.Millisecond, BackoffRandomizationFactor: 0.2,
+		BackoffMultiplier: 1.5, BackoffMaxInterval: 2 * time.Second,
+	}
+	e.cfg = amqpretry.Config{
+		URI: uri, Subscriber: subCfg, QueueType: queueType, MaxAttempts: 5,
+		Backoff: exactBackoff(200 * time.Millisecond),
+		Tiers:   []time.Duration{200 * time.Millisecond, 400 * time.Millisecond},
+		Naming:  e.naming, Logger: e.logs,
+		ConfirmTimeout: 10 * time.Second,
+	}
+	for _, o := range opts {
+		o(e, &e.cfg)
+	}
+	r, err := amqpretry.New(e.cfg)
+	if err != nil {
+		t.Fatalf("amqpretry.New: %v", err)
+	}
+	e.retry = r
+	t.Cleanup(e.close)
+	return e
+}
+
+func (e *env) waitQueues() []string   { return e.retry.Topology().WaitQueues(e.queue) }
+func (e *env) poisonQueue() string    { return e.retry.Topology().PoisonQueue(e.queue) }
+func (e *env) allQueues() []string    { return append(e.waitQueues(), e.queue, e.poisonQueue()) }
+func (e *env) depth(q string) int     { return e.admin.depth(q) }
+func (e *env) poisonDepth() int       { return e.admin.depth(e.poisonQueue()) }
+func (e *env) maxTier() time.Duration { return slices.Max(e.retry.Topology().Tiers()) }
+
+// declare declares the whole topology without consuming.
+func (e *env) declare() {
+	e.t.Helper()
+	sub, err := wamqp.NewSubscriber(e.retry.SubscriberConfig(), watermill.NopLogger{})
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	defer sub.Close()
+	if err := sub.SubscribeInitialize(e.queue); err != nil {
+		e.t.Fatalf("declaring topology: %v", err)
+	}
+}
+
+// start runs a fresh subscriber and router consuming e.queue with h.
+func (e *env) start(h message.NoPublishHandlerFunc) {
+	e.t.Helper()
+	if e.cancel != nil {
+		e.t.Fatal("consumer already running")
+	}
+	sub, err := wamqp.NewSubscriber(e.retry.SubscriberConfig(), e.logs.named("subscriber"))
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	rt, err := message.NewRouter(message.RouterConfig{CloseTimeout: 15 * time.Second}, watermill.NopLogger{})
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	rt.AddMiddleware(e.retry.Middleware)
+	rt.AddConsumerHandler("svc", e.queue, sub, h)
+	ctx, cancel := context.WithCancel(context.Background())
+	e.sub, e.router, e.cancel, e.done = sub, rt, cancel, make(chan struct{})
+	go func() {
+		defer close(e.done)
+		if err := rt.Run(ctx); err != nil {
+			e.t.Errorf("router: %v", err)
+		}
+	}()
+	select {
+	case <-rt.Running():
+	case <-e.done:
+		e.t.Fatal("router stopped before running")
+	case <-time.After(30 * time.Second):
+		e.t.Fatal("router did not start")
+	}
+}
+
+// stop closes the router (graceful: handlers in flight finish) and the
+// subscriber.
+func (e *env) stop() {
+	if e.cancel == nil {
+		return
+	}
+	if err := e.router.Close(); err != nil {
+		e.t.Errorf("router close: %v", err)
+	}
+	e.cancel()
+	<-e.done
+	_ = e.sub.Close()
+	e.cancel = nil
+}
+
+func (e *env) close() {
+	e.stop()
+	_ = e.retry.Close()
+	e.admin.deleteAll(append(e.allQueues(), e.extraQueues...),
+		append([]string{e.exchange, e.naming.LoopBackExchange, e.naming.WaitExchange, e.naming.PoisonExchange}, e.extraExchanges...))
+}
+
+// newMessages returns n messages with fresh UUIDs and their publishings.
+func newMessages(n int, payload func(i int) []byte) ([]string, []amqp.Publishing) {
+	uuids := make([]string, n)
+	ps := make([]amqp.Publishing, n)
+	for i := range n {
+		var body []byte
+		if payload != nil {
+			body = payload(i)
+		} else {
+			body = fmt.Appendf(nil, `{"order":%d}`, i)
+		}
+		m := message.NewMessage(watermill.NewUUID(), body)
+		p, err := amqpretry.Marshaler{}.Marshal(m)
+		if err != nil {
+			panic(err)
+		}
+		uuids[i], ps[i] = m.UUID, p
+	}
+	return uuids, ps
+}
+
+// publish publishes to the business exchange with the bound routing key.
+func (e *env) publish(ps ...amqp.Publishing) {
+	e.t.Helper()
+	e.admin.publish(e.exchange, routingKey, ps...)
+}
+
+// quiet reports whether the originating queue and all wait queues are empty.
+func (e *env) quiet() bool {
+	for _, q := range append(e.waitQueues(), e.queue) {
+		if e.depth(q) != 0 {
+			return false
+		}
+	}
+	return true
+}
+
+// settle waits until every published message completed (completed() +
+// poison depth >= n) and the originating and wait queues stayed empty, with
+// completed() and the poison depth unchanged, for longer than the longest
+// tier (so no duplicate is still on its way). It reports whether that
+// happened within timeout.
+func (e *env) settle(n int, completed func() int, timeout time.Duration) bool {
+	e.t.Helper()
+	window := e.maxTier() + 700*time.Millisecond
+	deadline := time.Now().Add(timeout)
+	var stableSince time.Time
+	last := -1
+	for time.Now().Before(deadline) {
+		c, p := completed(), e.poisonDepth()
+		if c+p >= n && e.quiet() {
+			if c+p != last {
+				last, stableSince = c+p, time.Now()
+			} else if time.Since(stableSince) > window {
+				return true
+			}
+		} else {
+			last = -1
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	return false
+}
+
+// checkEmpty fails the test for any message left in the originating queue or
+// a wait queue (call it with no consumer running).
+func (e *env) checkEmpty() {
+	e.t.Helper()
+	for _, q := range append(e.waitQueues(), e.queue) {
+		if d := e.depth(q); d != 0 {
+			e.t.Errorf("%d message(s) left in %s", d, q)
+		}
+	}
+}
+
+// poisoned drains the poison queue and returns the count per UUID.
+func (e *env) poisoned() (map[string]int, []amqp.Delivery) {
+	ds := e.admin.drain(e.poisonQueue())
+	m := map[string]int{}
+	for _, d := range ds {
+		u, _ := d.Headers[wamqp.DefaultMessageUUIDHeaderKey].(string)
+		m[u]++
+	}
+	return m, ds
+}
+
+// ---------------------------------------------------------------------------
+// ledger: per-UUID handler bookkeeping, safe for concurrent handlers.
+
+type ledger struct {
+	mu       sync.Mutex
+	ok       map[string]int // successful handler returns
+	attempts map[string][]int
+}
+
+func newLedger() *ledger { return &ledger{ok: map[string]int{}, attempts: map[string][]int{}} }
+
+func (l *ledger) attempt(uuid string, n int) int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.attempts[uuid] = append(l.attempts[uuid], n)
+	return len(l.attempts[uuid])
+}
+
+func (l *ledger) success(uuid string) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.ok[uuid]++
+}
+
+func (l *ledger) handled() int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return len(l.ok)
+}
+
+func (l *ledger) successes() map[string]int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return cloneMap(l.ok)
+}
+
+func (l *ledger) attemptsOf(uuid string) []int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return slices.Clone(l.attempts[uuid])
+}
+
+func cloneMap(m map[string]int) map[string]int {
+	c := make(map[string]int, len(m))
+	for k, v := range m {
+		c[k] = v
+	}
+	return c
+}
+
+// accounting is the outcome of one scenario.
+type accounting struct {
+	Published, Handled, Poisoned, Duplicates, Lost int
+}
+
+// account computes and logs the ACCOUNT line. handled and poisoned count
+// completions per UUID. It fails the test for a lost message and for a UUID
+// that was never published.
+func account(t testing.TB, published []string, handled, poisoned map[string]int) accounting {
+	t.Helper()
+	a := accounting{Published: len(published)}
+	pub := make(map[string]bool, len(published))
+	for _, u := range published {
+		pub[u] = true
+	}
+	for u := range handled {
+		if !pub[u] {
+			t.Errorf("handled a UUID that was never published: %q", u)
+		}
+	}
+	for u := range poisoned {
+		if !pub[u] {
+			t.Errorf("poison queue holds a UUID that was never published: %q", u)
+		}
+	}
+	var lost []string
+	for _, u := range published {
+		h, p := handled[u], poisoned[u]
+		switch {
+		case h > 0:
+			a.Handled++
+		case p > 0:
+			a.Poisoned++
+		default:
+			a.Lost++
+			lost = append(lost, u)
+		}
+		if h+p > 1 {
+			a.Duplicates += h + p - 1
+		}
+	}
+	t.Logf("ACCOUNT %s: published=%d handled=%d poisoned=%d duplicates=%d lost=%d",
+		t.Name(), a.Published, a.Handled, a.Poisoned, a.Duplicates, a.Lost)
+	if a.Lost != 0 {
+		if len(lost) > 10 {
+			lost = lost[:10]
+		}
+		t.Errorf("%d message(s) lost, e.g. %v", a.Lost, lost)
+	}
+	return a
+}
+
+// ---------------------------------------------------------------------------
+// recLogger records log entries (all levels) for assertions.
+
+type logEntry struct {
+	Level  string
+	Msg    string
+	Err    error
+	Fields watermill.LogFields
+}
+
+type recLogger struct {
+	mu      sync.Mutex
+	entries []logEntry
+	fields  watermill.LogFields
+	parent  *recLogger
+}
+
+func (l *recLogger) root() *recLogger {
+	if l.parent != nil {
+		return l.parent
+	}
+	return l
+}
+
+func (l *recLogger) add(level, msg string, err error, fields watermill.LogFields) {
+	r := l.root()
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.entries = append(r.entries, logEntry{Level: level, Msg: msg, Err: err, Fields: l.fields.Add(fields)})
+}
+
+func (l *recLogger) Error(msg string, err error, fields watermill.LogFields) {
+	l.add("error", msg, err, fields)
+}
+func (l *recLogger) Info(msg string, fields watermill.LogFields)  { l.add("info", msg, nil, fields) }
+func (l *recLogger) Debug(msg string, fields watermill.LogFields) { l.add("debug", msg, nil, fields) }
+func (l *recLogger) Trace(msg string, fields watermill.LogFields) {}
+func (l *recLogger) With(fields watermill.LogFields) watermill.LoggerAdapter {
+	return &recLogger{fields: l.fields.Add(fields), parent: l.root()}
+}
+func (l *recLogger) named(name string) watermill.LoggerAdapter {
+	return l.With(watermill.LogFields{"component": name})
+}
+
+// find returns the entries whose message contains substr.
+func (l *recLogger) find(level, substr string) []logEntry {
+	r := l.root()
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	var out []logEntry
+	for _, e := range r.entries {
+		if (level == "" || e.Level == level) && strings.Contains(e.Msg, substr) {
+			out = append(out, e)
+		}
+	}
+	return out
+}
+
+// ---------------------------------------------------------------------------
+// rabbitmqctl
+
+func rabbitmqctl(t testing.TB, timeout time.Duration, args ...string) (string, error) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), timeout)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, "rabbitmqctl", args...)
+	cmd.Env = append(os.Environ(), "PATH="+os.Getenv("PATH")+":/usr/sbin:/sbin")
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		return string(out), fmt.Errorf("rabbitmqctl %s: %w: %s", strings.Join(args, " "), err, out)
+	}
+	return string(out), nil
+}
+
+func haveRabbitmqctl(t testing.TB) {
+	t.Helper()
+	if _, err := exec.LookPath("rabbitmqctl"); err != nil {
+		if _, err := os.Stat("/usr/sbin/rabbitmqctl"); err != nil {
+			t.Skip("rabbitmqctl not available")
+		}
+	}
+	if os.Getenv("PATH") != "" && !strings.Contains(os.Getenv("PATH"), "/usr/sbin") {
+		t.Setenv("PATH", os.Getenv("PATH")+":/usr/sbin:/sbin")
+	}
+}
+
+// brokerConnection is one row of rabbitmqctl list_connections.
+type brokerConnection struct {
+	PID      string
+	PeerPort int
+	Name     string
+}
+
+func listConnections(t testing.TB) []brokerConnection {
+	t.Helper()
+	out, err := rabbitmqctl(t, 30*time.Second, "-q", "list_connections", "pid", "peer_port", "client_properties", "--formatter", "json")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var rows []struct {
+		PID              string            `json:"pid"`
+		PeerPort         int               `json:"peer_port"`
+		ClientProperties []json.RawMessage `json:"client_properties"`
+	}
+	if err := json.Unmarshal([]byte(out), &rows); err != nil {
+		t.Fatalf("parsing list_connections: %v\n%s", err, out)
+	}
+	var conns []brokerConnection
+	for _, r := range rows {
+		c := brokerConnection{PID: r.PID, PeerPort: r.PeerPort}
+		// client_properties is a list of [key, type, value] triples.
+		for _, raw := range r.ClientProperties {
+			var triple []any
+			if json.Unmarshal(raw, &triple) == nil && len(triple) == 3 && triple[0] == "connection_name" {
+				c.Name, _ = triple[2].(string)
+			}
+		}
+		conns = append(conns, c)
+	}
+	return conns
+}
