@@ -4,11 +4,12 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"os"
 	"strings"
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/rabbitretry/rabbitretry/internal/brokertest"
 
 	"github.com/ThreeDotsLabs/watermill"
 	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v2/pkg/amqp"
@@ -18,25 +19,6 @@ import (
 
 	"github.com/rabbitretry/rabbitretry/amqpretry"
 )
-
-// e2eURI returns the broker URI, failing under CI=true when the broker is
-// unreachable and skipping otherwise.
-func e2eURI(t testing.TB) string {
-	t.Helper()
-	uri := os.Getenv("AMQP_URI")
-	if uri == "" {
-		uri = "amqp://guest:guest@127.0.0.1:5672/"
-	}
-	conn, err := amqp.DialConfig(uri, amqp.Config{Dial: amqp.DefaultDial(5 * time.Second)})
-	if err != nil {
-		if os.Getenv("CI") == "true" {
-			t.Fatalf("RabbitMQ unreachable at AMQP_URI: %v", err)
-		}
-		t.Skipf("RabbitMQ unreachable (set AMQP_URI): %v", err)
-	}
-	_ = conn.Close()
-	return uri
-}
 
 // forEachQueueType runs f for classic and quorum originating queues.
 func forEachQueueType(t *testing.T, f func(t *testing.T, queueType string)) {
@@ -54,17 +36,6 @@ func fixedBackoff(initial time.Duration) func() backoff.BackOff {
 		b.Multiplier = 2
 		b.MaxElapsedTime = 0
 		return b
-	}
-}
-
-func waitFor(t testing.TB, timeout time.Duration, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(timeout)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out after %v waiting for %s", timeout, what)
-		}
-		time.Sleep(10 * time.Millisecond) // polling interval, not a synchronisation point
 	}
 }
 
@@ -296,3 +267,10 @@ func (r *recorder) get(uuid string) ([]int, []time.Time) {
 }
 
 var errTransient = errors.New("dependency unavailable")
+
+func e2eURI(t testing.TB) string { return brokertest.URI(t) }
+
+func waitFor(t testing.TB, timeout time.Duration, what string, cond func() bool) {
+	t.Helper()
+	brokertest.WaitFor(t, timeout, what, cond)
+}

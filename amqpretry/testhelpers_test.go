@@ -1,81 +1,15 @@
 package amqpretry
 
 import (
-	"crypto/rand"
-	"encoding/hex"
-	"os"
-	"strings"
-	"sync"
 	"testing"
 	"time"
+
+	"github.com/rabbitretry/rabbitretry/internal/brokertest"
 
 	amqp "github.com/rabbitmq/amqp091-go"
 )
 
-const defaultTestAMQPURI = "amqp://guest:guest@127.0.0.1:5672/"
-
-var (
-	brokerOnce sync.Once
-	brokerErr  error
-)
-
-// brokerURI returns $AMQP_URI or the local default. It dials the broker once
-// per test binary; if that failed, the test is skipped, or failed when
-// CI=true (so CI cannot silently skip the integration tests).
-func brokerURI(t testing.TB) string {
-	t.Helper()
-	uri := os.Getenv("AMQP_URI")
-	if uri == "" {
-		uri = defaultTestAMQPURI
-	}
-	brokerOnce.Do(func() {
-		conn, err := amqp.DialConfig(uri, amqp.Config{Dial: amqp.DefaultDial(5 * time.Second)})
-		if err != nil {
-			brokerErr = err
-			return
-		}
-		_ = conn.Close()
-	})
-	if brokerErr != nil {
-		if os.Getenv("CI") == "true" {
-			t.Fatalf("RabbitMQ broker at %s unreachable: %v", redactURI(uri), brokerErr)
-		}
-		t.Skipf("RabbitMQ broker at %s unreachable (set AMQP_URI): %v", redactURI(uri), brokerErr)
-	}
-	return uri
-}
-
-// redactURI hides the password of an AMQP URI for log output.
-func redactURI(uri string) string {
-	u, err := amqp.ParseURI(uri)
-	if err != nil {
-		return "<invalid AMQP URI>"
-	}
-	u.Password = ""
-	return u.String()
-}
-
-// uniqueName returns "<prefix>.<test name>.<random>", safe as an AMQP queue
-// or exchange name (<= 255 bytes) and unique across concurrent test runs.
-func uniqueName(t testing.TB, prefix string) string {
-	t.Helper()
-	var b [6]byte
-	if _, err := rand.Read(b[:]); err != nil {
-		t.Fatalf("rand: %v", err)
-	}
-	name := strings.Map(func(r rune) rune {
-		switch {
-		case r >= 'a' && r <= 'z', r >= 'A' && r <= 'Z', r >= '0' && r <= '9', r == '-', r == '_':
-			return r
-		default:
-			return '_'
-		}
-	}, t.Name())
-	if len(name) > 150 {
-		name = name[:150]
-	}
-	return prefix + "." + name + "." + hex.EncodeToString(b[:])
-}
+const defaultTestAMQPURI = brokertest.DefaultURI
 
 // declareTempQueue declares a non-durable queue named name with args on ch
 // and deletes it in t.Cleanup (over a fresh connection, because ch may be
@@ -172,3 +106,7 @@ func newTestPublisher(t testing.TB, cfg PublisherConfig) *ConfirmPublisher {
 	})
 	return p
 }
+
+func brokerURI(t testing.TB) string { return brokertest.URI(t) }
+
+func uniqueName(t testing.TB, prefix string) string { return brokertest.UniqueName(t, prefix) }

@@ -5,9 +5,10 @@ import (
 	"fmt"
 	"regexp"
 	"slices"
-	"strconv"
 	"sync"
 	"time"
+
+	"github.com/rabbitretry/rabbitretry/middleware"
 
 	"github.com/ThreeDotsLabs/watermill"
 	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v2/pkg/amqp"
@@ -43,25 +44,11 @@ type Naming struct {
 	// their own names. Default "rabbitretry.poison".
 	PoisonExchange string
 	// WaitQueue names Q's wait queue for a delay tier. Default
-	// "<Q>.wait.<tier>" with tier as "500ms", "1s", "2m", "1h".
+	// "<Q>.wait.<tier>" with tier as middleware.FormatDelay renders it:
+	// "500ms", "1s", "2m", "1h".
 	WaitQueue func(queue string, tier time.Duration) string
 	// PoisonQueue names Q's poison queue. Default "<Q>.poison".
 	PoisonQueue func(queue string) string
-}
-
-// FormatTier renders a delay tier compactly for queue names: "250ms", "1s",
-// "90s", "5m", "2h".
-func FormatTier(d time.Duration) string {
-	switch {
-	case d >= time.Hour && d%time.Hour == 0:
-		return strconv.FormatInt(int64(d/time.Hour), 10) + "h"
-	case d >= time.Minute && d%time.Minute == 0:
-		return strconv.FormatInt(int64(d/time.Minute), 10) + "m"
-	case d >= time.Second && d%time.Second == 0:
-		return strconv.FormatInt(int64(d/time.Second), 10) + "s"
-	default:
-		return strconv.FormatInt(d.Milliseconds(), 10) + "ms"
-	}
 }
 
 func (n *Naming) setDefaults() {
@@ -75,7 +62,7 @@ func (n *Naming) setDefaults() {
 		n.PoisonExchange = "rabbitretry.poison"
 	}
 	if n.WaitQueue == nil {
-		n.WaitQueue = func(q string, tier time.Duration) string { return q + ".wait." + FormatTier(tier) }
+		n.WaitQueue = func(q string, tier time.Duration) string { return q + ".wait." + middleware.FormatDelay(tier) }
 	}
 	if n.PoisonQueue == nil {
 		n.PoisonQueue = func(q string) string { return q + ".poison" }

@@ -23,18 +23,6 @@ func TestTierFor(t *testing.T) {
 	}
 }
 
-func TestFormatTier(t *testing.T) {
-	cases := map[time.Duration]string{
-		250 * time.Millisecond: "250ms", time.Second: "1s", 90 * time.Second: "90s", 5 * time.Minute: "5m",
-		2 * time.Hour: "2h", 1500 * time.Millisecond: "1500ms", time.Millisecond: "1ms",
-	}
-	for d, want := range cases {
-		if got := FormatTier(d); got != want {
-			t.Errorf("FormatTier(%v) = %q, want %q", d, got, want)
-		}
-	}
-}
-
 func TestCheckNames(t *testing.T) {
 	n := Naming{}
 	n.setDefaults()

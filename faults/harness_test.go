@@ -707,36 +707,89 @@ func haveRabbitmqctl(t testing.TB) {
 
 // brokerConnection is one row of rabbitmqctl list_connections.
 type brokerConnection struct {
-	PID      string
+	PID      string // as close_connection wants it: <rabbit@host.N.N.N>
 	PeerPort int
-	Name     string
+	Name     string // client-provided connection_name
 }
 
 func listConnections(t testing.TB) []brokerConnection {
 	t.Helper()
-	out, err := rabbitmqctl(t, 30*time.Second, "-q", "list_connections", "pid", "peer_port", "client_properties", "--formatter", "json")
+	// The JSON formatter renders pids as #PID<...>, which close_connection
+	// does not take; the plain one has no parseable client_properties. Use
+	// both, joined on the peer port.
+	out, err := rabbitmqctl(t, 30*time.Second, "-q", "list_connections", "peer_port", "client_properties", "--formatter", "json")
 	if err != nil {
 		t.Fatal(err)
 	}
 	var rows []struct {
-		PID              string            `json:"pid"`
 		PeerPort         int               `json:"peer_port"`
 		ClientProperties []json.RawMessage `json:"client_properties"`
 	}
 	if err := json.Unmarshal([]byte(out), &rows); err != nil {
 		t.Fatalf("parsing list_connections: %v\n%s", err, out)
 	}
-	var conns []brokerConnection
+	names := map[int]string{}
 	for _, r := range rows {
-		c := brokerConnection{PID: r.PID, PeerPort: r.PeerPort}
 		// client_properties is a list of [key, type, value] triples.
 		for _, raw := range r.ClientProperties {
 			var triple []any
 			if json.Unmarshal(raw, &triple) == nil && len(triple) == 3 && triple[0] == "connection_name" {
-				c.Name, _ = triple[2].(string)
+				names[r.PeerPort], _ = triple[2].(string)
 			}
 		}
-		conns = append(conns, c)
+	}
+	plain, err := rabbitmqctl(t, 30*time.Second, "-q", "list_connections", "pid", "peer_port")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var conns []brokerConnection
+	for _, line := range strings.Split(plain, "\n") {
+		f := strings.Fields(line)
+		if len(f) != 2 || !strings.HasPrefix(f[0], "<") {
+			continue
+		}
+		var port int
+		if _, err := fmt.Sscan(f[1], &port); err != nil {
+			continue
+		}
+		conns = append(conns, brokerConnection{PID: f[0], PeerPort: port, Name: names[port]})
 	}
 	return conns
+}
+
+// ownLocalPorts returns the local ports of this process's TCP sockets
+// (from /proc), so a test can tell its own broker connections from those of
+// other processes sharing the broker.
+func ownLocalPorts(t testing.TB) map[int]bool {
+	t.Helper()
+	inodes := map[string]bool{}
+	fds, err := os.ReadDir("/proc/self/fd")
+	if err != nil {
+		t.Skipf("no /proc/self/fd: %v", err)
+	}
+	for _, fd := range fds {
+		link, err := os.Readlink("/proc/self/fd/" + fd.Name())
+		if err == nil && strings.HasPrefix(link, "socket:[") {
+			inodes[strings.TrimSuffix(strings.TrimPrefix(link, "socket:["), "]")] = true
+		}
+	}
+	ports := map[int]bool{}
+	for _, f := range []string{"/proc/self/net/tcp", "/proc/self/net/tcp6"} {
+		b, err := os.ReadFile(f)
+		if err != nil {
+			continue
+		}
+		for _, line := range strings.Split(string(b), "\n")[1:] {
+			fs := strings.Fields(line)
+			if len(fs) < 10 || !inodes[fs[9]] {
+				continue
+			}
+			i := strings.LastIndexByte(fs[1], ':')
+			var port int
+			if _, err := fmt.Sscanf(fs[1][i+1:], "%X", &port); err == nil {
+				ports[port] = true
+			}
+		}
+	}
+	return ports
 }

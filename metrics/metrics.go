@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"math"
 	"regexp"
-	"strconv"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -318,7 +317,7 @@ func (m *Metrics) Middleware(h message.HandlerFunc) message.HandlerFunc {
 // retry_delay_seconds and took in republish_seconds.
 func (m *Metrics) RetryScheduled(msg *message.Message, attempt int, delay, took time.Duration) {
 	q := m.queue(msg)
-	m.retriesScheduled.WithLabelValues(q, FormatTier(m.tier(delay))).Inc()
+	m.retriesScheduled.WithLabelValues(q, middleware.FormatDelay(m.tier(delay))).Inc()
 	m.retryDelay.WithLabelValues(q).Observe(delay.Seconds())
 	m.republish.WithLabelValues(q).Observe(took.Seconds())
 }
@@ -358,22 +357,4 @@ func (m *Metrics) queue(msg *message.Message) string {
 		return q
 	}
 	return UnknownQueue
-}
-
-// FormatTier renders a delay tier as the tier label value: "0ms", "250ms",
-// "1s", "90s", "5m", "2h" (whole hours, minutes or seconds when exact, else
-// milliseconds, rounded down). Negative delays render as "0ms". It matches
-// the wait-queue suffix of amqpretry's default naming.
-func FormatTier(d time.Duration) string {
-	d = max(d, 0)
-	switch {
-	case d >= time.Hour && d%time.Hour == 0:
-		return strconv.FormatInt(int64(d/time.Hour), 10) + "h"
-	case d >= time.Minute && d%time.Minute == 0:
-		return strconv.FormatInt(int64(d/time.Minute), 10) + "m"
-	case d >= time.Second && d%time.Second == 0:
-		return strconv.FormatInt(int64(d/time.Second), 10) + "s"
-	default:
-		return strconv.FormatInt(d.Milliseconds(), 10) + "ms"
-	}
 }

@@ -751,7 +751,7 @@ func sortedCopy(s []string) []string {
 	return c
 }
 
-func TestFormatTier(t *testing.T) {
+func TestFormatDelay(t *testing.T) {
 	for d, want := range map[time.Duration]string{
 		-time.Second:            "0ms",
 		0:                       "0ms",
@@ -762,8 +762,8 @@ func TestFormatTier(t *testing.T) {
 		5 * time.Minute:         "5m",
 		2 * time.Hour:           "2h",
 	} {
-		if got := metrics.FormatTier(d); got != want {
-			t.Errorf("FormatTier(%s) = %q, want %q", d, got, want)
+		if got := middleware.FormatDelay(d); got != want {
+			t.Errorf("FormatDelay(%s) = %q, want %q", d, got, want)
 		}
 	}
 }

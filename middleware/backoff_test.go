@@ -146,3 +146,15 @@ func TestBackoffDelayStop(t *testing.T) {
 		}
 	}
 }
+
+func TestFormatDelay(t *testing.T) {
+	cases := map[time.Duration]string{
+		250 * time.Millisecond: "250ms", time.Second: "1s", 90 * time.Second: "90s", 5 * time.Minute: "5m",
+		2 * time.Hour: "2h", 1500 * time.Millisecond: "1500ms", time.Millisecond: "1ms", -time.Second: "0ms",
+	}
+	for d, want := range cases {
+		if got := middleware.FormatDelay(d); got != want {
+			t.Errorf("FormatDelay(%v) = %q, want %q", d, got, want)
+		}
+	}
+}

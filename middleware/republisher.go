@@ -136,6 +136,24 @@ func (NopObserver) Poisoned(*message.Message, int, string)                      
 func (NopObserver) PoisonFailed(*message.Message, int, error)                          {}
 func (NopObserver) Dropped(*message.Message, int)                                      {}
 
+// FormatDelay renders a delay compactly, as used in wait-queue names and
+// metric labels: "250ms", "1s", "90s", "5m", "2h" (whole hours, minutes or
+// seconds when exact, else milliseconds, rounded down). Negative delays render
+// as "0ms".
+func FormatDelay(d time.Duration) string {
+	d = max(d, 0)
+	switch {
+	case d >= time.Hour && d%time.Hour == 0:
+		return strconv.FormatInt(int64(d/time.Hour), 10) + "h"
+	case d >= time.Minute && d%time.Minute == 0:
+		return strconv.FormatInt(int64(d/time.Minute), 10) + "m"
+	case d >= time.Second && d%time.Second == 0:
+		return strconv.FormatInt(int64(d/time.Second), 10) + "s"
+	default:
+		return strconv.FormatInt(d.Milliseconds(), 10) + "ms"
+	}
+}
+
 // DefaultMaxErrorBytes is the default cap on error text copied into headers.
 const DefaultMaxErrorBytes = 1024
 

@@ -5,17 +5,17 @@ import (
 	"context"
 	"net/http"
 	"net/http/httptest"
-	"os"
 	"strings"
 	"sync"
 	"testing"
 	"time"
 
+	"github.com/rabbitretry/rabbitretry/internal/brokertest"
+
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	amqp "github.com/rabbitmq/amqp091-go"
 
-	"github.com/rabbitretry/rabbitretry/amqpretry"
 	"github.com/rabbitretry/rabbitretry/middleware"
 )
 
@@ -37,22 +37,9 @@ func (s *syncBuffer) String() string {
 	return s.b.String()
 }
 
-// brokerOrSkip skips the test when RabbitMQ does not answer, unless CI=true.
-func brokerOrSkip(t *testing.T, uri string) {
-	t.Helper()
-	conn, err := amqp.DialConfig(uri, amqp.Config{Dial: amqp.DefaultDial(3 * time.Second)})
-	if err != nil {
-		if os.Getenv("CI") == "true" {
-			t.Fatalf("RabbitMQ at %s is unreachable and CI=true: %v", uri, err)
-		}
-		t.Skipf("RabbitMQ at %s is unreachable (run scripts/ensure-broker.sh): %v", uri, err)
-	}
-	_ = conn.Close()
-}
-
 func TestCDNPurgeBurst(t *testing.T) {
 	cfg := defaultConfig()
-	brokerOrSkip(t, cfg.URI)
+	cfg.URI = brokertest.URI(t)
 
 	// Own exchange and queue, so that a concurrent `go run ./examples/cdnpurge`
 	// neither shares the queue nor receives our purge requests.
@@ -76,7 +63,7 @@ func TestCDNPurgeBurst(t *testing.T) {
 		defer ch.Close()
 		queues := []string{cfg.Queue, cfg.Queue + ".poison"}
 		for _, tier := range tiers {
-			queues = append(queues, cfg.Queue+".wait."+amqpretry.FormatTier(tier))
+			queues = append(queues, cfg.Queue+".wait."+middleware.FormatDelay(tier))
 		}
 		for _, q := range queues {
 			_, _ = ch.QueueDelete(q, false, false, false)

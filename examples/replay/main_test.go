@@ -4,11 +4,12 @@ import (
 	"bytes"
 	"context"
 	"fmt"
-	"os"
 	"strings"
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/rabbitretry/rabbitretry/internal/brokertest"
 
 	"github.com/ThreeDotsLabs/watermill"
 	amqp "github.com/rabbitmq/amqp091-go"
@@ -32,22 +33,9 @@ func (s *syncBuffer) String() string {
 	return s.b.String()
 }
 
-// brokerOrSkip skips the test when RabbitMQ does not answer, unless CI=true.
-func brokerOrSkip(t *testing.T, uri string) {
-	t.Helper()
-	conn, err := amqp.DialConfig(uri, amqp.Config{Dial: amqp.DefaultDial(3 * time.Second)})
-	if err != nil {
-		if os.Getenv("CI") == "true" {
-			t.Fatalf("RabbitMQ at %s is unreachable and CI=true: %v", uri, err)
-		}
-		t.Skipf("RabbitMQ at %s is unreachable (run scripts/ensure-broker.sh): %v", uri, err)
-	}
-	_ = conn.Close()
-}
-
 func TestReplayStory(t *testing.T) {
 	cfg := defaultConfig()
-	brokerOrSkip(t, cfg.URI)
+	cfg.URI = brokertest.URI(t)
 
 	// Own queues and exchange, so that a concurrent `go run ./examples/replay`
 	// (or another test run) neither shares the queue nor receives our orders.

@@ -2,70 +2,17 @@ package admin_test
 
 import (
 	"context"
-	"crypto/rand"
-	"encoding/hex"
 	"fmt"
-	"os"
 	"strconv"
-	"strings"
-	"sync"
 	"testing"
 	"time"
+
+	"github.com/rabbitretry/rabbitretry/internal/brokertest"
 
 	amqp "github.com/rabbitmq/amqp091-go"
 )
 
-const defaultTestAMQPURI = "amqp://guest:guest@127.0.0.1:5672/"
-
-var (
-	brokerOnce sync.Once
-	brokerErr  error
-)
-
-// brokerURI returns $AMQP_URI or the local default; it skips the test when
-// the broker is unreachable, or fails it when CI=true.
-func brokerURI(t testing.TB) string {
-	t.Helper()
-	uri := os.Getenv("AMQP_URI")
-	if uri == "" {
-		uri = defaultTestAMQPURI
-	}
-	brokerOnce.Do(func() {
-		conn, err := amqp.DialConfig(uri, amqp.Config{Dial: amqp.DefaultDial(5 * time.Second)})
-		if err != nil {
-			brokerErr = err
-			return
-		}
-		_ = conn.Close()
-	})
-	if brokerErr != nil {
-		if os.Getenv("CI") == "true" {
-			t.Fatalf("RabbitMQ broker unreachable: %v", brokerErr)
-		}
-		t.Skipf("RabbitMQ broker unreachable (set AMQP_URI): %v", brokerErr)
-	}
-	return uri
-}
-
-func uniqueName(t testing.TB, prefix string) string {
-	t.Helper()
-	var b [6]byte
-	if _, err := rand.Read(b[:]); err != nil {
-		t.Fatal(err)
-	}
-	name := strings.Map(func(r rune) rune {
-		switch {
-		case r >= 'a' && r <= 'z', r >= 'A' && r <= 'Z', r >= '0' && r <= '9', r == '-', r == '_':
-			return r
-		default:
-			return '_'
-		}
-	}, t.Name())
-	if len(name) > 100 {
-		name = name[:100]
-	}
-	return prefix + "." + name + "." + hex.EncodeToString(b[:])
-}
+const defaultTestAMQPURI = brokertest.DefaultURI
 
 const loopBack = "rabbitretry.loopback"
 
@@ -235,3 +182,7 @@ func uuidOf(d amqp.Delivery) string {
 	s, _ := d.Headers["_watermill_message_uuid"].(string)
 	return s
 }
+
+func brokerURI(t testing.TB) string { return brokertest.URI(t) }
+
+func uniqueName(t testing.TB, prefix string) string { return brokertest.UniqueName(t, prefix) }

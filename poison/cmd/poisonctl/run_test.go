@@ -8,46 +8,16 @@ import (
 	"encoding/json"
 	"flag"
 	"fmt"
-	"os"
 	"strings"
-	"sync"
 	"testing"
 	"time"
+
+	"github.com/rabbitretry/rabbitretry/internal/brokertest"
 
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitretry/rabbitretry/poison/admin"
 )
-
-var (
-	brokerOnce sync.Once
-	brokerErr  error
-)
-
-// brokerURI returns $AMQP_URI or the local default; it skips the test when
-// the broker is unreachable, or fails it when CI=true.
-func brokerURI(t *testing.T) string {
-	t.Helper()
-	uri := os.Getenv("AMQP_URI")
-	if uri == "" {
-		uri = "amqp://guest:guest@127.0.0.1:5672/"
-	}
-	brokerOnce.Do(func() {
-		conn, err := amqp.DialConfig(uri, amqp.Config{Dial: amqp.DefaultDial(5 * time.Second)})
-		if err != nil {
-			brokerErr = err
-			return
-		}
-		_ = conn.Close()
-	})
-	if brokerErr != nil {
-		if os.Getenv("CI") == "true" {
-			t.Fatalf("RabbitMQ broker unreachable: %v", brokerErr)
-		}
-		t.Skipf("RabbitMQ broker unreachable (set AMQP_URI): %v", brokerErr)
-	}
-	return uri
-}
 
 func uniqueName(t *testing.T) string {
 	var b [6]byte
@@ -329,3 +299,5 @@ func TestTruncate(t *testing.T) {
 		t.Fatalf("oneLine = %q", got)
 	}
 }
+
+func brokerURI(t *testing.T) string { return brokertest.URI(t) }

@@ -1,0 +1,144 @@
+package faults
+
+import (
+	"errors"
+	"math/rand/v2"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/rabbitretry/rabbitretry/amqpretry"
+	"github.com/rabbitretry/rabbitretry/middleware"
+)
+
+var errTransient = errors.New("dependency unavailable")
+
+func forEachQueueType(t *testing.T, f func(t *testing.T, queueType string)) {
+	for _, qt := range []string{amqpretry.QueueTypeClassic, amqpretry.QueueTypeQuorum} {
+		t.Run(qt, func(t *testing.T) { f(t, qt) })
+	}
+}
+
+// transientPlan gives each UUID a number of transient failures before it
+// succeeds: percent% of them fail once or twice, the others never.
+func transientPlan(uuids []string, percent int, seed uint64) map[string]int {
+	rng := rand.New(rand.NewPCG(seed, 0x5eed))
+	plan := make(map[string]int, len(uuids))
+	for _, u := range uuids {
+		if rng.IntN(100) < percent {
+			plan[u] = 1 + rng.IntN(2)
+		} else {
+			plan[u] = 0
+		}
+	}
+	return plan
+}
+
+// planHandler fails a message while its attempt number is within its plan,
+// then records a success.
+func planHandler(l *ledger, plan map[string]int, work time.Duration) message.NoPublishHandlerFunc {
+	return func(msg *message.Message) error {
+		a := middleware.Attempt(msg)
+		l.attempt(msg.UUID, a)
+		if work > 0 {
+			time.Sleep(work) // simulated work, keeps the storm going long enough to be interrupted
+		}
+		if a <= plan[msg.UUID] {
+			return errTransient
+		}
+		l.success(msg.UUID)
+		return nil
+	}
+}
+
+// restartBrokerApp stops and starts the RabbitMQ application (the Erlang
+// node stays up): every connection is closed, durable queues and persistent
+// messages are recovered.
+func restartBrokerApp(t *testing.T) {
+	t.Helper()
+	start := time.Now()
+	if _, err := rabbitmqctl(t, 2*time.Minute, "-q", "stop_app"); err != nil {
+		t.Fatal(err)
+	}
+	stopped := time.Since(start)
+	if _, err := rabbitmqctl(t, 3*time.Minute, "-q", "start_app"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := rabbitmqctl(t, 3*time.Minute, "-q", "await_startup", "--timeout", "170"); err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("broker app restarted (stop %v, total %v)", stopped.Round(time.Millisecond), time.Since(start).Round(time.Millisecond))
+}
+
+// ensureBrokerApp starts the app if a failed test left it stopped.
+func ensureBrokerApp(t *testing.T) {
+	if _, err := rabbitmqctl(t, 30*time.Second, "-q", "check_running"); err == nil {
+		return
+	}
+	if _, err := rabbitmqctl(t, 3*time.Minute, "-q", "start_app"); err != nil {
+		t.Errorf("could not restart the broker app: %v (run scripts/ensure-broker.sh)", err)
+		return
+	}
+	_, _ = rabbitmqctl(t, 3*time.Minute, "-q", "await_startup", "--timeout", "170")
+}
+
+// 2,000 persistent messages, 30% failing transiently once or twice; the
+// broker app is restarted twice while retries wait in the wait queues. The
+// watermill-amqp subscriber reconnects and redeclares the topology, the
+// ConfirmPublisher redials on its next publish, and every message ends
+// handled (at-least-once: duplicates are counted, not failures).
+func TestBrokerRestartMidStorm(t *testing.T) {
+	requireDisruptive(t)
+	haveRabbitmqctl(t)
+	forEachQueueType(t, func(t *testing.T, qt string) {
+		e := newEnv(t, qt)
+		t.Cleanup(func() { ensureBrokerApp(t) })
+		const n = 2000
+		uuids, ps := newMessages(n, nil)
+		plan := transientPlan(uuids, 30, 1)
+		l := newLedger()
+		e.declare()
+		e.publish(ps...)
+		e.start(planHandler(l, plan, 2*time.Millisecond))
+
+		waitingAt := func() int {
+			sum := 0
+			for _, wq := range e.waitQueues() {
+				sum += max(e.depth(wq), 0)
+			}
+			return sum
+		}
+		progress := func(min int) {
+			t.Helper()
+			waitFor(t, 2*time.Minute, "storm progress", func() bool { return l.handled() >= min })
+		}
+		progress(n / 5)
+		inFlight := []int{waitingAt()}
+		handledAt := []int{l.handled()}
+		restartBrokerApp(t)
+		progress(l.handled() + n/5)
+		inFlight = append(inFlight, waitingAt())
+		handledAt = append(handledAt, l.handled())
+		restartBrokerApp(t)
+		t.Logf("before the restarts: %v retries in wait queues, %v messages handled", inFlight, handledAt)
+		if inFlight[0]+inFlight[1] == 0 || handledAt[1] >= n {
+			t.Errorf("the restarts did not hit the storm (waiting %v, handled %v)", inFlight, handledAt)
+		}
+
+		settled := e.settle(n, l.handled, 3*time.Minute)
+		e.stop()
+		poisoned, _ := e.poisoned()
+		acc := account(t, uuids, l.successes(), poisoned)
+		if !settled {
+			t.Errorf("messages did not settle within 3 min")
+		}
+		e.checkEmpty()
+		if acc.Poisoned != 0 {
+			t.Errorf("%d messages poisoned; each fails at most twice with 5 attempts", acc.Poisoned)
+		}
+		if got := len(e.logs.find("error", "Received close notification from AMQP, reconnecting")); got == 0 {
+			t.Errorf("the subscriber never logged a reconnect")
+		}
+	})
+}

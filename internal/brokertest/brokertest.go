@@ -1,0 +1,96 @@
+// Package brokertest holds the helpers the project's tests share for talking
+// to a real RabbitMQ broker.
+package brokertest
+
+import (
+	"crypto/rand"
+	"encoding/hex"
+	"os"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+)
+
+// DefaultURI is used when AMQP_URI is unset.
+const DefaultURI = "amqp://guest:guest@127.0.0.1:5672/"
+
+var (
+	once    sync.Once
+	dialErr error
+)
+
+// URI returns $AMQP_URI or DefaultURI. It dials the broker once per test
+// binary (5 s timeout); if that failed, the test fails when CI=true (so CI
+// never skips the integration tests silently) and is skipped otherwise.
+func URI(t testing.TB) string {
+	t.Helper()
+	uri := os.Getenv("AMQP_URI")
+	if uri == "" {
+		uri = DefaultURI
+	}
+	once.Do(func() {
+		conn, err := amqp.DialConfig(uri, amqp.Config{Dial: amqp.DefaultDial(5 * time.Second)})
+		if err != nil {
+			dialErr = err
+			return
+		}
+		_ = conn.Close()
+	})
+	if dialErr != nil {
+		if os.Getenv("CI") == "true" {
+			t.Fatalf("RabbitMQ broker at %s unreachable: %v", RedactURI(uri), dialErr)
+		}
+		t.Skipf("RabbitMQ broker at %s unreachable (set AMQP_URI, or run `make broker`): %v", RedactURI(uri), dialErr)
+	}
+	return uri
+}
+
+// RedactURI hides the password of an AMQP URI for log output.
+func RedactURI(uri string) string {
+	u, err := amqp.ParseURI(uri)
+	if err != nil {
+		return "<invalid AMQP URI>"
+	}
+	u.Password = ""
+	return u.String()
+}
+
+// UniqueName returns "<prefix>.<test name>.<random hex>", safe as a queue or
+// exchange name (the test name part is cut to 100 bytes) and unique across
+// concurrent test runs.
+func UniqueName(t testing.TB, prefix string) string {
+	t.Helper()
+	var b [6]byte
+	if _, err := rand.Read(b[:]); err != nil {
+		t.Fatalf("rand: %v", err)
+	}
+	name := strings.Map(func(r rune) rune {
+		switch {
+		case r >= 'a' && r <= 'z', r >= 'A' && r <= 'Z', r >= '0' && r <= '9', r == '-', r == '_':
+			return r
+		default:
+			return '_'
+		}
+	}, t.Name())
+	if len(name) > 100 {
+		name = name[:100]
+	}
+	return prefix + "." + name + "." + hex.EncodeToString(b[:])
+}
+
+// WaitFor polls cond every 10 ms until it is true, failing the test after
+// timeout with "timed out waiting for <what>". The polling interval is not a
+// synchronisation point: only cond decides.
+func WaitFor(t testing.TB, timeout time.Duration, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(timeout)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out after %v waiting for %s", timeout, what)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
