@@ -130,7 +130,8 @@ func (s *story) done() bool {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	for id := range s.published {
-		if s.mailed[id]+len(s.poisoned[id])/max(len(s.poisoned[id]), 1) == 0 || s.billed[id] == 0 {
+		_, poisoned := s.poisoned[id]
+		if (s.mailed[id] == 0 && !poisoned) || s.billed[id] == 0 {
 			return false
 		}
 	}
