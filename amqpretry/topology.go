@@ -83,6 +83,7 @@ type DeclareError struct {
 	Err      error
 }
 
+// Error names the declared object, the conflicting argument if known, and the broker error.
 func (e *DeclareError) Error() string {
 	if e.Argument != "" {
 		return fmt.Sprintf("amqpretry: declaring %s %q: argument %s conflicts with the existing %s (delete it or align its arguments): %v",
@@ -90,6 +91,8 @@ func (e *DeclareError) Error() string {
 	}
 	return fmt.Sprintf("amqpretry: declaring %s %q: %v", e.Kind, e.Name, e.Err)
 }
+
+// Unwrap returns the broker error (an *amqp.Error for a refused declare).
 func (e *DeclareError) Unwrap() error { return e.Err }
 
 var inequivalentArg = regexp.MustCompile(`inequivalent arg '([^']+)'`)

@@ -98,9 +98,12 @@ type RetryAfterError struct {
 	After time.Duration
 }
 
+// Error returns the wrapped error text with the requested delay.
 func (e *RetryAfterError) Error() string {
 	return fmt.Sprintf("%v (retry after %s)", e.Err, e.After)
 }
+
+// Unwrap returns the wrapped handler error.
 func (e *RetryAfterError) Unwrap() error { return e.Err }
 
 // RetryAfter wraps err with a handler-chosen delay d (time.Duration, must be
@@ -186,7 +189,10 @@ type ClassifiedError struct {
 	Classification
 }
 
+// Error returns the handler error's text unchanged.
 func (e *ClassifiedError) Error() string { return e.Err.Error() }
+
+// Unwrap returns the handler error.
 func (e *ClassifiedError) Unwrap() error { return e.Err }
 
 // ClassifierConfig configures a Classifier.

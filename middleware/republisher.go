@@ -60,9 +60,12 @@ type ExhaustedError struct {
 	Attempts int
 }
 
+// Error says how many attempts were made and why the last failed.
 func (e *ExhaustedError) Error() string {
 	return fmt.Sprintf("gave up after %d attempts: %v", e.Attempts, e.Err)
 }
+
+// Unwrap returns the last handler error.
 func (e *ExhaustedError) Unwrap() error { return e.Err }
 
 // ScheduleError is returned when the Delayer could not hold the retry copy.
@@ -75,9 +78,12 @@ type ScheduleError struct {
 	Attempt    int
 }
 
+// Error describes both the scheduling failure and the handler error.
 func (e *ScheduleError) Error() string {
 	return fmt.Sprintf("scheduling retry after attempt %d failed: %v (handler error: %v)", e.Attempt, e.Err, e.HandlerErr)
 }
+
+// Unwrap returns the Delayer's error.
 func (e *ScheduleError) Unwrap() error { return e.Err }
 
 // DefaultBackoff returns the default policy: exponential from 1 s, factor 2,
@@ -130,11 +136,20 @@ type Observer interface {
 // NopObserver implements Observer and does nothing.
 type NopObserver struct{}
 
+// RetryScheduled does nothing.
 func (NopObserver) RetryScheduled(*message.Message, int, time.Duration, time.Duration) {}
-func (NopObserver) RetryFailed(*message.Message, int, error)                           {}
-func (NopObserver) Poisoned(*message.Message, int, string)                             {}
-func (NopObserver) PoisonFailed(*message.Message, int, error)                          {}
-func (NopObserver) Dropped(*message.Message, int)                                      {}
+
+// RetryFailed does nothing.
+func (NopObserver) RetryFailed(*message.Message, int, error) {}
+
+// Poisoned does nothing.
+func (NopObserver) Poisoned(*message.Message, int, string) {}
+
+// PoisonFailed does nothing.
+func (NopObserver) PoisonFailed(*message.Message, int, error) {}
+
+// Dropped does nothing.
+func (NopObserver) Dropped(*message.Message, int) {}
 
 // FormatDelay renders a delay compactly, as used in wait-queue names and
 // metric labels: "250ms", "1s", "90s", "5m", "2h" (whole hours, minutes or

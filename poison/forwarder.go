@@ -134,9 +134,12 @@ type PoisonError struct {
 	HandlerErr error
 }
 
+// Error describes both the publish failure and the handler error.
 func (e *PoisonError) Error() string {
 	return fmt.Sprintf("publishing to the poison queue failed: %v (handler error: %v)", e.Err, e.HandlerErr)
 }
+
+// Unwrap returns the publisher's error.
 func (e *PoisonError) Unwrap() error { return e.Err }
 
 // Middleware forwards messages whose handler error passes ShouldPoison to the
