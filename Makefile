@@ -6,7 +6,7 @@ GOFMT ?= gofmt
 export PATH := $(PATH):/usr/local/go/bin
 SHELL := /bin/bash
 
-.PHONY: all broker test demo bench fuzz lint
+.PHONY: all broker test test-faults demo bench fuzz lint
 
 all: lint test
 
@@ -16,6 +16,11 @@ broker:
 test: broker
 	$(GO) vet ./...
 	$(GO) test -race -count=1 -timeout 15m ./...
+
+# Fault tests that stop and restart the broker's app: nothing else may use the
+# broker meanwhile, so they run alone (-p 1), after `make test`.
+test-faults: broker
+	RABBITRETRY_FAULTS=1 $(GO) test -race -count=1 -p 1 -timeout 20m -run 'TestBrokerRestartMidStorm' -v ./faults/
 
 demo: broker
 	$(GO) run ./examples/quickstart

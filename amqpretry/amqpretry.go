@@ -297,7 +297,9 @@ type Delayer struct {
 	logger    watermill.LoggerAdapter
 }
 
-// Schedule publishes msg to its wait queue and waits for the confirm. The
+// Schedule publishes msg to its wait queue and waits for the confirm. A copy
+// whose headers exceed MaxCopyHeaderBytes is refused with an error wrapping
+// middleware.ErrCannotDelay (the message is then poisoned). The
 // tier is TierFor(delay), or, when ctx carries a middleware.MinimumDelay (a
 // handler's RetryAfter), the smallest tier at or above it. If the
 // wait queue or exchange is missing (returned as unroutable, or 404
@@ -325,6 +327,10 @@ func (d *Delayer) Schedule(ctx context.Context, msg *message.Message, delay time
 	if err != nil {
 		return fmt.Errorf("amqpretry: marshaling retry copy: %w", err)
 	}
+	if n := encodedHeaderBytes(p.Headers); n > MaxCopyHeaderBytes {
+		return fmt.Errorf("%w: the retry copy's headers take about %d bytes, more than the %d that stay deliverable once the broker adds x-death",
+			middleware.ErrCannotDelay, n, MaxCopyHeaderBytes)
+	}
 	pctx := context.WithoutCancel(ctx)
 	wq := d.topology.naming.WaitQueue(q, tier)
 	err = d.publisher.PublishRaw(pctx, d.topology.naming.WaitExchange, wq, p)
@@ -347,7 +353,8 @@ func topologyMissing(err error) bool {
 }
 
 // poisonPublisher publishes to the poison exchange with confirms; the topic is
-// the poison queue name (its binding key). If the poison queue is missing, it
+// the poison queue name (its binding key). A copy too large for a frame loses
+// its largest user headers first (fitHeaders). If the poison queue is missing, it
 // redeclares the originating queue's topology (named by OriginalQueueKey) and
 // tries once more; a failure is returned, so the original is nacked.
 type poisonPublisher struct {
@@ -364,6 +371,7 @@ func (p *poisonPublisher) Publish(topic string, msgs ...*message.Message) error 
 		if err != nil {
 			return fmt.Errorf("amqpretry: marshaling poison copy: %w", err)
 		}
+		fitHeaders(&pub)
 		ps = append(ps, pub)
 	}
 	ex := p.topology.naming.PoisonExchange

@@ -1,6 +1,7 @@
 package amqpretry
 
 import (
+	"errors"
 	"fmt"
 	"maps"
 	"sort"
@@ -14,6 +15,11 @@ import (
 
 	"github.com/rabbitretry/rabbitretry/middleware"
 )
+
+// ErrEmptyDelivery is returned by Marshaler.Unmarshal for a zero
+// amqp.Delivery (no acknowledger, tag, headers or body), which watermill-amqp
+// v2.1.3 can read from a consumer channel closed under it.
+var ErrEmptyDelivery = errors.New("amqpretry: empty delivery from a closed channel")
 
 // DefaultMaxHeaderBytes is the default of Marshaler.MaxHeaderBytes: 16 KiB.
 //
@@ -117,6 +123,13 @@ func (m Marshaler) uuidHeaderKey() string {
 //
 // It returns an error only if Inner does.
 func (m Marshaler) Unmarshal(d amqp.Delivery) (*message.Message, error) {
+	if d.Acknowledger == nil && d.DeliveryTag == 0 && d.Headers == nil && d.Body == nil {
+		// The zero Delivery that watermill-amqp v2.1.3 can read from a closed
+		// deliveries channel: nobody published it. Refusing it makes the
+		// subscriber's nack fail and reconnect, instead of handing the handler a
+		// phantom message that a failure would republish for real.
+		return nil, ErrEmptyDelivery
+	}
 	if onlyPlainStringHeaders(d.Headers) {
 		// Fast path (the common case: no broker header, nothing to convert):
 		// no copy of the headers.

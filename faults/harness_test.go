@@ -20,6 +20,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"maps"
 	"os"
 	"os/exec"
 	"slices"
@@ -270,7 +271,7 @@ func (a *admin) publish(exchange, key string, ps ...amqp.Publishing) {
 	}
 }
 
-// deleteQueues deletes queues and exchanges, ignoring errors (cleanup).
+// deleteAll deletes queues and exchanges, ignoring errors (cleanup).
 func (a *admin) deleteAll(queues, exchanges []string) {
 	c, err := a.connection()
 	if err != nil {
@@ -332,6 +333,8 @@ func newEnv(t *testing.T, queueType string, opts ...envOption) *env {
 	subCfg.Exchange = wamqp.ExchangeConfig{GenerateName: func(string) string { return e.exchange }, Type: "direct", Durable: true}
 	subCfg.QueueBind = wamqp.QueueBindConfig{GenerateRoutingKey: func(string) string { return routingKey }}
 	subCfg.Consume.Qos.PrefetchCount = 16
+	// Named, so a test can find it in rabbitmqctl list_connections.
+	subCfg.Connection.AmqpConfig = &amqp.Config{Properties: amqp.Table{"connection_name": prefix + ".subscriber"}}
 	// Reconnect quickly after a broker restart (default backoff grows to 60 s).
 	subCfg.Connection.Reconnect = &wamqp.ReconnectConfig{
 		BackoffInitialInterval: 200 * time.Millisecond, BackoffRandomizationFactor: 0.2,
@@ -524,6 +527,20 @@ type ledger struct {
 	mu       sync.Mutex
 	ok       map[string]int // successful handler returns
 	attempts map[string][]int
+	phantoms []string // deliveries of messages nobody published (see TestSubscriberConnectionDrop)
+}
+
+// phantom records a delivery of a message that was never published.
+func (l *ledger) phantom(msg *message.Message) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.phantoms = append(l.phantoms, fmt.Sprintf("uuid=%q payload=%dB attempt=%s", msg.UUID, len(msg.Payload), msg.Metadata.Get("rabbitretry-attempt")))
+}
+
+func (l *ledger) phantomDeliveries() []string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return slices.Clone(l.phantoms)
 }
 
 func newLedger() *ledger { return &ledger{ok: map[string]int{}, attempts: map[string][]int{}} }
@@ -559,13 +576,7 @@ func (l *ledger) attemptsOf(uuid string) []int {
 	return slices.Clone(l.attempts[uuid])
 }
 
-func cloneMap(m map[string]int) map[string]int {
-	c := make(map[string]int, len(m))
-	for k, v := range m {
-		c[k] = v
-	}
-	return c
-}
+func cloneMap(m map[string]int) map[string]int { return maps.Clone(m) }
 
 // accounting is the outcome of one scenario.
 type accounting struct {
@@ -684,8 +695,11 @@ func rabbitmqctl(t testing.TB, timeout time.Duration, args ...string) (string, e
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), timeout)
 	defer cancel()
-	cmd := exec.CommandContext(ctx, "rabbitmqctl", args...)
-	cmd.Env = append(os.Environ(), "PATH="+os.Getenv("PATH")+":/usr/sbin:/sbin")
+	bin, err := exec.LookPath("rabbitmqctl")
+	if err != nil {
+		bin = "/usr/sbin/rabbitmqctl" // Debian; not on every non-login PATH
+	}
+	cmd := exec.CommandContext(ctx, bin, args...)
 	out, err := cmd.CombinedOutput()
 	if err != nil {
 		return string(out), fmt.Errorf("rabbitmqctl %s: %w: %s", strings.Join(args, " "), err, out)

@@ -1,8 +1,10 @@
 package faults
 
 import (
+	"context"
 	"errors"
 	"math/rand/v2"
+	"os/exec"
 	"testing"
 	"time"
 
@@ -36,19 +38,38 @@ func transientPlan(uuids []string, percent int, seed uint64) map[string]int {
 }
 
 // planHandler fails a message while its attempt number is within its plan,
-// then records a success.
-func planHandler(l *ledger, plan map[string]int, work time.Duration) message.NoPublishHandlerFunc {
+// then records a success. A message that is not in the plan (never
+// published: a phantom delivery) is recorded as such and gets phantomErr.
+func planHandler(l *ledger, plan func(uuid string) (int, bool), work time.Duration, phantomErr error) message.NoPublishHandlerFunc {
 	return func(msg *message.Message) error {
+		failures, known := plan(msg.UUID)
+		if !known {
+			l.phantom(msg)
+			return phantomErr
+		}
 		a := middleware.Attempt(msg)
 		l.attempt(msg.UUID, a)
 		if work > 0 {
 			time.Sleep(work) // simulated work, keeps the storm going long enough to be interrupted
 		}
-		if a <= plan[msg.UUID] {
+		if a <= failures {
 			return errTransient
 		}
 		l.success(msg.UUID)
 		return nil
+	}
+}
+
+func staticPlan(plan map[string]int) func(string) (int, bool) {
+	return func(u string) (int, bool) { f, ok := plan[u]; return f, ok }
+}
+
+// reportPhantoms logs phantom deliveries (messages nobody published that
+// reached the handler); see TestSubscriberConnectionDrop for the cause.
+func reportPhantoms(t *testing.T, l *ledger) {
+	t.Helper()
+	if ph := l.phantomDeliveries(); len(ph) > 0 {
+		t.Logf("PHANTOM deliveries reached the handler %d time(s) (acked, not republished here; see TestSubscriberConnectionDrop): %v", len(ph), ph[:min(len(ph), 5)])
 	}
 }
 
@@ -73,7 +94,9 @@ func restartBrokerApp(t *testing.T) {
 
 // ensureBrokerApp starts the app if a failed test left it stopped.
 func ensureBrokerApp(t *testing.T) {
-	if _, err := rabbitmqctl(t, 30*time.Second, "-q", "check_running"); err == nil {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if exec.CommandContext(ctx, "rabbitmq-diagnostics", "-q", "check_running").Run() == nil {
 		return
 	}
 	if _, err := rabbitmqctl(t, 3*time.Minute, "-q", "start_app"); err != nil {
@@ -100,7 +123,7 @@ func TestBrokerRestartMidStorm(t *testing.T) {
 		l := newLedger()
 		e.declare()
 		e.publish(ps...)
-		e.start(planHandler(l, plan, 2*time.Millisecond))
+		e.start(planHandler(l, staticPlan(plan), 2*time.Millisecond, nil))
 
 		waitingAt := func() int {
 			sum := 0
@@ -117,7 +140,7 @@ func TestBrokerRestartMidStorm(t *testing.T) {
 		inFlight := []int{waitingAt()}
 		handledAt := []int{l.handled()}
 		restartBrokerApp(t)
-		progress(l.handled() + n/5)
+		progress(min(l.handled()+n/5, n-n/10))
 		inFlight = append(inFlight, waitingAt())
 		handledAt = append(handledAt, l.handled())
 		restartBrokerApp(t)
@@ -130,6 +153,7 @@ func TestBrokerRestartMidStorm(t *testing.T) {
 		e.stop()
 		poisoned, _ := e.poisoned()
 		acc := account(t, uuids, l.successes(), poisoned)
+		reportPhantoms(t, l)
 		if !settled {
 			t.Errorf("messages did not settle within 3 min")
 		}

@@ -48,6 +48,8 @@ const (
 	ClassRetryAfter = "retry-after"
 	ClassDropped    = "dropped"
 	ClassExhausted  = "exhausted"
+	// ClassUndelayable: the Delayer refused the copy with ErrCannotDelay.
+	ClassUndelayable = "undelayable"
 )
 
 type permanentError struct{ err error }

@@ -68,6 +68,12 @@ func (e *ExhaustedError) Error() string {
 // Unwrap returns the last handler error.
 func (e *ExhaustedError) Unwrap() error { return e.Err }
 
+// ErrCannotDelay marks a Delayer error that no later attempt can fix, e.g. a
+// copy too large to be republished and delivered. The republisher then sends
+// the message to the poison queue (class "undelayable") instead of nacking
+// it, which would only bring the same message back.
+var ErrCannotDelay = errors.New("message cannot be scheduled for retry")
+
 // ScheduleError is returned when the Delayer could not hold the retry copy.
 // The message is then nacked, never acked: with amqpretry the broker
 // dead-letters it into the wait path (see "Dead Letter Exchanges"); with
@@ -341,7 +347,14 @@ func (r *Republisher) onFailure(msg *message.Message, err error) error {
 		schedCtx = WithMinimumDelay(ctx, cl.Delay)
 	}
 	start := time.Now()
-	if serr := r.cfg.Delayer.Schedule(schedCtx, retry, delay); serr != nil {
+	if serr := r.cfg.Delayer.Schedule(schedCtx, retry, delay); errors.Is(serr, ErrCannotDelay) {
+		// Retrying cannot work for this message: poison it rather than nack it.
+		r.cfg.Observer.RetryFailed(msg, attempt, serr)
+		return &ClassifiedError{
+			Err:            fmt.Errorf("%w (and no retry is possible: %v)", err, serr),
+			Classification: Classification{Action: ActionPoison, Class: ClassUndelayable},
+		}
+	} else if serr != nil {
 		// Not scheduled: never ack. The nack hands the message back to the broker.
 		r.cfg.Observer.RetryFailed(msg, attempt, serr)
 		r.cfg.Logger.Error("Retry not scheduled; nacking message", serr, watermill.LogFields{

@@ -1,0 +1,213 @@
+package faults
+
+import (
+	"errors"
+	"slices"
+	"sync"
+	"testing"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/rabbitretry/rabbitretry/amqpretry"
+)
+
+// storm configures runStorm.
+type storm struct {
+	// pause between waves of 50 messages.
+	pause time.Duration
+	// phantomErr is what the handler returns for a message nobody
+	// published (nil: ack it).
+	phantomErr error
+	// work is the simulated handler work per attempt.
+	work time.Duration
+	// allowPhantoms logs phantom deliveries instead of failing the test.
+	allowPhantoms bool
+}
+
+// runStorm runs a storm: waves of 50 messages, 30% of them failing
+// transiently once or twice, every pause. Once 150 messages are handled it
+// calls inject, with the waves still coming; it publishes 6 more waves after
+// inject returned, then checks the accounting: everything handled, nothing
+// poisoned, nothing left behind.
+func runStorm(t *testing.T, e *env, cfg storm, inject func(l *ledger)) (accounting, *ledger) {
+	t.Helper()
+	const wave = 50
+	l := newLedger()
+	var (
+		mu      sync.Mutex
+		plan    = map[string]int{}
+		uuids   []string
+		seed    uint64
+		injectD = make(chan struct{})
+	)
+	e.declare()
+	e.start(planHandler(l, func(u string) (int, bool) {
+		mu.Lock()
+		defer mu.Unlock()
+		f, ok := plan[u]
+		return f, ok
+	}, cfg.work, cfg.phantomErr))
+	pubDone := make(chan struct{})
+	go func() {
+		defer close(pubDone)
+		after := 0
+		for after < 6 {
+			select {
+			case <-injectD:
+				after++
+			default:
+			}
+			us, ps := newMessages(wave, nil)
+			seed++
+			mu.Lock()
+			for u, f := range transientPlan(us, 30, seed) {
+				plan[u] = f
+			}
+			uuids = append(uuids, us...)
+			mu.Unlock()
+			e.publish(ps...)
+			time.Sleep(cfg.pause)
+		}
+	}()
+	waitFor(t, 60*time.Second, "150 messages handled", func() bool { return l.handled() >= 150 })
+	inject(l)
+	close(injectD)
+	<-pubDone
+	mu.Lock()
+	published := slices.Clone(uuids)
+	mu.Unlock()
+	settled := e.settle(len(published), l.handled, 90*time.Second)
+	e.stop()
+	poisoned, _ := e.poisoned()
+	acc := account(t, published, l.successes(), poisoned)
+	if !settled {
+		t.Errorf("messages did not settle within 90 s")
+	}
+	e.checkEmpty()
+	if acc.Poisoned != 0 {
+		t.Errorf("%d messages poisoned; each fails at most twice with 5 attempts", acc.Poisoned)
+	}
+	if ph := l.phantomDeliveries(); len(ph) > 0 && !cfg.allowPhantoms {
+		t.Errorf("%d phantom deliveries (messages nobody published) reached the handler: %v", len(ph), ph[:min(len(ph), 5)])
+	}
+	return acc, l
+}
+
+// The retry publish cannot reach its destination under load: the wait queue
+// or the wait exchange is deleted, the retry publisher is closed, or its
+// connection is closed by the broker. Every message still ends handled: the
+// Delayer redeclares a missing topology and publishes again; when the
+// publish fails anyway the message is nacked (never acked) and the broker's
+// dead-letter path brings it back. The failure is logged.
+func TestRepublishFails(t *testing.T) {
+	t.Run("DeleteWaitQueue", func(t *testing.T) {
+		e := newEnv(t, "classic")
+		runStorm(t, e, storm{pause: 500 * time.Millisecond}, func(l *ledger) {
+			wq := e.waitQueues()[0]
+			// Delete it only while empty (the waves leave gaps longer than
+			// its 200 ms TTL): deleting a queue that holds messages destroys
+			// them, an operator's loss, not the library's.
+			ok := poll(20*time.Second, func() bool {
+				ch := e.admin.channel()
+				defer ch.Close()
+				_, err := ch.QueueDelete(wq, false, true, false)
+				return err == nil
+			})
+			if !ok {
+				t.Fatalf("wait queue %s never empty enough to delete", wq)
+			}
+			t.Logf("deleted %s", wq)
+		})
+		entries := e.logs.find("error", "Retry publish found no wait queue; redeclaring topology")
+		if len(entries) == 0 {
+			t.Fatalf("no redeclare logged after the wait queue was deleted")
+		}
+		if !errors.Is(entries[0].Err, amqpretry.ErrUnroutable) {
+			t.Errorf("logged error %v, want ErrUnroutable", entries[0].Err)
+		}
+		t.Logf("redeclares logged: %d (first: %v)", len(entries), entries[0].Err)
+	})
+
+	t.Run("DeleteWaitExchange", func(t *testing.T) {
+		e := newEnv(t, "classic")
+		runStorm(t, e, storm{pause: 150 * time.Millisecond}, func(l *ledger) {
+			ch := e.admin.channel()
+			defer ch.Close()
+			if err := ch.ExchangeDelete(e.naming.WaitExchange, false, false); err != nil {
+				t.Fatalf("deleting %s: %v", e.naming.WaitExchange, err)
+			}
+			t.Logf("deleted exchange %s", e.naming.WaitExchange)
+		})
+		entries := e.logs.find("error", "Retry publish found no wait queue; redeclaring topology")
+		if len(entries) == 0 {
+			t.Fatalf("no redeclare logged after the wait exchange was deleted")
+		}
+		var aerr *amqp.Error
+		if !errors.As(entries[0].Err, &aerr) || aerr.Code != amqp.NotFound {
+			t.Errorf("logged error %v, want a 404 NOT_FOUND channel close", entries[0].Err)
+		}
+		t.Logf("redeclares logged: %d (first: %v)", len(entries), entries[0].Err)
+	})
+
+	t.Run("ClosePublisher", func(t *testing.T) {
+		e := newEnv(t, "classic")
+		runStorm(t, e, storm{pause: 150 * time.Millisecond}, func(l *ledger) {
+			if err := e.retry.Publisher().Close(); err != nil {
+				t.Fatalf("closing the retry publisher: %v", err)
+			}
+		})
+		entries := e.logs.find("error", "Retry not scheduled; nacking message")
+		if len(entries) == 0 {
+			t.Fatalf("no failed schedule logged after the publisher was closed")
+		}
+		if !errors.Is(entries[len(entries)-1].Err, amqpretry.ErrClosed) {
+			t.Errorf("logged error %v, want ErrClosed", entries[len(entries)-1].Err)
+		}
+		t.Logf("retries nacked into the dead-letter path: %d", len(entries))
+	})
+
+	t.Run("BrokerClosesPublisherConnection", func(t *testing.T) {
+		haveRabbitmqctl(t)
+		e := newEnv(t, "classic")
+		runStorm(t, e, storm{pause: 150 * time.Millisecond}, func(l *ledger) {
+			for round := 0; round < 2; round++ {
+				// The publisher redials lazily, on its next publish: wait for
+				// its connection to be there.
+				var pid string
+				ok := poll(20*time.Second, func() bool {
+					own := ownLocalPorts(t)
+					var pids []string
+					for _, c := range listConnections(t) {
+						if own[c.PeerPort] && c.Name == "rabbitretry-confirm-publisher" {
+							pids = append(pids, c.PID)
+						}
+					}
+					if len(pids) > 1 {
+						t.Fatalf("%d publisher connections in this process, want 1", len(pids))
+					}
+					if len(pids) == 1 {
+						pid = pids[0]
+					}
+					return pid != ""
+				})
+				if !ok {
+					t.Fatalf("round %d: no publisher connection of this process (handled so far: %d)", round, l.handled())
+				}
+				if _, err := rabbitmqctl(t, 30*time.Second, "close_connection", pid, "fault injection"); err != nil {
+					t.Fatal(err)
+				}
+				t.Logf("round %d: broker closed the publisher connection %s", round, pid)
+			}
+		})
+		if len(e.logs.find("error", "AMQP publisher connection closed; will redial on next publish")) < 2 {
+			t.Errorf("the publisher did not log both connection losses")
+		}
+		t.Logf("failed schedules (nacked into the dead-letter path): %d; connections opened: %d",
+			len(e.logs.find("error", "Retry not scheduled; nacking message")),
+			len(e.logs.find("info", "AMQP publisher connection opened")))
+		if len(e.logs.find("info", "AMQP publisher connection opened")) < 3 {
+			t.Errorf("the publisher did not redial after the broker closed its connection")
+		}
+	})
+}
