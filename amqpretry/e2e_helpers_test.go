@@ -9,12 +9,11 @@ import (
 	"testing"
 	"time"
 
-	"github.com/rabbitretry/rabbitretry/internal/brokertest"
+	"github.com/rabbitretry/rabbitretry/internal/testkit"
 
 	"github.com/ThreeDotsLabs/watermill"
 	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v2/pkg/amqp"
 	"github.com/ThreeDotsLabs/watermill/message"
-	"github.com/cenkalti/backoff/v4"
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitretry/rabbitretry/amqpretry"
@@ -24,18 +23,6 @@ import (
 func forEachQueueType(t *testing.T, f func(t *testing.T, queueType string)) {
 	for _, qt := range []string{amqpretry.QueueTypeClassic, amqpretry.QueueTypeQuorum} {
 		t.Run(qt, func(t *testing.T) { f(t, qt) })
-	}
-}
-
-// fixedBackoff: 100 ms, 200 ms, 400 ms, ... without jitter.
-func fixedBackoff(initial time.Duration) func() backoff.BackOff {
-	return func() backoff.BackOff {
-		b := backoff.NewExponentialBackOff()
-		b.InitialInterval = initial
-		b.RandomizationFactor = 0
-		b.Multiplier = 2
-		b.MaxElapsedTime = 0
-		return b
 	}
 }
 
@@ -268,9 +255,11 @@ func (r *recorder) get(uuid string) ([]int, []time.Time) {
 
 var errTransient = errors.New("dependency unavailable")
 
-func e2eURI(t testing.TB) string { return brokertest.URI(t) }
+func e2eURI(t testing.TB) string { return testkit.URI(t) }
 
 func waitFor(t testing.TB, timeout time.Duration, what string, cond func() bool) {
 	t.Helper()
-	brokertest.WaitFor(t, timeout, what, cond)
+	testkit.WaitFor(t, timeout, what, cond)
 }
+
+var fixedBackoff = testkit.ExactBackoff

@@ -4,12 +4,12 @@ import (
 	"testing"
 	"time"
 
-	"github.com/rabbitretry/rabbitretry/internal/brokertest"
+	"github.com/rabbitretry/rabbitretry/internal/testkit"
 
 	amqp "github.com/rabbitmq/amqp091-go"
 )
 
-const defaultTestAMQPURI = brokertest.DefaultURI
+const defaultTestAMQPURI = testkit.DefaultURI
 
 // declareTempQueue declares a non-durable queue named name with args on ch
 // and deletes it in t.Cleanup (over a fresh connection, because ch may be
@@ -69,23 +69,10 @@ func queueDepth(t testing.TB, conn *amqp.Connection, queue string) int {
 	return q.Messages
 }
 
-// waitFor polls cond every 20ms until it returns true or timeout elapses,
-// then fails the test with msg. It is a condition wait with a deadline, not a
-// fixed sleep.
+// waitFor polls cond until it returns true, failing with msg after timeout.
 func waitFor(t testing.TB, timeout time.Duration, msg string, cond func() bool) {
 	t.Helper()
-	deadline := time.Now().Add(timeout)
-	tick := time.NewTicker(20 * time.Millisecond)
-	defer tick.Stop()
-	for {
-		if cond() {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("condition not met within %s: %s", timeout, msg)
-		}
-		<-tick.C
-	}
+	testkit.WaitFor(t, timeout, msg, cond)
 }
 
 // newTestPublisher creates a ConfirmPublisher against the test broker and
@@ -107,6 +94,6 @@ func newTestPublisher(t testing.TB, cfg PublisherConfig) *ConfirmPublisher {
 	return p
 }
 
-func brokerURI(t testing.TB) string { return brokertest.URI(t) }
+func brokerURI(t testing.TB) string { return testkit.URI(t) }
 
-func uniqueName(t testing.TB, prefix string) string { return brokertest.UniqueName(t, prefix) }
+func uniqueName(t testing.TB, prefix string) string { return testkit.UniqueName(t, prefix) }

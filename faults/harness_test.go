@@ -29,10 +29,11 @@ import (
 	"testing"
 	"time"
 
+	"github.com/rabbitretry/rabbitretry/internal/testkit"
+
 	"github.com/ThreeDotsLabs/watermill"
 	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v2/pkg/amqp"
 	"github.com/ThreeDotsLabs/watermill/message"
-	"github.com/cenkalti/backoff/v4"
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitretry/rabbitretry/amqpretry"
@@ -65,27 +66,6 @@ func requireDisruptive(t *testing.T) {
 	t.Helper()
 	if os.Getenv("RABBITRETRY_FAULTS") != "1" {
 		t.Skip("stops and restarts the RabbitMQ app, breaking other clients of the broker; run it with `make test-faults` (RABBITRETRY_FAULTS=1)")
-	}
-}
-
-// exactBackoff: initial, x2, no jitter, no elapsed-time limit.
-func exactBackoff(initial time.Duration) func() backoff.BackOff {
-	return func() backoff.BackOff {
-		b := backoff.NewExponentialBackOff()
-		b.InitialInterval = initial
-		b.RandomizationFactor = 0
-		b.Multiplier = 2
-		b.MaxInterval = time.Minute
-		b.MaxElapsedTime = 0
-		return b
-	}
-}
-
-// waitFor polls cond every 20 ms until it holds, failing after timeout.
-func waitFor(t testing.TB, timeout time.Duration, what string, cond func() bool) {
-	t.Helper()
-	if !poll(timeout, cond) {
-		t.Fatalf("timed out after %v waiting for %s", timeout, what)
 	}
 }
 
@@ -806,4 +786,11 @@ func ownLocalPorts(t testing.TB) map[int]bool {
 		}
 	}
 	return ports
+}
+
+var exactBackoff = testkit.ExactBackoff
+
+func waitFor(t testing.TB, timeout time.Duration, what string, cond func() bool) {
+	t.Helper()
+	testkit.WaitFor(t, timeout, what, cond)
 }

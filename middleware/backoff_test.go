@@ -5,22 +5,12 @@ import (
 	"testing"
 	"time"
 
+	"github.com/rabbitretry/rabbitretry/internal/testkit"
+
 	"github.com/cenkalti/backoff/v4"
 
 	"github.com/rabbitretry/rabbitretry/middleware"
 )
-
-func exactBackoff(initial time.Duration) func() backoff.BackOff {
-	return func() backoff.BackOff {
-		b := backoff.NewExponentialBackOff()
-		b.InitialInterval = initial
-		b.Multiplier = 2
-		b.RandomizationFactor = 0
-		b.MaxInterval = time.Hour
-		b.MaxElapsedTime = 0
-		return b
-	}
-}
 
 func jitterBackoff(initial time.Duration, factor float64) func() backoff.BackOff {
 	return func() backoff.BackOff {
@@ -158,3 +148,5 @@ func TestFormatDelay(t *testing.T) {
 		}
 	}
 }
+
+var exactBackoff = testkit.ExactBackoff

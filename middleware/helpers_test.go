@@ -6,37 +6,14 @@ import (
 	"testing"
 	"time"
 
+	"github.com/rabbitretry/rabbitretry/internal/testkit"
+
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 
 	"github.com/rabbitretry/rabbitretry/middleware"
 )
-
-// waitFor polls cond every 5 ms until it holds or timeout passes.
-func waitFor(t testing.TB, timeout time.Duration, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(timeout)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("condition not met within %v", timeout)
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
-}
-
-// recv waits for one value on ch, failing the test after timeout.
-func recv[T any](t testing.TB, ch <-chan T, timeout time.Duration) T {
-	t.Helper()
-	select {
-	case v := <-ch:
-		return v
-	case <-time.After(timeout):
-		var zero T
-		t.Fatalf("nothing received within %v", timeout)
-		return zero
-	}
-}
 
 // handlerResult is what a handler chain returned for one delivery, with a
 // snapshot of the message as the innermost handler saw it.
@@ -188,4 +165,15 @@ func (l *syncLogger) level(level string) []logEntry {
 		}
 	}
 	return out
+}
+
+// waitFor polls cond until it holds, failing after timeout.
+func waitFor(t testing.TB, timeout time.Duration, cond func() bool) {
+	t.Helper()
+	testkit.WaitFor(t, timeout, "condition", cond)
+}
+
+func recv[T any](t testing.TB, ch <-chan T, timeout time.Duration) T {
+	t.Helper()
+	return testkit.Recv(t, ch, timeout)
 }

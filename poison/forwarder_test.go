@@ -10,6 +10,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/rabbitretry/rabbitretry/internal/testkit"
+
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
@@ -19,18 +21,6 @@ import (
 )
 
 var fixedNow = time.Date(2025, 6, 7, 8, 9, 10, 123456789, time.UTC)
-
-func recv[T any](t testing.TB, ch <-chan T, timeout time.Duration) T {
-	t.Helper()
-	select {
-	case v := <-ch:
-		return v
-	case <-time.After(timeout):
-		var zero T
-		t.Fatalf("nothing received within %v", timeout)
-		return zero
-	}
-}
 
 // recordingPublisher records published messages, or fails with err.
 type recordingPublisher struct {
@@ -487,4 +477,9 @@ func (l *syncLogger) level(level string) []logEntry {
 		}
 	}
 	return out
+}
+
+func recv[T any](t testing.TB, ch <-chan T, timeout time.Duration) T {
+	t.Helper()
+	return testkit.Recv(t, ch, timeout)
 }

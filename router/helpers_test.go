@@ -8,51 +8,15 @@ import (
 	"testing"
 	"time"
 
+	"github.com/rabbitretry/rabbitretry/internal/testkit"
+
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
-	"github.com/cenkalti/backoff/v4"
 
 	"github.com/rabbitretry/rabbitretry/middleware"
 	"github.com/rabbitretry/rabbitretry/router"
 )
-
-// waitFor polls cond every 5 ms until it holds or timeout passes.
-func waitFor(t testing.TB, timeout time.Duration, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(timeout)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("condition not met within %v", timeout)
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
-}
-
-func recv[T any](t testing.TB, ch <-chan T, timeout time.Duration) T {
-	t.Helper()
-	select {
-	case v := <-ch:
-		return v
-	case <-time.After(timeout):
-		var zero T
-		t.Fatalf("nothing received within %v", timeout)
-		return zero
-	}
-}
-
-// exactBackoff is exponential from initial, factor 2, no jitter.
-func exactBackoff(initial time.Duration) func() backoff.BackOff {
-	return func() backoff.BackOff {
-		b := backoff.NewExponentialBackOff()
-		b.InitialInterval = initial
-		b.Multiplier = 2
-		b.RandomizationFactor = 0
-		b.MaxInterval = time.Minute
-		b.MaxElapsedTime = 0
-		return b
-	}
-}
 
 // poisonRecorder publishes to a gochannel "poison" topic and records every
 // Publish synchronously, so counts are exact when the handler returns.
@@ -296,3 +260,16 @@ func (failingPublisher) Publish(string, ...*message.Message) error {
 	return errors.New("poison broker down")
 }
 func (failingPublisher) Close() error { return nil }
+
+// waitFor polls cond until it holds, failing after timeout.
+func waitFor(t testing.TB, timeout time.Duration, cond func() bool) {
+	t.Helper()
+	testkit.WaitFor(t, timeout, "condition", cond)
+}
+
+func recv[T any](t testing.TB, ch <-chan T, timeout time.Duration) T {
+	t.Helper()
+	return testkit.Recv(t, ch, timeout)
+}
+
+var exactBackoff = testkit.ExactBackoff

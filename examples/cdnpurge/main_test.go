@@ -10,7 +10,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/rabbitretry/rabbitretry/internal/brokertest"
+	"github.com/rabbitretry/rabbitretry/internal/testkit"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -39,7 +39,7 @@ func (s *syncBuffer) String() string {
 
 func TestCDNPurgeBurst(t *testing.T) {
 	cfg := defaultConfig()
-	cfg.URI = brokertest.URI(t)
+	cfg.URI = testkit.URI(t)
 
 	// Own exchange and queue, so that a concurrent `go run ./examples/cdnpurge`
 	// neither shares the queue nor receives our purge requests.

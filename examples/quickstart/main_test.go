@@ -4,7 +4,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/rabbitretry/rabbitretry/internal/brokertest"
+	"github.com/rabbitretry/rabbitretry/internal/testkit"
 )
 
 // The quickstart story on gochannel: every order accounted for, billing once.
@@ -18,7 +18,7 @@ func TestQuickstartGoChannel(t *testing.T) {
 
 // The same story on RabbitMQ.
 func TestQuickstartAMQP(t *testing.T) {
-	uri := brokertest.URI(t)
+	uri := testkit.URI(t)
 	s := newStory()
 	if err := runAMQP(s, uri, 30, 60*time.Second); err != nil {
 		t.Fatal(err)

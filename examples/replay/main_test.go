@@ -9,7 +9,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/rabbitretry/rabbitretry/internal/brokertest"
+	"github.com/rabbitretry/rabbitretry/internal/testkit"
 
 	"github.com/ThreeDotsLabs/watermill"
 	amqp "github.com/rabbitmq/amqp091-go"
@@ -35,7 +35,7 @@ func (s *syncBuffer) String() string {
 
 func TestReplayStory(t *testing.T) {
 	cfg := defaultConfig()
-	cfg.URI = brokertest.URI(t)
+	cfg.URI = testkit.URI(t)
 
 	// Own queues and exchange, so that a concurrent `go run ./examples/replay`
 	// (or another test run) neither shares the queue nor receives our orders.

@@ -7,12 +7,12 @@ import (
 	"testing"
 	"time"
 
-	"github.com/rabbitretry/rabbitretry/internal/brokertest"
+	"github.com/rabbitretry/rabbitretry/internal/testkit"
 
 	amqp "github.com/rabbitmq/amqp091-go"
 )
 
-const defaultTestAMQPURI = brokertest.DefaultURI
+const defaultTestAMQPURI = testkit.DefaultURI
 
 const loopBack = "rabbitretry.loopback"
 
@@ -183,6 +183,6 @@ func uuidOf(d amqp.Delivery) string {
 	return s
 }
 
-func brokerURI(t testing.TB) string { return brokertest.URI(t) }
+func brokerURI(t testing.TB) string { return testkit.URI(t) }
 
-func uniqueName(t testing.TB, prefix string) string { return brokertest.UniqueName(t, prefix) }
+func uniqueName(t testing.TB, prefix string) string { return testkit.UniqueName(t, prefix) }

@@ -12,7 +12,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/rabbitretry/rabbitretry/internal/brokertest"
+	"github.com/rabbitretry/rabbitretry/internal/testkit"
 
 	amqp "github.com/rabbitmq/amqp091-go"
 
@@ -300,4 +300,4 @@ func TestTruncate(t *testing.T) {
 	}
 }
 
-func brokerURI(t *testing.T) string { return brokertest.URI(t) }
+func brokerURI(t *testing.T) string { return testkit.URI(t) }

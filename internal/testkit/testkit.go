@@ -1,6 +1,7 @@
-// Package brokertest holds the helpers the project's tests share for talking
-// to a real RabbitMQ broker.
-package brokertest
+// Package testkit holds the helpers the project's tests share: reaching the
+// real RabbitMQ broker, unique names, waiting on conditions with a deadline,
+// and exact backoff policies.
+package testkit
 
 import (
 	"crypto/rand"
@@ -10,6 +11,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/cenkalti/backoff/v4"
 
 	amqp "github.com/rabbitmq/amqp091-go"
 )
@@ -92,5 +95,32 @@ func WaitFor(t testing.TB, timeout time.Duration, what string, cond func() bool)
 			t.Fatalf("timed out after %v waiting for %s", timeout, what)
 		}
 		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// Recv waits for one value on ch, failing the test after timeout.
+func Recv[T any](t testing.TB, ch <-chan T, timeout time.Duration) T {
+	t.Helper()
+	select {
+	case v := <-ch:
+		return v
+	case <-time.After(timeout):
+		var zero T
+		t.Fatalf("nothing received within %v", timeout)
+		return zero
+	}
+}
+
+// ExactBackoff returns a policy factory: exponential from initial, factor 2,
+// no jitter, capped at 1 min per attempt, no elapsed-time limit.
+func ExactBackoff(initial time.Duration) func() backoff.BackOff {
+	return func() backoff.BackOff {
+		b := backoff.NewExponentialBackOff()
+		b.InitialInterval = initial
+		b.Multiplier = 2
+		b.RandomizationFactor = 0
+		b.MaxInterval = time.Minute
+		b.MaxElapsedTime = 0
+		return b
 	}
 }
