@@ -75,6 +75,16 @@ type Config struct {
 	ErrorText func(error) string
 	// Observer is told of retries and poisonings (metrics).
 	Observer middleware.Observer
+	// DeadLetterFirstRetry makes retries that fall in the first tier go to
+	// the first wait queue by dead-lettering the original (a nack;
+	// Q's x-dead-letter-routing-key already points there) instead of a
+	// published copy: no publish-confirm round trip is waited for in the
+	// handler, so a burst of failures drains much faster. The attempt is
+	// counted from x-death; that hop records no failure metadata
+	// (rabbitretry-first-failure is then the first failure that took the
+	// publish path). Requires QueueType "quorum", whose dead-lettering is
+	// at-least-once; a classic queue's is at-most-once. Default false.
+	DeadLetterFirstRetry bool
 	// PublisherChannels is the number of AMQP channels used for republishing.
 	// Default 2.
 	PublisherChannels int
@@ -145,6 +155,9 @@ func (c Config) Validate() error {
 		if d%time.Millisecond != 0 {
 			return fmt.Errorf("amqpretry.Config.Tiers[%d] = %v is not a whole number of milliseconds (x-message-ttl is in ms)", i, d)
 		}
+	}
+	if c.DeadLetterFirstRetry && c.QueueType != QueueTypeQuorum {
+		return errors.New("amqpretry.Config.DeadLetterFirstRetry needs QueueType quorum (classic-queue dead-lettering is at-most-once)")
 	}
 	if c.PublisherChannels < 0 {
 		return fmt.Errorf("amqpretry.Config.PublisherChannels %d is negative", c.PublisherChannels)
@@ -227,7 +240,8 @@ func New(cfg Config) (*Retry, error) {
 	if err != nil {
 		return nil, fmt.Errorf("amqpretry: connecting the retry publisher: %w", err)
 	}
-	delayer := &Delayer{publisher: pub, topology: topo, marshaler: marshaler, queueName: cfg.QueueName, logger: cfg.Logger}
+	delayer := &Delayer{publisher: pub, topology: topo, marshaler: marshaler, queueName: cfg.QueueName, logger: cfg.Logger,
+		deadLetterFirst: cfg.DeadLetterFirstRetry}
 	chain, err := router.New(router.Config{
 		Delayer:         delayer,
 		PoisonPublisher: &poisonPublisher{publisher: pub, topology: topo, marshaler: marshaler, logger: cfg.Logger},
@@ -295,11 +309,15 @@ type Delayer struct {
 	marshaler Marshaler
 	queueName func(ctx context.Context) string
 	logger    watermill.LoggerAdapter
+	// deadLetterFirst: first-tier retries are left to Q's dead-letter path.
+	deadLetterFirst bool
 }
 
 // Schedule publishes msg to its wait queue and waits for the confirm. A copy
 // whose headers exceed MaxCopyHeaderBytes is refused with an error wrapping
-// middleware.ErrCannotDelay (the message is then poisoned). The
+// middleware.ErrCannotDelay (the message is then poisoned). With
+// Config.DeadLetterFirstRetry, a first-tier retry returns
+// middleware.ErrDeadLetter without publishing. The
 // tier is TierFor(delay), or, when ctx carries a middleware.MinimumDelay (a
 // handler's RetryAfter), the smallest tier at or above it. If the
 // wait queue or exchange is missing (returned as unroutable, or 404
@@ -322,6 +340,9 @@ func (d *Delayer) Schedule(ctx context.Context, msg *message.Message, delay time
 				"queue": q, "requested": minimum.String(), "tier": tier.String(),
 			})
 		}
+	}
+	if d.deadLetterFirst && tier == d.topology.tiers[0] {
+		return middleware.ErrDeadLetter // Q's DLX routes to the first wait queue
 	}
 	p, err := d.marshaler.Marshal(msg)
 	if err != nil {

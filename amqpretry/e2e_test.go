@@ -437,3 +437,50 @@ func TestE2E_ForgedRetryHeaders(t *testing.T) {
 		}
 	})
 }
+
+// DeadLetterFirstRetry (quorum): a first-tier retry is the broker's
+// dead-letter path (nack → Q's DLX → first wait queue → back to Q only),
+// counted from x-death; later tiers are published copies. Attempts 1, 2, 3,
+// each no earlier than its tier; the other queue sees the message once.
+func TestE2E_DeadLetterFirstRetry(t *testing.T) {
+	e := newEnv(t, amqpretry.QueueTypeQuorum, func(c *amqpretry.Config) { c.DeadLetterFirstRetry = true })
+	recA, recB := newRecorder(), newRecorder()
+	qa := e.handle("a", func(msg *message.Message) error {
+		n := middleware.Attempt(msg)
+		recA.record(msg, n)
+		if n < 3 {
+			return errTransient
+		}
+		return nil
+	})
+	e.handle("b", func(msg *message.Message) error { recB.record(msg, 1); return nil })
+	e.start()
+	msg := message.NewMessage(watermill.NewUUID(), []byte("x"))
+	e.publish(msg)
+	waitFor(t, 15*time.Second, "3 attempts on A", func() bool { return recA.count(msg.UUID) == 3 })
+	attempts, times := recA.get(msg.UUID)
+	if fmt.Sprint(attempts) != "[1 2 3]" {
+		t.Fatalf("attempts %v, want [1 2 3]", attempts)
+	}
+	tiers := e.retry.Topology().Tiers()
+	for i := 1; i < 3; i++ {
+		if gap := times[i].Sub(times[i-1]); gap < tiers[i-1] {
+			t.Errorf("attempt %d came %v after attempt %d, earlier than its tier %v", i+1, gap, i, tiers[i-1])
+		}
+	}
+	recA.mu.Lock()
+	second := recA.meta[msg.UUID][1]
+	recA.mu.Unlock()
+	deaths, err := middleware.ParseXDeath(second.Get(middleware.XDeathKey))
+	if err != nil || len(deaths) == 0 || deaths[0].Queue == "" {
+		t.Fatalf("second attempt should carry x-death from the dead-letter hop: %q %v", second.Get(middleware.XDeathKey), err)
+	}
+	e.waitQueuesEmpty(qa, 5*time.Second)
+	if n := recB.count(msg.UUID); n != 1 {
+		t.Fatalf("B saw the message %d times, want 1", n)
+	}
+	if _, err := amqpretry.New(amqpretry.Config{URI: e.uri, Subscriber: e.retry.SubscriberConfig(),
+		QueueType: amqpretry.QueueTypeClassic, DeadLetterFirstRetry: true}); err == nil || !strings.Contains(err.Error(), "DeadLetterFirstRetry") {
+		t.Errorf("DeadLetterFirstRetry with classic queues: err = %v, want a Validate error naming the field", err)
+	}
+}

@@ -74,6 +74,31 @@ func (e *ExhaustedError) Unwrap() error { return e.Err }
 // it, which would only bring the same message back.
 var ErrCannotDelay = errors.New("message cannot be scheduled for retry")
 
+// ErrDeadLetter is returned (possibly wrapped) by a Delayer that lets the
+// broker hold the retry by dead-lettering the original instead of publishing
+// a copy: the republisher then returns a *DeadLetterRetryError, the message
+// is nacked (requeue=false), and the queue's dead-letter exchange takes it to
+// a wait queue ("Dead Letter Exchanges"). No publish round trip is waited
+// for, but the hop records no failure metadata, and it is only as safe as the
+// queue's dead-lettering (at-least-once on quorum queues).
+var ErrDeadLetter = errors.New("retry by dead-lettering the original")
+
+// DeadLetterRetryError is returned when the Delayer chose dead-lettering
+// (ErrDeadLetter): the nack that follows is the retry, not a failure. The
+// poison forwarder passes it through.
+type DeadLetterRetryError struct {
+	HandlerErr error
+	Attempt    int
+}
+
+// Error says which attempt failed and that the broker takes the retry.
+func (e *DeadLetterRetryError) Error() string {
+	return fmt.Sprintf("attempt %d failed, retrying by dead-lettering: %v", e.Attempt, e.HandlerErr)
+}
+
+// Unwrap returns the handler error.
+func (e *DeadLetterRetryError) Unwrap() error { return e.HandlerErr }
+
 // ScheduleError is returned when the Delayer could not hold the retry copy.
 // The message is then nacked, never acked: with amqpretry the broker
 // dead-letters it into the wait path (see "Dead Letter Exchanges"); with
@@ -354,6 +379,14 @@ func (r *Republisher) onFailure(msg *message.Message, err error) error {
 			Err:            fmt.Errorf("%w (and no retry is possible: %v)", err, serr),
 			Classification: Classification{Action: ActionPoison, Class: ClassUndelayable},
 		}
+	} else if errors.Is(serr, ErrDeadLetter) {
+		// The broker holds the retry: the nack dead-letters the original.
+		r.cfg.Observer.RetryScheduled(msg, attempt, delay, time.Since(start))
+		r.cfg.Logger.Info("Retry by dead-lettering", watermill.LogFields{
+			"message_uuid": msg.UUID, "queue": r.cfg.QueueName(ctx), "attempt": attempt,
+			"next_attempt": attempt + 1, "delay": delay.String(), "error_class": cl.Class,
+		})
+		return &DeadLetterRetryError{HandlerErr: err, Attempt: attempt}
 	} else if serr != nil {
 		// Not scheduled: never ack. The nack hands the message back to the broker.
 		r.cfg.Observer.RetryFailed(msg, attempt, serr)

@@ -96,10 +96,12 @@ func (c ForwarderConfig) Validate() error {
 
 // DefaultShouldPoison poisons exhausted retries and errors classified
 // ActionPoison. A *middleware.ScheduleError (the retry could not be
-// scheduled) is never poisoned: that message stays retriable.
+// scheduled) and a *middleware.DeadLetterRetryError (the broker takes the
+// retry) are never poisoned: those messages stay retriable.
 func DefaultShouldPoison(err error) bool {
 	var se *middleware.ScheduleError
-	if errors.As(err, &se) {
+	var dl *middleware.DeadLetterRetryError
+	if errors.As(err, &se) || errors.As(err, &dl) {
 		return false
 	}
 	var ex *middleware.ExhaustedError

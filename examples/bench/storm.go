@@ -46,6 +46,8 @@ type stormResult struct {
 	WMDrainRatio  float64 `json:"watermill_drain_ratio"`
 	// P99Ratio = Watermill Retry healthy p99 / rabbitretry healthy p99.
 	P99Ratio float64 `json:"healthy_p99_ratio_watermill_over_rabbitretry"`
+	// DLDrainRatio is the drain ratio of quorum queues with DeadLetterFirstRetry.
+	DLDrainRatio float64 `json:"rabbitretry_dead_letter_first_drain_ratio"`
 }
 
 // stormOnce fills a fresh queue with n messages, every 10th of which (when
@@ -71,6 +73,18 @@ func (b *bench) stormOnce(variant string, failures bool, n, handlers int) (run s
 		// Library defaults: MaxAttempts 5, DefaultBackoff (1 s, x2, ±50%
 		// jitter) -> tiers 1s, 2s, 4s, 8s.
 		retry, err := amqpretry.New(amqpretry.Config{Subscriber: cfg, Naming: e.naming("storm"), Logger: e.logger})
+		if err != nil {
+			return run, err
+		}
+		defer func() { _ = retry.Close() }()
+		e.trackRetry(retry, q)
+		cfg = retry.SubscriberConfig()
+		mws = append(mws, retry.Middleware)
+	case "rabbitretry-dl":
+		// Quorum queues with DeadLetterFirstRetry: first-tier retries are
+		// nacks that the broker dead-letters into the first wait queue.
+		retry, err := amqpretry.New(amqpretry.Config{Subscriber: cfg, Naming: e.naming("storm"), Logger: e.logger,
+			QueueType: amqpretry.QueueTypeQuorum, DeadLetterFirstRetry: true})
 		if err != nil {
 			return run, err
 		}
@@ -175,7 +189,8 @@ func (b *bench) scenarioStorm() error {
 	for _, c := range []struct {
 		variant  string
 		failures bool
-	}{{"rabbitretry", false}, {"rabbitretry", true}, {"watermill-retry", false}, {"watermill-retry", true}} {
+	}{{"rabbitretry", false}, {"rabbitretry", true}, {"rabbitretry-dl", false}, {"rabbitretry-dl", true},
+		{"watermill-retry", false}, {"watermill-retry", true}} {
 		if c.variant == "watermill-retry" && c.failures {
 			logf("storm: Watermill Retry with failures takes about %d s (1 s in-handler sleep per failing message, %d handler(s))",
 				(n+9)/10/max(b.stormHandlers, 1), b.stormHandlers)
@@ -200,6 +215,12 @@ func (b *bench) scenarioStorm() error {
 	b.row(sc, "rabbitretry: backlog drain (first attempts) / complete", fmt.Sprintf("%.2f s (%s) / %.2f s", lf.DrainS, fmtRate(lf.DrainRate), lf.CompleteS), "", "")
 	b.row(sc, "rabbitretry: no-failure drain", fmt.Sprintf("%.2f s (%s)", l0.DrainS, fmtRate(l0.DrainRate)), "", "")
 	b.row(sc, "rabbitretry: drain rate with failures / without", fmt.Sprintf("%.2f", res.LibDrainRatio), ">= 0.8", passMiss(res.LibDrainRatio >= 0.8))
+	df, d0 := get["rabbitretry-dltrue"], get["rabbitretry-dlfalse"]
+	res.DLDrainRatio = df.DrainRate / d0.DrainRate
+	b.row(sc, "rabbitretry, quorum + DeadLetterFirstRetry: backlog drain / complete", fmt.Sprintf("%.2f s (%s) / %.2f s", df.DrainS, fmtRate(df.DrainRate), df.CompleteS), "", "")
+	b.row(sc, "rabbitretry, quorum + DeadLetterFirstRetry: no-failure drain", fmt.Sprintf("%.2f s (%s)", d0.DrainS, fmtRate(d0.DrainRate)), "", "")
+	b.row(sc, "rabbitretry, quorum + DeadLetterFirstRetry: drain rate with failures / without", fmt.Sprintf("%.2f", res.DLDrainRatio), ">= 0.8", passMiss(res.DLDrainRatio >= 0.8))
+	b.row(sc, "healthy latency p50 / p99: quorum + DeadLetterFirstRetry", fmt.Sprintf("%.0f / %.0f ms", df.HealthyP50Ms, df.HealthyP99Ms), "", "")
 	b.row(sc, "Watermill Retry: backlog drain / complete", fmt.Sprintf("%.2f s (%s) / %.2f s", wf.DrainS, fmtRate(wf.DrainRate), wf.CompleteS), "", "")
 	b.row(sc, "Watermill Retry: no-failure drain", fmt.Sprintf("%.2f s (%s)", w0.DrainS, fmtRate(w0.DrainRate)), "", "")
 	b.row(sc, "Watermill Retry: drain rate with failures / without", fmt.Sprintf("%.3f", res.WMDrainRatio), "", "")
