@@ -3,6 +3,7 @@ package middleware_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"strings"
 	"sync"
 	"testing"
@@ -12,6 +13,7 @@ import (
 	"github.com/cenkalti/backoff/v4"
 
 	"github.com/rabbitretry/rabbitretry/middleware"
+	"github.com/rabbitretry/rabbitretry/poison"
 )
 
 var fixedNow = time.Date(2025, 3, 4, 5, 6, 7, 890, time.UTC)
@@ -450,4 +452,45 @@ func TestDelayerFunc(t *testing.T) {
 	if err := f.Schedule(context.Background(), newMsg("p"), time.Second); err != nil || got != time.Second {
 		t.Fatalf("%v %v", err, got)
 	}
+}
+
+// A Delayer that answers ErrDeadLetter hands the retry to the broker: the
+// republisher returns *DeadLetterRetryError (so the message is nacked), the
+// observer counts a scheduled retry, and the poison forwarder's default
+// decision leaves it alone.
+func TestRepublisherDeadLetterRetry(t *testing.T) {
+	var scheduled int
+	obs := &countingObserver{onScheduled: func() { scheduled++ }}
+	rep, err := middleware.NewRepublisher(middleware.RepublisherConfig{
+		Delayer: middleware.DelayerFunc(func(context.Context, *message.Message, time.Duration) error {
+			return fmt.Errorf("wrapped: %w", middleware.ErrDeadLetter)
+		}),
+		Observer: obs,
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	msg := message.NewMessage("u1", []byte("x"))
+	_, herr := rep.Middleware(func(*message.Message) ([]*message.Message, error) {
+		return nil, errors.New("dependency down")
+	})(msg)
+	var dl *middleware.DeadLetterRetryError
+	if !errors.As(herr, &dl) || dl.Attempt != 1 {
+		t.Fatalf("err = %v, want *DeadLetterRetryError for attempt 1", herr)
+	}
+	if scheduled != 1 {
+		t.Errorf("RetryScheduled called %d times, want 1", scheduled)
+	}
+	if poison.DefaultShouldPoison(herr) {
+		t.Error("the poison forwarder would poison a dead-letter retry")
+	}
+}
+
+type countingObserver struct {
+	middleware.NopObserver
+	onScheduled func()
+}
+
+func (o *countingObserver) RetryScheduled(*message.Message, int, time.Duration, time.Duration) {
+	o.onScheduled()
 }
