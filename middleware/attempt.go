@@ -138,8 +138,8 @@ func XDeathSource(queue func(msg *message.Message) string) AttemptSource {
 	}
 	return AttemptSource{Name: "x-death", Previous: func(msg *message.Message) (int64, error) {
 		recs, err := ParseXDeath(msg.Metadata[XDeathKey])
-		if err != nil {
-			return 0, err
+		if err != nil || len(recs) == 0 {
+			return 0, err // the common case: never dead-lettered
 		}
 		q := queue(msg)
 		var sum int64
