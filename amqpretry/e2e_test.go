@@ -484,3 +484,42 @@ func TestE2E_DeadLetterFirstRetry(t *testing.T) {
 		t.Errorf("DeadLetterFirstRetry with classic queues: err = %v, want a Validate error naming the field", err)
 	}
 }
+
+// AMQP properties survive the retry path: the handler sees them on every
+// attempt, and the poison copy carries them as properties again.
+func TestE2E_PropertiesKeptAcrossRetries(t *testing.T) {
+	e := newEnv(t, amqpretry.QueueTypeClassic, func(c *amqpretry.Config) { c.MaxAttempts = 2 })
+	rec := newRecorder()
+	q := e.handle("svc", func(msg *message.Message) error {
+		rec.record(msg, middleware.Attempt(msg))
+		return errTransient
+	})
+	e.start()
+	msg := message.NewMessage(watermill.NewUUID(), []byte(`{"id":1}`))
+	p, err := amqpretry.Marshaler{}.Marshal(msg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ts := time.Now().UTC().Truncate(time.Second)
+	p.ContentType, p.CorrelationId, p.MessageId, p.Priority, p.Timestamp, p.AppId = "application/json", "corr-1", "mid-1", 3, ts, "shop"
+	if err := e.ch.PublishWithContext(context.Background(), e.exchange, "order.created", false, false, p); err != nil {
+		t.Fatal(err)
+	}
+	pq := e.retry.Topology().PoisonQueue(q)
+	waitFor(t, 10*time.Second, "poisoned after 2 attempts", func() bool { return e.depth(pq) == 1 })
+	rec.mu.Lock()
+	second := rec.meta[msg.UUID][1]
+	rec.mu.Unlock()
+	if second.Get(amqpretry.PropContentTypeKey) != "application/json" || second.Get(amqpretry.PropCorrelationIDKey) != "corr-1" {
+		t.Errorf("second attempt lost properties: %v", second)
+	}
+	d := e.poisoned(q)[0]
+	if d.ContentType != "application/json" || d.CorrelationId != "corr-1" || d.MessageId != "mid-1" ||
+		d.Priority != 3 || !d.Timestamp.Equal(ts) || d.AppId != "shop" {
+		t.Errorf("poison copy properties: type %q corr %q id %q prio %d ts %v app %q",
+			d.ContentType, d.CorrelationId, d.MessageId, d.Priority, d.Timestamp, d.AppId)
+	}
+	if _, ok := d.Headers[amqpretry.PropContentTypeKey]; ok {
+		t.Error("a property was also sent as a header")
+	}
+}

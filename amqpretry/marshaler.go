@@ -117,8 +117,9 @@ func (m Marshaler) uuidHeaderKey() string {
 // are dropped. The x-first-death-* and x-last-death-* headers are strings
 // and pass through as metadata.
 //
-// After Inner, the metadata gets middleware.DeliveryExchangeKey = d.Exchange
-// and middleware.DeliveryRoutingKeyKey = d.RoutingKey. A message without a
+// After Inner, the metadata gets middleware.DeliveryExchangeKey = d.Exchange,
+// middleware.DeliveryRoutingKeyKey = d.RoutingKey, and the delivery's AMQP
+// properties under the Prop*Key keys (restored by Marshal). A message without a
 // UUID header gets d.MessageId as its UUID (empty if that is unset too).
 //
 // It returns an error only if Inner does.
@@ -210,6 +211,7 @@ func (m Marshaler) finishUnmarshal(msg *message.Message, d amqp.Delivery, proble
 	}
 	msg.Metadata.Set(middleware.DeliveryExchangeKey, d.Exchange)
 	msg.Metadata.Set(middleware.DeliveryRoutingKeyKey, d.RoutingKey)
+	propertiesToMetadata(&d, msg.Metadata)
 	if len(problems) > 0 {
 		sort.Strings(problems) // map order is random; keep the text stable
 		msg.Metadata.Set(middleware.HeaderErrorKey, strings.Join(problems, "; "))
@@ -245,6 +247,10 @@ func isBrokerOwnedOrDeliveryOnly(k string) bool {
 //
 // Finally it truncates long library headers to MaxHeaderBytes (see
 // Marshaler.MaxHeaderBytes). It returns an error only if Inner does.
+//
+// The AMQP properties recorded by Unmarshal (content-type, correlation-id,
+// message-id, priority, timestamp, ...; see PropContentTypeKey) are restored
+// as properties, not headers, so a retry or poison copy keeps them.
 func (m Marshaler) Marshal(msg *message.Message) (amqp.Publishing, error) {
 	p, err := m.inner().Marshal(msg)
 	if err != nil {
@@ -259,6 +265,8 @@ func (m Marshaler) Marshal(msg *message.Message) (amqp.Publishing, error) {
 			delete(h, k)
 		}
 	}
+	p.Headers = h
+	metadataToProperties(msg.Metadata, &p)
 	maxBytes := m.MaxHeaderBytes
 	if maxBytes == 0 {
 		maxBytes = DefaultMaxHeaderBytes
