@@ -296,6 +296,24 @@ func (r *Retry) Publisher() *ConfirmPublisher { return r.publisher }
 // QueueName returns the originating queue for a subscribe topic.
 func (r *Retry) QueueName(topic string) string { return r.subscriber.Queue.GenerateName(topic) }
 
+// DeleteQueues deletes originating queue queue together with its wait queues
+// and poison queue, with every message in them (queue.delete, unconditional;
+// a missing queue is not an error). The shared exchanges stay. Meant for
+// demos, tests and decommissioning; it returns the first broker error.
+func (r *Retry) DeleteQueues(queue string) error {
+	ch, err := r.publisher.Channel()
+	if err != nil {
+		return err
+	}
+	defer ch.Close()
+	for _, q := range append([]string{queue, r.topology.PoisonQueue(queue)}, r.topology.WaitQueues(queue)...) {
+		if _, err := ch.QueueDelete(q, false, false, false); err != nil {
+			return fmt.Errorf("amqpretry: deleting queue %q: %w", q, err)
+		}
+	}
+	return nil
+}
+
 // Close closes the retry publisher, waiting for publishes in flight. Close
 // the router first.
 func (r *Retry) Close() error { return r.publisher.Close() }

@@ -482,7 +482,7 @@ func run(ctx context.Context, cfg config) (*summary, error) {
 	defer retry.Close()
 	topo := retry.Topology()
 	waitQueues := topo.WaitQueues(cfg.Queue)
-	if err := resetQueues(cfg.URI, append([]string{cfg.Queue, topo.PoisonQueue(cfg.Queue)}, waitQueues...)); err != nil {
+	if err := retry.DeleteQueues(cfg.Queue); err != nil { // start from zero
 		return nil, err
 	}
 	fmt.Fprintf(out, "CDN stub at %s: %d purges per %v, 429 Retry-After %v or 507 when over, 400 for a malformed URL\n",
@@ -662,26 +662,6 @@ func tallyUp(t *tally, stub *cdnStub, took time.Duration) *summary {
 	}
 	sort.Strings(s.ValidPoisoned)
 	return s
-}
-
-// resetQueues deletes the demo's queues so each run starts from zero.
-func resetQueues(uri string, queues []string) error {
-	conn, err := amqp.Dial(uri)
-	if err != nil {
-		return fmt.Errorf("connecting to RabbitMQ: %w (start it with scripts/ensure-broker.sh)", err)
-	}
-	defer conn.Close()
-	ch, err := conn.Channel()
-	if err != nil {
-		return err
-	}
-	defer ch.Close()
-	for _, q := range queues {
-		if _, err := ch.QueueDelete(q, false, false, false); err != nil {
-			return fmt.Errorf("deleting queue %s: %w", q, err)
-		}
-	}
-	return nil
 }
 
 // countLeft records how many messages are ready in the queue and its wait

@@ -1,12 +1,10 @@
 package main
 
 import (
-	"bytes"
 	"context"
 	"net/http"
 	"net/http/httptest"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -19,24 +17,6 @@ import (
 	"github.com/rabbitretry/rabbitretry/middleware"
 )
 
-// syncBuffer is a bytes.Buffer safe for concurrent writes and reads.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
-}
-
 func TestCDNPurgeBurst(t *testing.T) {
 	cfg := defaultConfig()
 	cfg.URI = testkit.URI(t)
@@ -48,7 +28,7 @@ func TestCDNPurgeBurst(t *testing.T) {
 	cfg.Queue = "cdn-test-" + id + ".purger"
 	cfg.Requests = 60
 	cfg.Timeout = 12 * time.Second
-	out := &syncBuffer{}
+	out := &testkit.SyncBuffer{}
 	cfg.Out = out
 	t.Cleanup(func() {
 		conn, err := amqp.Dial(cfg.URI)

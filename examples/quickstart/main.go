@@ -26,7 +26,6 @@ import (
 	wmw "github.com/ThreeDotsLabs/watermill/message/router/middleware"
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 	"github.com/cenkalti/backoff/v4"
-	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitretry/rabbitretry/amqpretry"
 	"github.com/rabbitretry/rabbitretry/middleware"
@@ -239,9 +238,6 @@ func backoffPolicy() backoff.BackOff {
 
 func runAMQP(s *story, uri string, n int, timeout time.Duration) error {
 	logger := watermill.NopLogger{}
-	if err := resetQueues(uri); err != nil {
-		return err
-	}
 	// The subscriber config: topic "mailer" or "billing" -> queue of that name,
 	// bound to the topic exchange "orders" with routing key "order.created".
 	subCfg := wamqp.NewDurableQueueConfig(uri)
@@ -256,9 +252,14 @@ func runAMQP(s *story, uri string, n int, timeout time.Duration) error {
 		Observer: observer{s: s}, Logger: logger,
 	})
 	if err != nil {
-		return err
+		return fmt.Errorf("%w (start RabbitMQ with `make broker`, or use -backend=gochannel)", err)
 	}
 	defer retry.Close()
+	for _, q := range []string{"mailer", "billing"} {
+		if err := retry.DeleteQueues(q); err != nil { // each run starts from zero
+			return err
+		}
+	}
 	fmt.Printf("retry tiers: %v (wait queues mailer.wait.<tier>), poison queue %s\n",
 		retry.Topology().Tiers(), retry.Topology().PoisonQueue("mailer"))
 
@@ -349,26 +350,4 @@ func runStory(s *story, r *message.Router, n int, timeout time.Duration, publish
 		}
 	}
 	return r.Close()
-}
-
-// resetQueues deletes the demo's queues so each run starts from zero.
-func resetQueues(uri string) error {
-	conn, err := amqp.Dial(uri)
-	if err != nil {
-		return fmt.Errorf("connecting to RabbitMQ at %s: %w (start it with `make broker`, or use -backend=gochannel)", uri, err)
-	}
-	defer conn.Close()
-	ch, err := conn.Channel()
-	if err != nil {
-		return err
-	}
-	defer ch.Close()
-	for _, q := range []string{"mailer", "billing"} {
-		for _, name := range []string{q, q + ".poison", q + ".wait.200ms", q + ".wait.400ms", q + ".wait.800ms"} {
-			if _, err := ch.QueueDelete(name, false, false, false); err != nil {
-				return fmt.Errorf("deleting queue %s: %w", name, err)
-			}
-		}
-	}
-	return nil
 }

@@ -283,13 +283,12 @@ func run(ctx context.Context, cfg config) (sum summary, err error) {
 	}
 	defer retry.Close()
 	poisonQueue := retry.Topology().PoisonQueue(queue)
-	demoQueues := append([]string{queue, poisonQueue}, retry.Topology().WaitQueues(queue)...)
-	if err := deleteQueues(cfg.URI, demoQueues); err != nil {
+	if err := retry.DeleteQueues(queue); err != nil { // start from zero
 		return sum, err
 	}
 	if !cfg.Keep {
 		defer func() {
-			if derr := deleteQueues(cfg.URI, demoQueues); derr != nil && err == nil {
+			if derr := retry.DeleteQueues(queue); derr != nil && err == nil {
 				err = derr
 			}
 		}()
@@ -566,26 +565,6 @@ func queueDepth(uri, queue string) (int, error) {
 		return 0, err
 	}
 	return q.Messages, nil
-}
-
-// deleteQueues deletes the demo's queues, so each run starts from zero.
-func deleteQueues(uri string, queues []string) error {
-	conn, err := amqp.Dial(uri)
-	if err != nil {
-		return fmt.Errorf("connecting to RabbitMQ at %s: %w (start it with `make broker`)", admin.RedactURI(uri), err)
-	}
-	defer conn.Close()
-	ch, err := conn.Channel()
-	if err != nil {
-		return err
-	}
-	defer ch.Close()
-	for _, q := range queues {
-		if _, err := ch.QueueDelete(q, false, false, false); err != nil {
-			return fmt.Errorf("deleting queue %s: %w", q, err)
-		}
-	}
-	return nil
 }
 
 // scrape GETs the metrics endpoint and returns its rabbitretry_* sample lines.

@@ -1,11 +1,9 @@
 package main
 
 import (
-	"bytes"
 	"context"
 	"fmt"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -14,24 +12,6 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	amqp "github.com/rabbitmq/amqp091-go"
 )
-
-// syncBuffer is a bytes.Buffer safe for concurrent writes and reads.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
-}
 
 func TestReplayStory(t *testing.T) {
 	cfg := defaultConfig()
@@ -43,7 +23,7 @@ func TestReplayStory(t *testing.T) {
 	cfg.Prefix = prefix
 	cfg.Exchange = prefix + ".orders"
 	cfg.Timeout = 45 * time.Second
-	out := &syncBuffer{}
+	out := &testkit.SyncBuffer{}
 	cfg.Out = out
 	t.Cleanup(func() {
 		conn, err := amqp.Dial(cfg.URI)

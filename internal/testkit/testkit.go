@@ -4,6 +4,7 @@
 package testkit
 
 import (
+	"bytes"
 	"crypto/rand"
 	"encoding/hex"
 	"os"
@@ -123,4 +124,25 @@ func ExactBackoff(initial time.Duration) func() backoff.BackOff {
 		b.MaxElapsedTime = 0
 		return b
 	}
+}
+
+// SyncBuffer is a bytes.Buffer safe for concurrent writes and reads, for
+// capturing a program's output while it runs.
+type SyncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+// Write appends p.
+func (s *SyncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+// String returns everything written so far.
+func (s *SyncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
 }
