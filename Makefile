@@ -6,7 +6,7 @@ GOFMT ?= gofmt
 export PATH := $(PATH):/usr/local/go/bin
 SHELL := /bin/bash
 
-.PHONY: all broker test test-faults demo bench fuzz lint
+.PHONY: all broker test test-faults demo bench fuzz lint test-brokers brokers-up brokers-down
 
 all: lint test
 
@@ -21,6 +21,44 @@ test: broker
 # broker meanwhile, so they run alone (-p 1), after `make test`.
 test-faults: broker
 	RABBITRETRY_FAULTS=1 $(GO) test -race -count=1 -p 1 -timeout 20m -run 'TestBrokerRestartMidStorm' -v ./faults/
+
+# The whole suite, fault tests included, against each broker of BROKERS in turn:
+# local = the machine's RabbitMQ, 43 = RabbitMQ 4.3 in a Debian sid chroot,
+# cluster = three 4.3 nodes behind HAProxy (see scripts/brokers.sh; needs root,
+# provisions what is missing: debootstrap ~1-6 min and ~400 MB on a fresh machine).
+# Every broker is tested even when an earlier one fails; the exit status says.
+BROKERS ?= local 43 cluster
+# Full `go test -v` output per broker; the console shows package results,
+# failures and every ACCOUNT line.
+BROKER_LOGS ?= test-logs
+
+test-brokers:
+	@failed=""; for b in $(BROKERS); do \
+		echo "===== test-brokers: broker $$b ====="; \
+		start=$$SECONDS; \
+		if ! bash scripts/brokers.sh up $$b; then failed="$$failed $$b(up)"; continue; fi; \
+		if ! envs="$$(bash scripts/brokers.sh env $$b)"; then failed="$$failed $$b(env)"; continue; fi; \
+		echo "$$envs" | sed 's/^/    /'; \
+		log="$(BROKER_LOGS)/test-$$b.log"; mkdir -p "$(BROKER_LOGS)"; \
+		if ( set -o pipefail; eval "$$envs" && RABBITRETRY_FAULTS=1 $(GO) test -race -count=1 -p 1 -timeout 30m -v ./... 2>&1 \
+			| tee "$$log" | grep --line-buffered -E '^(ok|FAIL|--- FAIL|panic:)|ACCOUNT' ); then \
+			echo "===== test-brokers: broker $$b passed ($$((SECONDS - start))s) ====="; \
+		else \
+			echo "----- failures on broker $$b (full output: $$log) -----"; \
+			grep -E -B40 -- '^\s*--- FAIL' "$$log" | tail -n 300; \
+			echo "===== test-brokers: broker $$b FAILED ($$((SECONDS - start))s) ====="; failed="$$failed $$b"; \
+		fi; \
+	done; \
+	if [ -n "$$failed" ]; then echo "test-brokers: failed on:$$failed"; exit 1; fi; \
+	echo "test-brokers: passed on $(BROKERS)"
+
+# Start (installing what is missing) / stop the brokers of scripts/brokers.sh.
+# brokers-down never stops the machine's own broker.
+brokers-up:
+	bash scripts/brokers.sh up all
+
+brokers-down:
+	bash scripts/brokers.sh down all
 
 demo: broker
 	$(GO) run ./examples/quickstart

@@ -5,7 +5,7 @@
 // wires it all into one Watermill middleware.
 //
 //	retry, err := amqpretry.New(amqpretry.Config{URI: uri, Subscriber: subCfg})
-//	sub, err := amqp.NewSubscriber(retry.SubscriberConfig(), logger)
+//	sub, err := retry.NewSubscriber(logger, 0)
 //	router.AddMiddleware(retry.Middleware)
 package amqpretry
 
@@ -34,6 +34,13 @@ const MaxTiers = 32
 type Config struct {
 	// URI is the AMQP URI the retry publisher connects to, e.g.
 	// "amqp://guest:guest@localhost:5672/". Default: Subscriber.Connection.AmqpURI.
+	// The publisher dials it with the subscriber's connection settings, as
+	// watermill-amqp does (Subscriber.Connection.AmqpConfig, else
+	// Subscriber.Connection.TLSConfig: TLS, heartbeat, Dial and so the dial
+	// timeout, vhost, SASL, client properties; see PublisherConfig.AmqpConfig),
+	// under its own connection_name (the subscriber's connection_name +
+	// ".retry-publisher", else DefaultPublisherConnectionName). Setting
+	// both TLSConfig and AmqpConfig.TLSClientConfig is an error.
 	URI string
 	// Subscriber is the watermill-amqp config of the subscriber(s) whose
 	// handlers get retries, e.g. wamqp.NewDurableQueueConfig(uri). Its
@@ -85,10 +92,36 @@ type Config struct {
 	// publish path). Requires QueueType "quorum", whose dead-lettering is
 	// at-least-once; a classic queue's is at-most-once. Default false.
 	DeadLetterFirstRetry bool
+	// NativeDelayedRetry, when set, hands short retries to the queue's own
+	// delayed retry (RabbitMQ 4.3+ quorum queues; see NativeDelayedRetry):
+	// the original is nacked with requeue and the queue holds it for Min,
+	// with no copy and no publish round trip; longer retries still take the
+	// wait queues. Q is declared with the x-delayed-retry-* arguments (an
+	// existing Q declared without them gets a *DeclareError: add them by
+	// policy, or declare a new queue). Attempts are counted from the
+	// broker's x-acquired-count (middleware.AcquiredCountSource), so a
+	// consumer crash uses an attempt and MaxRedeliveries is not used. The
+	// native hop records no failure metadata. Requires QueueType quorum and
+	// RabbitMQ 4.3+ (New refuses it otherwise); excludes
+	// DeadLetterFirstRetry. Default nil (off).
+	NativeDelayedRetry *NativeDelayedRetry
+	// MaxRedeliveries is how many broker redeliveries (the redelivered flag:
+	// consumer crash, connection loss, consumer_timeout, a requeue) a message
+	// survives before it is poisoned with class "redelivery-limit" without
+	// running the handler again (see middleware.RedeliveryGuard). Default 3.
+	MaxRedeliveries int
+	// FallbackPause is how long a message whose retry or poison copy the
+	// broker did not confirm waits before the fallback copy back to its queue
+	// (or, if that fails too, the requeue). Default 1 s; negative: none.
+	FallbackPause time.Duration
 	// PublisherChannels is the number of AMQP channels used for republishing.
 	// Default 2.
 	PublisherChannels int
-	// ConfirmTimeout bounds the wait for a publisher confirm. Default 30 s.
+	// ConfirmTimeout bounds the wait for a publisher confirm, and every
+	// socket write of the retry publisher (PublisherConfig.ConfirmTimeout).
+	// While the broker blocks publishers (a memory or disk alarm, RabbitMQ
+	// "Blocked Connection Notifications") retry and poison publishes fail at
+	// once with ErrBlocked instead. Default 30 s.
 	ConfirmTimeout time.Duration
 	// Logger receives structured logs. Default NopLogger.
 	Logger watermill.LoggerAdapter
@@ -159,6 +192,9 @@ func (c Config) Validate() error {
 	if c.DeadLetterFirstRetry && c.QueueType != QueueTypeQuorum {
 		return errors.New("amqpretry.Config.DeadLetterFirstRetry needs QueueType quorum (classic-queue dead-lettering is at-most-once)")
 	}
+	if err := c.validateNative(); err != nil {
+		return err
+	}
 	if c.PublisherChannels < 0 {
 		return fmt.Errorf("amqpretry.Config.PublisherChannels %d is negative", c.PublisherChannels)
 	}
@@ -226,33 +262,70 @@ func New(cfg Config) (*Retry, error) {
 	tiers := slices.Clone(cfg.Tiers)
 	slices.Sort(tiers)
 	tiers = slices.Compact(tiers)
-	topo := newTopology(cfg.Naming, tiers, cfg.QueueType, cfg.Logger)
+	topo := newTopology(cfg.Naming, tiers, cfg.QueueType, cfg.DeadLetterFirstRetry, cfg.Logger)
+	if cfg.NativeDelayedRetry != nil {
+		n := *cfg.NativeDelayedRetry // a copy: later changes to cfg do not apply
+		cfg.NativeDelayedRetry = &n
+	}
+	topo.native = cfg.NativeDelayedRetry
 
 	inner := cfg.Subscriber.Marshaler
-	if m, ok := inner.(Marshaler); ok {
+	switch m := inner.(type) {
+	case Marshaler:
+		inner = m.Inner
+	case trackingMarshaler:
 		inner = m.Inner
 	}
-	marshaler := Marshaler{Inner: inner}
+	marshaler := Marshaler{Inner: inner, Topology: topo}
 
+	pubAmqp, err := amqpConfigFromSubscriber(cfg.Subscriber.Connection)
+	if err != nil {
+		return nil, err
+	}
 	pub, err := NewConfirmPublisher(PublisherConfig{
-		URI: cfg.URI, Channels: cfg.PublisherChannels, ConfirmTimeout: cfg.ConfirmTimeout, Logger: cfg.Logger,
+		URI: cfg.URI, AmqpConfig: pubAmqp, ConnectionName: publisherConnectionName(cfg.Subscriber.Connection),
+		Channels: cfg.PublisherChannels, ConfirmTimeout: cfg.ConfirmTimeout, Logger: cfg.Logger,
 	})
 	if err != nil {
 		return nil, fmt.Errorf("amqpretry: connecting the retry publisher: %w", err)
 	}
+	var sources []middleware.AttemptSource
+	if cfg.NativeDelayedRetry != nil {
+		props, err := pub.serverProperties()
+		if err == nil {
+			err = checkNativeSupport(props)
+		}
+		if err != nil {
+			_ = pub.Close()
+			return nil, err
+		}
+		qn := cfg.QueueName
+		sources = []middleware.AttemptSource{
+			middleware.HeaderSource(),
+			middleware.XDeathSource(func(msg *message.Message) string { return qn(msg.Context()) }),
+			middleware.AcquiredCountSource(),
+		}
+	}
 	delayer := &Delayer{publisher: pub, topology: topo, marshaler: marshaler, queueName: cfg.QueueName, logger: cfg.Logger,
-		deadLetterFirst: cfg.DeadLetterFirstRetry}
+		deadLetterFirst: cfg.DeadLetterFirstRetry, native: cfg.NativeDelayedRetry}
 	chain, err := router.New(router.Config{
 		Delayer:         delayer,
 		PoisonPublisher: &poisonPublisher{publisher: pub, topology: topo, marshaler: marshaler, logger: cfg.Logger},
 		PoisonTopic:     func(ctx context.Context) string { return topo.PoisonQueue(cfg.QueueName(ctx)) },
 		MaxAttempts:     cfg.MaxAttempts,
+		MaxRedeliveries: cfg.MaxRedeliveries,
+		FallbackPause:   cfg.FallbackPause,
 		Backoff:         cfg.Backoff,
-		Classifier:      cfg.Classifier,
+		Classifier:      classifierWithAlive(cfg.Classifier),
 		QueueName:       cfg.QueueName,
 		ErrorText:       cfg.ErrorText,
 		Observer:        cfg.Observer,
 		Logger:          cfg.Logger,
+
+		// Native delayed retry: each retry is a redelivery, counted by
+		// x-acquired-count (nil sources: the router's defaults).
+		AttemptSources:      sources,
+		RedeliveriesCounted: cfg.NativeDelayedRetry != nil,
 	})
 	if err != nil {
 		_ = pub.Close()
@@ -261,9 +334,12 @@ func New(cfg Config) (*Retry, error) {
 
 	sub := cfg.Subscriber
 	sub.TopologyBuilder = topo
-	sub.Marshaler = marshaler
-	// A nack must dead-letter (into the wait path), never requeue in a hot loop.
-	sub.Consume.NoRequeueOnNack = true
+	sub.Marshaler = trackingMarshaler{marshaler}
+	// The chain nacks only what it could not settle, after a pause, and wants
+	// it requeued (kept in Q; the RedeliveryGuard counts the redelivery), not
+	// dead-lettered: classic dead-lettering is at-most-once. With
+	// DeadLetterFirstRetry the nack is the first retry: Q's DLX takes it.
+	sub.Consume.NoRequeueOnNack = cfg.DeadLetterFirstRetry
 	if cfg.QueueType == QueueTypeQuorum {
 		sub.Queue.Durable = true
 	}
@@ -273,7 +349,18 @@ func New(cfg Config) (*Retry, error) {
 
 // Middleware is the retry chain; pass it to (*message.Router).AddMiddleware
 // or (*message.Handler).AddMiddleware.
-func (r *Retry) Middleware(h message.HandlerFunc) message.HandlerFunc { return r.chain.Middleware(h) }
+//
+// It also tells the chain whether a message's delivery can still be acked
+// (its channel open, its consumer not cancelled by the broker): a failure
+// on a delivery the broker has already taken back is neither retried nor
+// poisoned (middleware.ActionNack), since the broker redelivers it.
+func (r *Retry) Middleware(h message.HandlerFunc) message.HandlerFunc {
+	inner := r.chain.Middleware(h)
+	return func(msg *message.Message) ([]*message.Message, error) {
+		defer forgetDelivery(msg)
+		return inner(msg)
+	}
+}
 
 // Chain returns the assembled middlewares.
 func (r *Retry) Chain() *router.Chain { return r.chain }
@@ -283,6 +370,20 @@ func (r *Retry) Chain() *router.Chain { return r.chain }
 // Consume.NoRequeueOnNack set (a nack dead-letters into the wait path instead
 // of requeueing at once). Pass it to wamqp.NewSubscriber.
 func (r *Retry) SubscriberConfig() wamqp.Config { return r.subscriber }
+
+// NewSubscriber returns a watermill-amqp subscriber on SubscriberConfig,
+// wrapped in a router.DrainingSubscriber so that a graceful router shutdown
+// lets in-flight handlers finish (and their messages be acked, retried or
+// poisoned) before the subscriber closes, instead of watermill-amqp's nack
+// of every in-flight delivery. drainTimeout bounds that wait (0: 20 s); keep
+// it below the router's CloseTimeout. It returns watermill-amqp's error.
+func (r *Retry) NewSubscriber(logger watermill.LoggerAdapter, drainTimeout time.Duration) (*router.DrainingSubscriber, error) {
+	sub, err := wamqp.NewSubscriber(r.subscriber, logger)
+	if err != nil {
+		return nil, err
+	}
+	return router.NewDrainingSubscriber(sub, drainTimeout), nil
+}
 
 // Topology returns the topology builder (names, tiers, TierFor).
 func (r *Retry) Topology() *Topology { return r.topology }
@@ -329,13 +430,17 @@ type Delayer struct {
 	logger    watermill.LoggerAdapter
 	// deadLetterFirst: first-tier retries are left to Q's dead-letter path.
 	deadLetterFirst bool
+	// native: retries within its range are left to Q's delayed retry.
+	native *NativeDelayedRetry
 }
 
 // Schedule publishes msg to its wait queue and waits for the confirm. A copy
 // whose headers exceed MaxCopyHeaderBytes is refused with an error wrapping
 // middleware.ErrCannotDelay (the message is then poisoned). With
 // Config.DeadLetterFirstRetry, a first-tier retry returns
-// middleware.ErrDeadLetter without publishing. The
+// middleware.ErrDeadLetter without publishing; with
+// Config.NativeDelayedRetry, a retry in its range (NativeDelayedRetry) returns
+// middleware.ErrNativeRetry without publishing. The
 // tier is TierFor(delay), or, when ctx carries a middleware.MinimumDelay (a
 // handler's RetryAfter), the smallest tier at or above it. If the
 // wait queue or exchange is missing (returned as unroutable, or 404
@@ -359,9 +464,27 @@ func (d *Delayer) Schedule(ctx context.Context, msg *message.Message, delay time
 			})
 		}
 	}
+	if delay <= 0 {
+		// Straight back to Q (the RedeliveryGuard's and the fallback's copies).
+		return d.publish(ctx, msg, d.topology.naming.LoopBackExchange, q, q)
+	}
+	if d.native != nil {
+		minimum, _ := middleware.MinimumDelay(ctx)
+		if d.native.fits(delay, minimum) {
+			return middleware.ErrNativeRetry // the nack with requeue puts it into Q's delayed state
+		}
+	}
 	if d.deadLetterFirst && tier == d.topology.tiers[0] {
 		return middleware.ErrDeadLetter // Q's DLX routes to the first wait queue
 	}
+	wq := d.topology.naming.WaitQueue(q, tier)
+	return d.publish(ctx, msg, d.topology.naming.WaitExchange, wq, q)
+}
+
+// publish marshals msg and publishes it to exchange with key (mandatory,
+// confirmed); if the target is missing it redeclares q's topology and tries
+// once more.
+func (d *Delayer) publish(ctx context.Context, msg *message.Message, exchange, key, q string) error {
 	p, err := d.marshaler.Marshal(msg)
 	if err != nil {
 		return fmt.Errorf("amqpretry: marshaling retry copy: %w", err)
@@ -371,16 +494,37 @@ func (d *Delayer) Schedule(ctx context.Context, msg *message.Message, delay time
 			middleware.ErrCannotDelay, n, MaxCopyHeaderBytes)
 	}
 	pctx := context.WithoutCancel(ctx)
-	wq := d.topology.naming.WaitQueue(q, tier)
-	err = d.publisher.PublishRaw(pctx, d.topology.naming.WaitExchange, wq, p)
+	err = d.publisher.PublishRaw(pctx, exchange, key, p)
 	if err == nil || !topologyMissing(err) {
 		return err
 	}
-	d.logger.Error("Retry publish found no wait queue; redeclaring topology", err, watermill.LogFields{"queue": q, "wait_queue": wq})
+	d.logger.Error("Retry publish found no route; redeclaring topology", err, watermill.LogFields{"queue": q, "exchange": exchange, "routing_key": key})
 	if rerr := d.topology.Redeclare(d.publisher.Channel, q); rerr != nil {
 		return errors.Join(err, fmt.Errorf("amqpretry: redeclaring topology of %q: %w", q, rerr))
 	}
-	return d.publisher.PublishRaw(pctx, d.topology.naming.WaitExchange, wq, p)
+	return d.publisher.PublishRaw(pctx, exchange, key, p)
+}
+
+// publisherConnectionName is the retry publisher's connection_name: the
+// subscriber's own name with ".retry-publisher" appended when it sets one
+// (so an operator sees which service a publisher belongs to), else
+// DefaultPublisherConnectionName.
+func publisherConnectionName(c wamqp.ConnectionConfig) string {
+	if c.AmqpConfig != nil {
+		if name, ok := c.AmqpConfig.Properties["connection_name"].(string); ok && name != "" {
+			return name + ".retry-publisher"
+		}
+	}
+	return DefaultPublisherConnectionName
+}
+
+// classifierWithAlive adds deliveryAlive to c.DeliveryAlive.
+func classifierWithAlive(c middleware.ClassifierConfig) middleware.ClassifierConfig {
+	user := c.DeliveryAlive
+	c.DeliveryAlive = func(msg *message.Message) bool {
+		return deliveryAlive(msg) && (user == nil || user(msg))
+	}
+	return c
 }
 
 func topologyMissing(err error) bool {

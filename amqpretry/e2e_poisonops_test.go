@@ -11,6 +11,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 
+	"github.com/rabbitretry/rabbitretry/amqpretry"
 	"github.com/rabbitretry/rabbitretry/middleware"
 	"github.com/rabbitretry/rabbitretry/poison/admin"
 )
@@ -99,5 +100,54 @@ func TestE2E_ForwarderOutputListedAndReplayed(t *testing.T) {
 	}
 	if d := e.depth(qOther); d != 0 {
 		t.Errorf("other queue depth %d", d)
+	}
+}
+
+// A quorum Q dead-letters what RabbitMQ removes from it (here: a
+// per-message TTL that runs out before any consumer runs) into its poison
+// queue, with the producer's headers untouched. The poison tools take the
+// origin from the broker's x-death record, not from a forged
+// rabbitretry-original-queue: Replay returns the message to Q, not to the
+// other library-managed queue the header names.
+func TestE2E_DeadLetteredIntoPoisonReplaysToItsQueue(t *testing.T) {
+	e := newEnv(t, amqpretry.QueueTypeQuorum)
+	handled := newRecorder()
+	q := e.handle("inbox", func(msg *message.Message) error { handled.record(msg, 1); return nil })
+	otherRec := newRecorder()
+	other := e.handle("other", func(msg *message.Message) error { otherRec.record(msg, 1); return nil })
+	// Declare both queues, then stop consuming so the message expires in Q.
+	e.start()
+	e.stopRouter()
+	m := message.NewMessage(watermill.NewUUID(), []byte("order"))
+	m.Metadata.Set(middleware.OriginalQueueKey, other)
+	p, err := amqpretry.Marshaler{}.Marshal(m)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p.Expiration = "50"
+	if err := e.ch.PublishWithContext(context.Background(), e.exchange, "order.created", false, false, p); err != nil {
+		t.Fatal(err)
+	}
+	pq := e.retry.Topology().PoisonQueue(q)
+	waitFor(t, 10*time.Second, "the expired message in Q's poison queue", func() bool { return e.depth(pq) == 1 })
+	a, err := admin.New(admin.Config{URI: e.uri})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer a.Close()
+	list, err := a.List(context.Background(), pq, admin.Filter{})
+	if err != nil || len(list) != 1 {
+		t.Fatalf("list: %v, %d messages", err, len(list))
+	}
+	if list[0].OriginalQueue != q || list[0].Class != "dead-lettered:expired" {
+		t.Fatalf("listed origin %q class %q, want %q dead-lettered:expired", list[0].OriginalQueue, list[0].Class, q)
+	}
+	res, err := a.Replay(context.Background(), pq, admin.Filter{}, admin.ReplayOptions{})
+	if err != nil || res.Replayed != 1 {
+		t.Fatalf("replay: %v, %+v", err, res)
+	}
+	waitFor(t, 10*time.Second, "the replayed message in Q", func() bool { return e.depth(q) == 1 })
+	if d := e.depth(other); d != 0 {
+		t.Fatalf("the forged queue got %d message(s)", d)
 	}
 }

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"regexp"
 	"strings"
 	"sync"
 	"testing"
@@ -16,6 +17,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/rabbitretry/rabbitretry/amqpretry"
+	"github.com/rabbitretry/rabbitretry/internal/testkit"
 	"github.com/rabbitretry/rabbitretry/middleware"
 	"github.com/rabbitretry/rabbitretry/poison"
 )
@@ -253,12 +255,21 @@ func TestE2E_ThousandMessagesAccounting(t *testing.T) {
 	})
 }
 
-// The nack path: when the republish fails, the message is nacked, the broker
-// dead-letters it through Q's DLX into the first wait queue and back to Q,
-// and its attempt is counted from x-death.
-func TestE2E_NackPathCountsFromXDeath(t *testing.T) {
-	forEachQueueType(t, func(t *testing.T, qt string) {
-		e := newEnv(t, qt)
+// A wait queue that refuses the retry copy (a max-length policy with
+// overflow reject-publish: the broker nacks the publish) must not lose the
+// message. The fallback pauses, then publishes the copy straight back to Q
+// (confirmed), counted as the next attempt; it never relies on Q's
+// dead-lettering, which classic queues do at most once.
+//
+// Classic queues only: a quorum queue with reject-publish still accepts a
+// publish while its length is under the limit, so max-length 0 does not make
+// it refuse (RabbitMQ 3.10, "Quorum Queues": overflow is checked after the
+// fact); the quorum refusal path is exercised by faults/refuse_test.go.
+func TestE2E_WaitQueueRefusesRetries(t *testing.T) {
+	t.Run("classic", func(t *testing.T) {
+		const qt = amqpretry.QueueTypeClassic
+		const pause = 300 * time.Millisecond
+		e := newEnv(t, qt, func(c *amqpretry.Config) { c.FallbackPause = pause })
 		rec := newRecorder()
 		q := e.handle("svc", func(msg *message.Message) error {
 			rec.record(msg, middleware.Attempt(msg))
@@ -267,43 +278,42 @@ func TestE2E_NackPathCountsFromXDeath(t *testing.T) {
 			}
 			return nil
 		})
+		refuseWaitQueues(t, q)
 		e.start()
-		// Break the retry publisher: every Schedule now fails, so the chain
-		// must nack, and the broker's dead-letter path takes over.
-		if err := e.retry.Publisher().Close(); err != nil {
-			t.Fatal(err)
-		}
 		msg := message.NewMessage(watermill.NewUUID(), []byte("x"))
 		e.publish(msg)
-		waitFor(t, 15*time.Second, "3 attempts via the dead-letter path", func() bool { return rec.count(msg.UUID) == 3 })
+		waitFor(t, 15*time.Second, "3 attempts through the fallback", func() bool { return rec.count(msg.UUID) == 3 })
 		attempts, times := rec.get(msg.UUID)
 		if fmt.Sprint(attempts) != "[1 2 3]" {
-			t.Fatalf("attempts %v, want [1 2 3] counted from x-death", attempts)
+			t.Fatalf("attempts %v, want [1 2 3]", attempts)
 		}
-		tier0 := e.retry.Topology().Tiers()[0]
 		for i := 1; i < 3; i++ {
-			if gap := times[i].Sub(times[i-1]); gap < tier0 {
-				t.Errorf("dead-letter retry %d came after %v, earlier than the first tier %v (hot loop?)", i, gap, tier0)
+			if gap := times[i].Sub(times[i-1]); gap < pause {
+				t.Errorf("fallback retry %d came after %v, before the pause %v (hot loop?)", i, gap, pause)
 			}
 		}
-		rec.mu.Lock()
-		md := rec.meta[msg.UUID][2]
-		rec.mu.Unlock()
-		deaths, err := middleware.ParseXDeath(md.Get(middleware.XDeathKey))
-		if err != nil {
-			t.Fatal(err)
-		}
-		var rejected int64
-		for _, d := range deaths {
-			if d.Queue == q && d.Reason == "rejected" {
-				rejected = d.Count
+		for _, wq := range e.retry.Topology().WaitQueues(q) {
+			if d := e.depth(wq); d != 0 {
+				t.Errorf("wait queue %s holds %d", wq, d)
 			}
 		}
-		if rejected != 2 {
-			t.Errorf("x-death rejected count for %s = %d, want 2 (deaths %+v)", q, rejected, deaths)
-		}
-		e.waitQueuesEmpty(q, 5*time.Second)
+		waitFor(t, 5*time.Second, "Q empty", func() bool { return e.depth(q) == 0 })
 	})
+}
+
+// refuseWaitQueues applies a policy making q's wait queues refuse every
+// publish (max-length 0, overflow reject-publish: the broker nacks it), and
+// removes it at the end of the test.
+func refuseWaitQueues(t *testing.T, q string) {
+	t.Helper()
+	testkit.HaveCtl(t)
+	name := "refuse." + q
+	pattern := "^" + regexp.QuoteMeta(q) + `\.wait\.`
+	if out, err := testkit.Ctl(t, 30*time.Second, "set_policy", "--apply-to", "queues", "--priority", "100",
+		name, pattern, `{"max-length":0,"overflow":"reject-publish"}`); err != nil {
+		t.Fatalf("set_policy: %v: %s", err, out)
+	}
+	t.Cleanup(func() { _, _ = testkit.Ctl(t, 30*time.Second, "clear_policy", name) })
 }
 
 // Messages carrying x-death and x-delivery-count headers (non-string AMQP
@@ -394,7 +404,8 @@ func TestE2E_NoHeadOfLineBlocking(t *testing.T) {
 
 // Forged retry headers give the documented behaviour and a bounded number of
 // attempts: non-numeric and negative values are ignored (counting starts at
-// 1), values beyond the cap read as the cap (one attempt, then poison).
+// 1), values beyond the cap read as the cap, which is past MaxAttempts: the
+// message is poisoned without running the handler.
 func TestE2E_ForgedRetryHeaders(t *testing.T) {
 	forEachQueueType(t, func(t *testing.T, qt string) {
 		e := newEnv(t, qt)
@@ -411,7 +422,7 @@ func TestE2E_ForgedRetryHeaders(t *testing.T) {
 			{"abc", "[1 2 3]"},
 			{"-5", "[1 2 3]"},
 			{"0", "[1 2 3]"},
-			{"99999999999999999999", "[1000]"},
+			{"99999999999999999999", "[]"}, // past MaxAttempts: poisoned without running
 			{"2", "[2 3]"},
 		}
 		msgs := map[string]string{}

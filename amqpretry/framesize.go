@@ -27,18 +27,14 @@ const MaxCopyHeaderBytes = 131072 - 8192
 // publisher removed so that a poisoned copy fits MaxCopyHeaderBytes.
 const DroppedHeadersKey = "rabbitretry-dropped-headers"
 
-// encodedHeaderBytes estimates the AMQP field-table size of h: per entry a
-// 1-byte name length, the name, a 1-byte type and the value (strings with a
-// 4-byte length; other values as their string form, an upper bound for most).
+// encodedHeaderBytes returns the size of h encoded as an AMQP field table,
+// as amqp091-go writes it: a 4-byte length, then per entry a 1-byte name
+// length, the name and the tagged value (see fieldSize; typed values, which
+// Marshal restores from TypedHeadersKey, count with their AMQP encoding).
 func encodedHeaderBytes(h amqp.Table) int {
 	n := 4
 	for k, v := range h {
-		n += 2 + len(k) + 4
-		if s, ok := v.(string); ok {
-			n += len(s)
-		} else if s, err := headerToString(v); err == nil {
-			n += len(s)
-		}
+		n += 1 + len(k) + fieldSize(v)
 	}
 	return n
 }
@@ -61,7 +57,7 @@ func fitHeaders(p *amqp.Publishing) {
 			keys = append(keys, k)
 		}
 	}
-	size := func(k string) int { s, _ := headerToString(p.Headers[k]); return len(k) + len(s) }
+	size := func(k string) int { return len(k) + fieldSize(p.Headers[k]) }
 	slices.SortFunc(keys, func(a, b string) int { return cmp.Compare(size(b), size(a)) })
 	var dropped []string
 	for _, k := range keys {

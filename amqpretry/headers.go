@@ -1,10 +1,13 @@
 package amqpretry
 
 import (
+	"encoding/base64"
+	"encoding/binary"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"math"
+	"sort"
 	"strconv"
 	"strings"
 	"time"
@@ -463,4 +466,376 @@ func mapToJSON(m map[string]interface{}, depth int) (interface{}, error) {
 		out[k] = j
 	}
 	return out, nil
+}
+
+// AMQP 0-9-1 field value type tags, as RabbitMQ and amqp091-go write them
+// ("AMQP 0-9-1 Errata", field table types; amqp091-go write.go/read.go).
+const (
+	tagBool      = 't'
+	tagInt8      = 'b'
+	tagUint8     = 'B'
+	tagInt16     = 's'
+	tagUint16    = 'u'
+	tagInt32     = 'I'
+	tagUint32    = 'i'
+	tagInt64     = 'l'
+	tagFloat32   = 'f'
+	tagFloat64   = 'd'
+	tagDecimal   = 'D'
+	tagLongStr   = 'S'
+	tagBytes     = 'x'
+	tagTimestamp = 'T'
+	tagTable     = 'F'
+	tagArray     = 'A'
+	tagVoid      = 'V'
+)
+
+// wireTyped reports whether v is made only of the Go types amqp091-go
+// decodes AMQP field values into (so that it can be encoded and decoded back
+// into the same Go value): nil, bool, uint8, int8, int16, uint16, int32,
+// uint32, int64, float32, float64, amqp.Decimal, string, []byte, time.Time
+// with whole seconds, amqp.Table with keys of at most 255 bytes, and
+// []interface{} of these, nested at most maxFieldDepth levels. Other Go types
+// (int, uint64, map[string]interface{}, ...) cannot arrive from the broker.
+func wireTyped(v interface{}, depth int) bool {
+	if depth > maxFieldDepth {
+		return false
+	}
+	switch x := v.(type) {
+	case nil, bool, uint8, int8, int16, uint16, int32, uint32, int64, float32, float64, amqp.Decimal, string, []byte:
+		return true
+	case time.Time:
+		return x.Nanosecond() == 0
+	case amqp.Table:
+		for k, e := range x {
+			if len(k) > 255 || !wireTyped(e, depth+1) {
+				return false
+			}
+		}
+		return true
+	case []interface{}:
+		for _, e := range x {
+			if !wireTyped(e, depth+1) {
+				return false
+			}
+		}
+		return true
+	}
+	return false
+}
+
+// fieldSize returns the number of bytes the AMQP field value v takes on the
+// wire, type tag included, as amqp091-go encodes it. A value amqp091-go
+// cannot encode counts as a long string of its string form (headerToString).
+func fieldSize(v interface{}) int {
+	return fieldSizeDepth(v, 0)
+}
+
+func fieldSizeDepth(v interface{}, depth int) int {
+	if depth > maxFieldDepth {
+		return 0
+	}
+	switch x := v.(type) {
+	case nil:
+		return 1
+	case bool, uint8, int8:
+		return 2
+	case int16, uint16:
+		return 3
+	case int32, uint32, float32, int:
+		return 5
+	case int64, float64, time.Time:
+		return 9
+	case amqp.Decimal:
+		return 6
+	case string:
+		return 5 + len(x)
+	case []byte:
+		return 5 + len(x)
+	case amqp.Table:
+		n := 5
+		for k, e := range x {
+			n += 1 + len(k) + fieldSizeDepth(e, depth+1)
+		}
+		return n
+	case []interface{}:
+		n := 5
+		for _, e := range x {
+			n += fieldSizeDepth(e, depth+1)
+		}
+		return n
+	}
+	s, _ := headerToString(v)
+	return 5 + len(s)
+}
+
+// encodeTypedHeaders encodes t, whose values must satisfy wireTyped, as an
+// AMQP 0-9-1 field table (the encoding of message headers on the wire: keys
+// in sorted order, so the result is deterministic) in standard base64. It
+// returns an error for a value wireTyped rejects.
+func encodeTypedHeaders(t amqp.Table) (string, error) {
+	var b []byte
+	b, err := appendTable(b, t, 0)
+	if err != nil {
+		return "", err
+	}
+	// The outer long-string length is implied by the base64 text.
+	return base64.StdEncoding.EncodeToString(b[4:]), nil
+}
+
+func appendTable(b []byte, t amqp.Table, depth int) ([]byte, error) {
+	if depth > maxFieldDepth {
+		return nil, fmt.Errorf("header value nested deeper than %d levels", maxFieldDepth)
+	}
+	start := len(b)
+	b = append(b, 0, 0, 0, 0) // length, filled in below
+	keys := make([]string, 0, len(t))
+	for k := range t {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	for _, k := range keys {
+		if len(k) > 255 {
+			return nil, fmt.Errorf("table key %q... longer than 255 bytes", truncateForError(k))
+		}
+		b = append(b, byte(len(k)))
+		b = append(b, k...)
+		var err error
+		if b, err = appendField(b, t[k], depth+1); err != nil {
+			return nil, fmt.Errorf("field %q: %w", truncateForError(k), err)
+		}
+	}
+	n := len(b) - start - 4
+	if uint64(n) > math.MaxUint32 {
+		return nil, errors.New("table longer than 4 GiB")
+	}
+	binary.BigEndian.PutUint32(b[start:], uint32(n))
+	return b, nil
+}
+
+func appendField(b []byte, v interface{}, depth int) ([]byte, error) {
+	if depth > maxFieldDepth {
+		return nil, fmt.Errorf("header value nested deeper than %d levels", maxFieldDepth)
+	}
+	switch x := v.(type) {
+	case nil:
+		return append(b, tagVoid), nil
+	case bool:
+		if x {
+			return append(b, tagBool, 1), nil
+		}
+		return append(b, tagBool, 0), nil
+	case uint8:
+		return append(b, tagUint8, x), nil
+	case int8:
+		return append(b, tagInt8, byte(x)), nil
+	case int16:
+		return binary.BigEndian.AppendUint16(append(b, tagInt16), uint16(x)), nil
+	case uint16:
+		return binary.BigEndian.AppendUint16(append(b, tagUint16), x), nil
+	case int32:
+		return binary.BigEndian.AppendUint32(append(b, tagInt32), uint32(x)), nil
+	case uint32:
+		return binary.BigEndian.AppendUint32(append(b, tagUint32), x), nil
+	case int64:
+		return binary.BigEndian.AppendUint64(append(b, tagInt64), uint64(x)), nil
+	case float32:
+		return binary.BigEndian.AppendUint32(append(b, tagFloat32), math.Float32bits(x)), nil
+	case float64:
+		return binary.BigEndian.AppendUint64(append(b, tagFloat64), math.Float64bits(x)), nil
+	case amqp.Decimal:
+		return binary.BigEndian.AppendUint32(append(b, tagDecimal, x.Scale), uint32(x.Value)), nil
+	case string:
+		if uint64(len(x)) > math.MaxUint32 {
+			return nil, errors.New("string longer than 4 GiB")
+		}
+		b = binary.BigEndian.AppendUint32(append(b, tagLongStr), uint32(len(x)))
+		return append(b, x...), nil
+	case []byte:
+		if uint64(len(x)) > math.MaxUint32 {
+			return nil, errors.New("byte array longer than 4 GiB")
+		}
+		b = binary.BigEndian.AppendUint32(append(b, tagBytes), uint32(len(x)))
+		return append(b, x...), nil
+	case time.Time:
+		if x.Nanosecond() != 0 {
+			return nil, errors.New("timestamp with a fraction of a second (AMQP timestamps are whole seconds)")
+		}
+		return binary.BigEndian.AppendUint64(append(b, tagTimestamp), uint64(x.Unix())), nil
+	case amqp.Table:
+		return appendTable(append(b, tagTable), x, depth)
+	case []interface{}:
+		b = append(b, tagArray)
+		start := len(b)
+		b = append(b, 0, 0, 0, 0)
+		for i, e := range x {
+			var err error
+			if b, err = appendField(b, e, depth+1); err != nil {
+				return nil, fmt.Errorf("element %d: %w", i, err)
+			}
+		}
+		n := len(b) - start - 4
+		if uint64(n) > math.MaxUint32 {
+			return nil, errors.New("array longer than 4 GiB")
+		}
+		binary.BigEndian.PutUint32(b[start:], uint32(n))
+		return b, nil
+	}
+	return nil, fmt.Errorf("unsupported AMQP field value of type %s", typeName(v))
+}
+
+// decodeTypedHeaders is the inverse of encodeTypedHeaders. Values come back
+// as the Go types amqp091-go decodes them into: a timestamp as
+// time.Unix(seconds, 0), an empty array as a nil []interface{}, a byte array
+// as a non-nil []byte. It returns an error, never panics, for text that is
+// not base64 or not a well-formed field table (unknown type tag, a length
+// beyond the end, nesting deeper than 64 levels, trailing bytes).
+func decodeTypedHeaders(s string) (amqp.Table, error) {
+	b, err := base64.StdEncoding.DecodeString(s)
+	if err != nil {
+		return nil, fmt.Errorf("typed headers are not base64: %w", err)
+	}
+	t, err := readTableBody(b, 0)
+	if err != nil {
+		return nil, fmt.Errorf("typed headers: %w", err)
+	}
+	return t, nil
+}
+
+var errShortField = errors.New("field table ends inside a value")
+
+func readTableBody(b []byte, depth int) (amqp.Table, error) {
+	if depth > maxFieldDepth {
+		return nil, fmt.Errorf("nested deeper than %d levels", maxFieldDepth)
+	}
+	t := amqp.Table{}
+	for len(b) > 0 {
+		kl := int(b[0])
+		if len(b) < 1+kl {
+			return nil, errShortField
+		}
+		k := string(b[1 : 1+kl])
+		v, rest, err := readFieldValue(b[1+kl:], depth+1)
+		if err != nil {
+			return nil, fmt.Errorf("field %q: %w", truncateForError(k), err)
+		}
+		t[k] = v
+		b = rest
+	}
+	return t, nil
+}
+
+// readFieldValue reads one tagged field value from b and returns it with the
+// bytes after it.
+func readFieldValue(b []byte, depth int) (interface{}, []byte, error) {
+	if depth > maxFieldDepth {
+		return nil, nil, fmt.Errorf("nested deeper than %d levels", maxFieldDepth)
+	}
+	if len(b) == 0 {
+		return nil, nil, errShortField
+	}
+	tag, b := b[0], b[1:]
+	need := func(n int) error {
+		if len(b) < n {
+			return errShortField
+		}
+		return nil
+	}
+	sized := func() ([]byte, []byte, error) {
+		if err := need(4); err != nil {
+			return nil, nil, err
+		}
+		n := binary.BigEndian.Uint32(b)
+		if uint64(len(b)-4) < uint64(n) {
+			return nil, nil, errShortField
+		}
+		return b[4 : 4+n], b[4+n:], nil
+	}
+	switch tag {
+	case tagVoid:
+		return nil, b, nil
+	case tagBool, tagUint8, tagInt8:
+		if err := need(1); err != nil {
+			return nil, nil, err
+		}
+		switch tag {
+		case tagBool:
+			return b[0] != 0, b[1:], nil
+		case tagUint8:
+			return b[0], b[1:], nil
+		}
+		return int8(b[0]), b[1:], nil
+	case tagInt16, tagUint16:
+		if err := need(2); err != nil {
+			return nil, nil, err
+		}
+		u := binary.BigEndian.Uint16(b)
+		if tag == tagInt16 {
+			return int16(u), b[2:], nil
+		}
+		return u, b[2:], nil
+	case tagInt32, tagUint32, tagFloat32:
+		if err := need(4); err != nil {
+			return nil, nil, err
+		}
+		u := binary.BigEndian.Uint32(b)
+		switch tag {
+		case tagInt32:
+			return int32(u), b[4:], nil
+		case tagUint32:
+			return u, b[4:], nil
+		}
+		return math.Float32frombits(u), b[4:], nil
+	case tagInt64, tagFloat64, tagTimestamp:
+		if err := need(8); err != nil {
+			return nil, nil, err
+		}
+		u := binary.BigEndian.Uint64(b)
+		switch tag {
+		case tagInt64:
+			return int64(u), b[8:], nil
+		case tagFloat64:
+			return math.Float64frombits(u), b[8:], nil
+		}
+		return time.Unix(int64(u), 0), b[8:], nil
+	case tagDecimal:
+		if err := need(5); err != nil {
+			return nil, nil, err
+		}
+		return amqp.Decimal{Scale: b[0], Value: int32(binary.BigEndian.Uint32(b[1:]))}, b[5:], nil
+	case tagLongStr, tagBytes:
+		v, rest, err := sized()
+		if err != nil {
+			return nil, nil, err
+		}
+		if tag == tagLongStr {
+			return string(v), rest, nil
+		}
+		return append([]byte{}, v...), rest, nil
+	case tagTable:
+		v, rest, err := sized()
+		if err != nil {
+			return nil, nil, err
+		}
+		t, err := readTableBody(v, depth)
+		if err != nil {
+			return nil, nil, err
+		}
+		return t, rest, nil
+	case tagArray:
+		v, rest, err := sized()
+		if err != nil {
+			return nil, nil, err
+		}
+		var arr []interface{}
+		for len(v) > 0 {
+			var e interface{}
+			if e, v, err = readFieldValue(v, depth+1); err != nil {
+				return nil, nil, fmt.Errorf("element %d: %w", len(arr), err)
+			}
+			arr = append(arr, e)
+		}
+		return arr, rest, nil
+	}
+	return nil, nil, fmt.Errorf("unknown field type %q", tag)
 }

@@ -9,8 +9,10 @@ import (
 	"strings"
 	"unicode/utf8"
 
+	"github.com/ThreeDotsLabs/watermill"
 	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v2/pkg/amqp"
 	"github.com/ThreeDotsLabs/watermill/message"
+	wmw "github.com/ThreeDotsLabs/watermill/message/router/middleware"
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitretry/rabbitretry/middleware"
@@ -41,8 +43,11 @@ const poisonReasonKey = "reason_poisoned"
 
 // Marshaler wraps a watermill-amqp Marshaler (default wamqp.DefaultMarshaler{})
 // so that broker-set, non-string headers become readable metadata instead of
-// failing Unmarshal, and so that broker-owned headers never travel on a
-// republished or forwarded copy.
+// failing Unmarshal, so that broker-owned headers never travel on a
+// republished or forwarded copy, and so that a copy keeps what the producer
+// sent: the AMQP types of its headers (TypedHeadersKey), its properties
+// (PropContentTypeKey, ..., PropDeliveryModeKey) and its identity (a message
+// without one gets a UUID on its first delivery, carried by every copy).
 //
 // Why: wamqp.DefaultMarshaler.Unmarshal fails on any header that is not a
 // string (watermill issue #65). RabbitMQ adds such headers itself: x-death,
@@ -59,8 +64,10 @@ type Marshaler struct {
 	// Unmarshal hands it a delivery whose headers are all strings.
 	Inner wamqp.Marshaler
 
-	// MaxHeaderBytes bounds the total size, in bytes, of the string headers
-	// (keys plus values) of a publishing produced by Marshal. When the total
+	// MaxHeaderBytes bounds the total size, in bytes, of the headers (keys
+	// plus values; a value that is not a string, such as a typed header
+	// restored from TypedHeadersKey, counts with its AMQP encoding, see
+	// fieldSize) of a publishing produced by Marshal. When the total
 	// is larger, Marshal shortens the longest values among the library's own
 	// keys (prefix "rabbitretry-") and watermill's "reason_poisoned" until it
 	// fits, ending each shortened value with TruncatedSuffix; other headers
@@ -68,6 +75,17 @@ type Marshaler struct {
 	// alone are too large. 0 means DefaultMaxHeaderBytes; a negative value
 	// disables truncation.
 	MaxHeaderBytes int
+
+	// Topology names the retry topology (the loop-back exchange, each
+	// queue's wait queues) by which Unmarshal recognises a delivery that came
+	// back through the library's own retry path (see
+	// middleware.DeliveryRetryPathKey). nil means the default Naming with any
+	// tier: loop-back exchange "rabbitretry.loopback", wait queues
+	// "<Q>.wait.<tier>". With a custom Config.Naming, set it to the Retry's
+	// Topology (Retry.Topology()); otherwise copies that come back through a
+	// renamed loop-back exchange record that exchange and Q as their origin
+	// instead of keeping the origin recorded on the first failure.
+	Topology *Topology
 }
 
 var _ wamqp.Marshaler = Marshaler{}
@@ -105,22 +123,43 @@ func (m Marshaler) uuidHeaderKey() string {
 //     DeathRecordsFromTable);
 //   - x-delivery-count (RabbitMQ "Quorum Queues") becomes a decimal string
 //     under middleware.XDeliveryCountKey (see DeliveryCount);
+//   - x-acquired-count (RabbitMQ 4.x quorum queues: every return of the
+//     message) becomes a decimal string under middleware.XAcquiredCountKey;
 //   - every other non-string header, the message UUID header included,
 //     becomes its string form (see headerToString for the formats: numbers in
 //     decimal, timestamps in RFC 3339 UTC, tables and arrays as JSON).
+//
+// The typed values of the converted user headers are kept under
+// TypedHeadersKey, from which Marshal restores them.
 //
 // A header that cannot be converted (a malformed x-death or x-delivery-count,
 // say a forged one) is dropped, and a description of the problem is stored
 // under middleware.HeaderErrorKey; it never makes Unmarshal fail. Headers that
 // describe one publish or delivery only (PublishIDHeader, and any incoming
-// middleware.HeaderErrorKey, DeliveryExchangeKey or DeliveryRoutingKeyKey)
-// are dropped. The x-first-death-* and x-last-death-* headers are strings
-// and pass through as metadata.
+// middleware.HeaderErrorKey, DeliveryExchangeKey, DeliveryRoutingKeyKey,
+// DeliveryRedeliveredKey, DeliveryRetryPathKey or TypedHeadersKey) are
+// dropped. The x-first-death-* and x-last-death-* headers are strings and pass
+// through as metadata.
 //
 // After Inner, the metadata gets middleware.DeliveryExchangeKey = d.Exchange,
 // middleware.DeliveryRoutingKeyKey = d.RoutingKey, and the delivery's AMQP
-// properties under the Prop*Key keys (restored by Marshal). A message without a
-// UUID header gets d.MessageId as its UUID (empty if that is unset too).
+// properties under the Prop*Key keys (restored by Marshal).
+//
+// Identity: the message UUID is the UUID header (Inner's key, default
+// "_watermill_message_uuid"); without one (or with an empty one), the AMQP
+// message-id property; with neither, a new random UUID (watermill.NewUUID).
+// Every retry and poison copy carries the UUID in the UUID header, so
+// attempts 1..n of one message share it and two messages never do. A message
+// that comes back without a copy in between (requeued, or dead-lettered by the
+// broker after a nack) is a new delivery of the original and gets a new UUID.
+//
+// Origin: middleware.DeliveryRetryPathKey is set to "true" when the delivery
+// came back through the library's own retry path (see retryPathDelivery). On
+// any other delivery the origin keys cannot have been written by the library,
+// so a producer's middleware.OriginalQueueKey is removed and
+// OriginalExchangeKey / OriginalRoutingKeyKey are set to d.Exchange and
+// d.RoutingKey: no copy of the message (retry, poison, redelivery or fallback
+// copy) can carry a producer's origin.
 //
 // It returns an error only if Inner does.
 func (m Marshaler) Unmarshal(d amqp.Delivery) (*message.Message, error) {
@@ -139,9 +178,12 @@ func (m Marshaler) Unmarshal(d amqp.Delivery) (*message.Message, error) {
 			return nil, fmt.Errorf("amqpretry: unmarshaling delivery: %w", err)
 		}
 		delete(msg.Metadata, PublishIDHeader)
-		return m.finishUnmarshal(msg, d, nil), nil
+		return m.finishUnmarshal(msg, d, nil, nil, nil), nil
 	}
 	var problems []string
+	var deaths []middleware.DeathRecord
+	var typed amqp.Table
+	uuidKey := m.uuidHeaderKey()
 	headers := make(amqp.Table, len(d.Headers))
 	for k, v := range d.Headers {
 		switch k {
@@ -157,6 +199,7 @@ func (m Marshaler) Unmarshal(d amqp.Delivery) (*message.Message, error) {
 			if recs == nil {
 				recs = []middleware.DeathRecord{}
 			}
+			deaths = recs
 			headers[middleware.XDeathKey] = middleware.EncodeXDeath(recs)
 		case headerXDeliveryCount:
 			n, err := DeliveryCount(v)
@@ -165,7 +208,15 @@ func (m Marshaler) Unmarshal(d amqp.Delivery) (*message.Message, error) {
 				continue
 			}
 			headers[middleware.XDeliveryCountKey] = strconv.FormatInt(n, 10)
-		case PublishIDHeader, middleware.HeaderErrorKey, middleware.DeliveryExchangeKey, middleware.DeliveryRoutingKeyKey:
+		case headerXAcquiredCount:
+			n, err := acquiredCount(v)
+			if err != nil {
+				problems = append(problems, err.Error())
+				continue
+			}
+			headers[middleware.XAcquiredCountKey] = strconv.FormatInt(n, 10)
+		case PublishIDHeader, middleware.HeaderErrorKey, middleware.DeliveryExchangeKey, middleware.DeliveryRoutingKeyKey,
+			middleware.DeliveryRedeliveredKey, middleware.DeliveryRetryPathKey, TypedHeadersKey:
 			continue
 		default:
 			s, err := headerToString(v)
@@ -174,6 +225,12 @@ func (m Marshaler) Unmarshal(d amqp.Delivery) (*message.Message, error) {
 				continue
 			}
 			headers[k] = s
+			if _, isString := v.(string); !isString && len(k) <= 255 && keepsType(k, uuidKey) && wireTyped(v, 0) {
+				if typed == nil {
+					typed = amqp.Table{}
+				}
+				typed[k] = v
+			}
 		}
 	}
 
@@ -183,7 +240,20 @@ func (m Marshaler) Unmarshal(d amqp.Delivery) (*message.Message, error) {
 	if err != nil {
 		return nil, fmt.Errorf("amqpretry: unmarshaling delivery: %w", err)
 	}
-	return m.finishUnmarshal(msg, d, problems), nil
+	return m.finishUnmarshal(msg, d, problems, deaths, typed), nil
+}
+
+// keepsType reports whether the header k is a user header whose AMQP type
+// Unmarshal records and Marshal restores (see TypedHeadersKey): not a broker
+// header, not one of the keys the library and Watermill write as strings
+// (prefix "rabbitretry-", Watermill's *_poisoned keys, the UUID header).
+func keepsType(k, uuidKey string) bool {
+	switch k {
+	case uuidKey, headerXDeath, headerXDeliveryCount, headerXAcquiredCount,
+		wmw.ReasonForPoisonedKey, wmw.PoisonedTopicKey, wmw.PoisonedHandlerKey, wmw.PoisonedSubscriberKey:
+		return false
+	}
+	return !strings.HasPrefix(k, "rabbitretry-") && !strings.HasPrefix(k, prefixXFirstDeath) && !strings.HasPrefix(k, prefixXLastDeath)
 }
 
 // onlyPlainStringHeaders reports whether every header is a string and none
@@ -194,23 +264,52 @@ func onlyPlainStringHeaders(h amqp.Table) bool {
 			return false
 		}
 		switch k {
-		case headerXDeath, headerXDeliveryCount, middleware.HeaderErrorKey, middleware.DeliveryExchangeKey, middleware.DeliveryRoutingKeyKey:
+		case headerXDeath, headerXDeliveryCount, headerXAcquiredCount, middleware.HeaderErrorKey, middleware.DeliveryExchangeKey, middleware.DeliveryRoutingKeyKey,
+			middleware.DeliveryRedeliveredKey, middleware.DeliveryRetryPathKey, TypedHeadersKey:
 			return false
 		}
 	}
 	return true
 }
 
-// finishUnmarshal adds the delivery metadata and the header problems.
-func (m Marshaler) finishUnmarshal(msg *message.Message, d amqp.Delivery, problems []string) *message.Message {
-	if msg.UUID == "" && d.MessageId != "" {
+// finishUnmarshal sets the identity, adds the delivery metadata, the origin
+// keys, the typed headers and the header problems. deaths are the delivery's
+// x-death records (nil if none or malformed).
+func (m Marshaler) finishUnmarshal(msg *message.Message, d amqp.Delivery, problems []string, deaths []middleware.DeathRecord, typed amqp.Table) *message.Message {
+	if msg.UUID == "" {
 		msg.UUID = d.MessageId
+	}
+	if msg.UUID == "" {
+		// Neither a UUID header nor a message-id: without an identity of its
+		// own, two such messages could not be told apart in the poison tools.
+		msg.UUID = watermill.NewUUID()
 	}
 	if msg.Metadata == nil {
 		msg.Metadata = make(message.Metadata)
 	}
 	msg.Metadata.Set(middleware.DeliveryExchangeKey, d.Exchange)
 	msg.Metadata.Set(middleware.DeliveryRoutingKeyKey, d.RoutingKey)
+	if d.Redelivered {
+		msg.Metadata.Set(middleware.DeliveryRedeliveredKey, "true")
+	}
+	if m.retryPathDelivery(&d, deaths) {
+		msg.Metadata.Set(middleware.DeliveryRetryPathKey, "true")
+	} else {
+		// Whatever origin keys this message carries, the library did not
+		// write them: replace them by the delivery's, so that no copy of it
+		// (retry, poison, redelivery or fallback) carries a producer's.
+		delete(msg.Metadata, middleware.OriginalQueueKey)
+		msg.Metadata.Set(middleware.OriginalExchangeKey, d.Exchange)
+		msg.Metadata.Set(middleware.OriginalRoutingKeyKey, d.RoutingKey)
+	}
+	if len(typed) > 0 {
+		enc, err := encodeTypedHeaders(typed)
+		if err != nil { // wireTyped accepted every value: cannot happen
+			problems = append(problems, "header types not kept: "+err.Error())
+		} else {
+			msg.Metadata.Set(TypedHeadersKey, enc)
+		}
+	}
 	propertiesToMetadata(&d, msg.Metadata)
 	if len(problems) > 0 {
 		sort.Strings(problems) // map order is random; keep the text stable
@@ -224,9 +323,9 @@ func (m Marshaler) finishUnmarshal(msg *message.Message, d amqp.Delivery, proble
 // metadata that describes one delivery or one publish.
 func isBrokerOwnedOrDeliveryOnly(k string) bool {
 	switch k {
-	case headerXDeath, headerXDeliveryCount, // == middleware.XDeathKey, XDeliveryCountKey
-		middleware.DeliveryExchangeKey, middleware.DeliveryRoutingKeyKey,
-		middleware.HeaderErrorKey, PublishIDHeader:
+	case headerXDeath, headerXDeliveryCount, headerXAcquiredCount, // == middleware.XDeathKey, XDeliveryCountKey, XAcquiredCountKey
+		middleware.DeliveryExchangeKey, middleware.DeliveryRoutingKeyKey, middleware.DeliveryRedeliveredKey,
+		middleware.DeliveryRetryPathKey, middleware.HeaderErrorKey, PublishIDHeader, TypedHeadersKey:
 		return true
 	}
 	return strings.HasPrefix(k, prefixXFirstDeath) || strings.HasPrefix(k, prefixXLastDeath)
@@ -234,23 +333,32 @@ func isBrokerOwnedOrDeliveryOnly(k string) bool {
 
 // Marshal converts a watermill message into an AMQP publishing with Inner,
 // then deletes from the publishing's headers (msg itself is not modified):
-//   - x-death, every x-first-death-* and x-last-death-* header, and
-//     x-delivery-count: they belong to the broker and describe the consumed
+//   - x-death, every x-first-death-* and x-last-death-* header,
+//     x-delivery-count and x-acquired-count: they belong to the broker and describe the consumed
 //     delivery, not the copy. On RabbitMQ 3.13 a republished copy that still
 //     carries x-death can be dropped by dead-letter cycle detection; RabbitMQ
 //     4.x ignores a client-set x-death; and the string x-death that Unmarshal
 //     produces could confuse a broker that does read it ("Dead Letter
 //     Exchanges");
 //   - middleware.DeliveryExchangeKey, middleware.DeliveryRoutingKeyKey,
+//     middleware.DeliveryRedeliveredKey, middleware.DeliveryRetryPathKey,
 //     middleware.HeaderErrorKey and PublishIDHeader, which describe one
-//     delivery or one publish.
+//     delivery or one publish, and TypedHeadersKey.
+//
+// The headers recorded under TypedHeadersKey go out with their AMQP type
+// (the same Go value amqp091-go decoded on the delivery), provided the
+// metadata still holds the string Unmarshal gave the handler: a value the
+// handler changed goes out as the handler's string, a key it deleted not at
+// all. An unreadable TypedHeadersKey is ignored (every header goes out as a
+// string).
+//
+// The AMQP properties recorded by Unmarshal (content-type, correlation-id,
+// message-id, priority, timestamp, delivery mode, ...; see PropContentTypeKey
+// and PropDeliveryModeKey) are restored as properties, not headers, so a
+// retry or poison copy keeps them.
 //
 // Finally it truncates long library headers to MaxHeaderBytes (see
 // Marshaler.MaxHeaderBytes). It returns an error only if Inner does.
-//
-// The AMQP properties recorded by Unmarshal (content-type, correlation-id,
-// message-id, priority, timestamp, ...; see PropContentTypeKey) are restored
-// as properties, not headers, so a retry or poison copy keeps them.
 func (m Marshaler) Marshal(msg *message.Message) (amqp.Publishing, error) {
 	p, err := m.inner().Marshal(msg)
 	if err != nil {
@@ -266,6 +374,7 @@ func (m Marshaler) Marshal(msg *message.Message) (amqp.Publishing, error) {
 		}
 	}
 	p.Headers = h
+	m.restoreTypedHeaders(msg.Metadata, h)
 	metadataToProperties(msg.Metadata, &p)
 	maxBytes := m.MaxHeaderBytes
 	if maxBytes == 0 {
@@ -278,19 +387,111 @@ func (m Marshaler) Marshal(msg *message.Message) (amqp.Publishing, error) {
 	return p, nil
 }
 
+// restoreTypedHeaders replaces, in h, the string headers recorded with their
+// AMQP type under TypedHeadersKey in md by their typed values, where h[k]
+// still is the string Unmarshal produced for it (the handler did not change
+// it) and is md[k] (Inner wrote the metadata value).
+func (m Marshaler) restoreTypedHeaders(md message.Metadata, h amqp.Table) {
+	enc := md[TypedHeadersKey]
+	if enc == "" {
+		return
+	}
+	typed, err := decodeTypedHeaders(enc)
+	if err != nil {
+		return
+	}
+	uuidKey := m.uuidHeaderKey()
+	for k, v := range typed {
+		cur, ok := h[k].(string)
+		if !ok || cur != md[k] || !keepsType(k, uuidKey) || isBrokerOwnedOrDeliveryOnly(k) {
+			continue
+		}
+		if s, err := headerToString(v); err == nil && s == cur {
+			h[k] = v
+		}
+	}
+}
+
+// retryPathDelivery reports whether d came back to its queue Q through the
+// library's own retry path, so that the origin keys it carries were written
+// by the library (middleware.RecordFailure) when it published the copy:
+//   - through the loop-back exchange (zero-delay copies, fallback and
+//     redelivery copies, poison-queue replays; Q is bound to it with routing
+//     key Q), or
+//   - through the default exchange with routing key Q, its most recent
+//     x-death entry being reason "expired" in one of Q's wait queues (a wait
+//     queue dead-letters through the default exchange to Q),
+//
+// and, in both cases, its x-death has no entry for Q itself: a message
+// dead-lettered out of Q (a nack with DeadLetterFirstRetry, a delivery limit,
+// an overflow) since it was last published is the same message its last
+// publisher sent, maybe a producer, not a copy the library wrote. Q is
+// d.RoutingKey: both routes deliver to the queue named by the routing key. A
+// message published straight to a business exchange never qualifies. (Anyone
+// allowed to publish to the loop-back exchange, or to Q through the default
+// exchange, can still set the origin exchange and routing key, never the
+// origin queue: restrict those with RabbitMQ permissions.)
+func (m Marshaler) retryPathDelivery(d *amqp.Delivery, deaths []middleware.DeathRecord) bool {
+	q := d.RoutingKey
+	if q == "" {
+		return false
+	}
+	for _, r := range deaths {
+		if r.Queue == q {
+			return false
+		}
+	}
+	loopBack := "rabbitretry.loopback"
+	if m.Topology != nil {
+		loopBack = m.Topology.Naming().LoopBackExchange
+	}
+	if d.Exchange == loopBack {
+		return true
+	}
+	return d.Exchange == "" && len(deaths) > 0 && deaths[0].Reason == "expired" && m.isWaitQueueOf(deaths[0].Queue, q)
+}
+
+// isWaitQueueOf reports whether name is one of queue's wait queues: by the
+// Topology's names when set, else by the default naming "<queue>.wait.<tier>"
+// with a tier as middleware.FormatDelay renders it ("200ms", "1s", "5m", "2h").
+func (m Marshaler) isWaitQueueOf(name, queue string) bool {
+	if m.Topology != nil {
+		for _, w := range m.Topology.WaitQueues(queue) {
+			if w == name {
+				return true
+			}
+		}
+		return false
+	}
+	tier, ok := strings.CutPrefix(name, queue+".wait.")
+	if !ok {
+		return false
+	}
+	i := strings.IndexFunc(tier, func(r rune) bool { return r < '0' || r > '9' })
+	if i <= 0 {
+		return false
+	}
+	switch tier[i:] {
+	case "ms", "s", "m", "h":
+		return true
+	}
+	return false
+}
+
 // truncatable reports whether truncateHeaders may shorten the header k.
 func truncatable(k string) bool {
 	return strings.HasPrefix(k, "rabbitretry-") || k == poisonReasonKey
 }
 
 // truncateHeaders shortens string header values in h, in place, so that the
-// total size of the string headers (len(key)+len(value) summed) is at most
-// maxTotal. Only values of keys with prefix "rabbitretry-" and of
-// "reason_poisoned" are shortened, longest first: it finds the largest length
-// L such that cutting every such value longer than L+len(TruncatedSuffix) to
-// its first L bytes (at a UTF-8 boundary) plus TruncatedSuffix fits. If even
-// L = 0 does not fit, every candidate is cut that far and the total stays
-// above maxTotal. A maxTotal <= 0 disables truncation.
+// total size of the headers (len(key)+len(value) summed, a non-string value
+// counting as fieldSize(value)) is at most maxTotal. Only values of keys with
+// prefix "rabbitretry-" and of "reason_poisoned" are shortened, longest
+// first: it finds the largest length L such that cutting every such value
+// longer than L+len(TruncatedSuffix) to its first L bytes (at a UTF-8
+// boundary) plus TruncatedSuffix fits. If even L = 0 does not fit, every
+// candidate is cut that far and the total stays above maxTotal. A
+// maxTotal <= 0 disables truncation.
 func truncateHeaders(h amqp.Table, maxTotal int) {
 	if maxTotal <= 0 {
 		return
@@ -301,6 +502,7 @@ func truncateHeaders(h amqp.Table, maxTotal int) {
 	for k, v := range h {
 		s, ok := v.(string)
 		if !ok {
+			total += len(k) + fieldSize(v)
 			continue
 		}
 		total += len(k) + len(s)

@@ -192,10 +192,23 @@ func TestMarshalerUnmarshalMalformedBrokerHeaders(t *testing.T) {
 
 func TestMarshalerUnmarshalUUID(t *testing.T) {
 	m := Marshaler{}
-	// No headers at all.
+	// Neither a UUID header nor a message-id: a generated UUID, a different
+	// one for each message, carried by the copy.
 	msg, err := m.Unmarshal(amqp.Delivery{Body: []byte("x")})
-	if err != nil || msg.UUID != "" {
+	if err != nil || len(msg.UUID) != 36 {
 		t.Fatalf("no headers: UUID %q err %v", msg.UUID, err)
+	}
+	msg2, err := m.Unmarshal(amqp.Delivery{Body: []byte("x"), Headers: amqp.Table{wamqp.DefaultMessageUUIDHeaderKey: ""}})
+	if err != nil || len(msg2.UUID) != 36 || msg2.UUID == msg.UUID {
+		t.Fatalf("empty UUID header: UUID %q (first message %q) err %v", msg2.UUID, msg.UUID, err)
+	}
+	p, err := m.Marshal(msg)
+	if err != nil || p.Headers[wamqp.DefaultMessageUUIDHeaderKey] != msg.UUID || p.MessageId != "" {
+		t.Fatalf("copy: UUID header %v message-id %q err %v, want %q and no message-id", p.Headers[wamqp.DefaultMessageUUIDHeaderKey], p.MessageId, err, msg.UUID)
+	}
+	again, err := m.Unmarshal(deliveryFromPublishing(p, "", "q"))
+	if err != nil || again.UUID != msg.UUID {
+		t.Fatalf("the copy's delivery has UUID %q, want %q", again.UUID, msg.UUID)
 	}
 	// No UUID header: MessageId is used.
 	msg, err = m.Unmarshal(amqp.Delivery{MessageId: "mid-1", Headers: amqp.Table{"a": "b"}})
@@ -292,19 +305,50 @@ func TestMarshalerRoundTrip(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	// User headers keep their AMQP types (a timestamp comes back as
+	// amqp091-go decodes one: time.Unix(seconds, 0)); the others are strings.
+	typed := map[string]interface{}{"num": int32(5), "flag": true, "ts": time.Unix(xdeathTestTime.Unix(), 0)}
 	for k, v := range p.Headers {
-		if _, ok := v.(string); !ok {
+		if want, ok := typed[k]; ok {
+			if !reflect.DeepEqual(v, want) {
+				t.Errorf("publishing header %q = %T %#v, want %T %#v", k, v, v, want, want)
+			}
+		} else if _, ok := v.(string); !ok {
 			t.Errorf("publishing header %q is %T, want string", k, v)
 		}
 	}
-	// The copy is readable by the plain watermill marshaler.
-	back, err := wamqp.DefaultMarshaler{}.Unmarshal(deliveryFromPublishing(p, "ex", "rk"))
+	for k := range typed {
+		if _, ok := p.Headers[k]; !ok {
+			t.Errorf("publishing lost header %q", k)
+		}
+	}
+	// Read back, the copy gives the handler the same metadata.
+	back, err := m.Unmarshal(deliveryFromPublishing(p, "ex", "rk"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, k := range []string{"user-key", "num", "flag", "ts", TypedHeadersKey} {
+		if back.Metadata[k] != msg.Metadata[k] {
+			t.Errorf("metadata %q: %q on the copy, %q on the original", k, back.Metadata[k], msg.Metadata[k])
+		}
+	}
+	// A message whose headers are all strings gives a copy readable by the
+	// plain watermill marshaler.
+	d.Headers = amqp.Table{wamqp.DefaultMessageUUIDHeaderKey: "uuid-1", "user-key": "user-value", "x-death": d.Headers["x-death"]}
+	msg, err = m.Unmarshal(d)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if p, err = m.Marshal(msg); err != nil {
+		t.Fatal(err)
+	}
+	plain, err := wamqp.DefaultMarshaler{}.Unmarshal(deliveryFromPublishing(p, "ex", "rk"))
 	if err != nil {
 		t.Fatalf("DefaultMarshaler cannot read the marshaled copy: %v", err)
 	}
-	want := message.Metadata{"user-key": "user-value", "num": "5", "flag": "true", "ts": "2024-05-06T07:08:09Z"}
-	if back.UUID != "uuid-1" || string(back.Payload) != "payload" || !maps.Equal(back.Metadata, want) {
-		t.Fatalf("copy: UUID %q payload %q metadata %v, want metadata %v", back.UUID, back.Payload, back.Metadata, want)
+	want := message.Metadata{"user-key": "user-value", middleware.OriginalExchangeKey: "", middleware.OriginalRoutingKeyKey: "B"}
+	if plain.UUID != "uuid-1" || string(plain.Payload) != "payload" || !maps.Equal(plain.Metadata, want) {
+		t.Fatalf("copy: UUID %q payload %q metadata %v, want metadata %v", plain.UUID, plain.Payload, plain.Metadata, want)
 	}
 }
 
@@ -314,7 +358,7 @@ func TestTruncateHeaders(t *testing.T) {
 		middleware.LastErrorKey: long,
 		poisonReasonKey:         long + long,
 		"user-long":             strings.Repeat("u", 3000), // never truncated
-		"n":                     int64(1),                  // not counted
+		"n":                     int64(1),                  // counted with its AMQP size (9 bytes), never cut
 		middleware.AttemptKey:   "3",
 	}
 	truncateHeaders(h, 8000)
@@ -391,6 +435,8 @@ func headerBytes(h amqp.Table) int {
 	for k, v := range h {
 		if s, ok := v.(string); ok {
 			n += len(k) + len(s)
+		} else {
+			n += len(k) + fieldSize(v)
 		}
 	}
 	return n
@@ -449,6 +495,13 @@ func FuzzMarshalerUnmarshal(f *testing.F) {
 		if key == wamqp.DefaultMessageUUIDHeaderKey {
 			uuid = sval
 		}
+		if uuid == "" {
+			// Neither a UUID header nor a message-id: a generated UUID.
+			if len(msg.UUID) != 36 {
+				t.Fatalf("UUID %q, want a generated one", msg.UUID)
+			}
+			uuid = msg.UUID
+		}
 		if msg.UUID != uuid {
 			t.Fatalf("UUID %q, want %q", msg.UUID, uuid)
 		}
@@ -473,19 +526,26 @@ func FuzzMarshalerUnmarshal(f *testing.F) {
 			if isBrokerOwnedOrDeliveryOnly(k) {
 				t.Fatalf("publishing carries %q", k)
 			}
-			if _, ok := v.(string); !ok {
-				t.Fatalf("publishing header %q is %T", k, v)
+			if _, ok := v.(string); ok {
+				continue
+			}
+			// Only user headers go out typed, with the value they came with.
+			if orig, ok := headers[k]; !ok || !keepsType(k, wamqp.DefaultMessageUUIDHeaderKey) || !sameWireValue(orig, v) {
+				t.Fatalf("publishing header %q is %T %#v (delivered: %T %#v)", k, v, v, headers[k], headers[k])
 			}
 		}
-		back, err := wamqp.DefaultMarshaler{}.Unmarshal(deliveryFromPublishing(p, "", ""))
+		back, err := m.Unmarshal(deliveryFromPublishing(p, "", ""))
 		if err != nil {
-			t.Fatalf("copy not readable by DefaultMarshaler: %v", err)
+			t.Fatalf("copy not readable: %v", err)
 		}
 		if back.UUID != msg.UUID {
 			t.Fatalf("copy UUID %q, want %q", back.UUID, msg.UUID)
 		}
 		if !special && !truncatable(key) && back.Metadata[key] != sval {
 			t.Fatalf("copy metadata %q = %q, want %q", key, back.Metadata[key], sval)
+		}
+		if ik := "int-" + key; !isBrokerOwnedOrDeliveryOnly(ik) && !truncatable(ik) && back.Metadata[ik] != msg.Metadata[ik] {
+			t.Fatalf("copy metadata %q = %q, want %q", ik, back.Metadata[ik], msg.Metadata[ik])
 		}
 	})
 }
@@ -675,21 +735,32 @@ func TestMarshalerBrokerQuorumDeliveryCount(t *testing.T) {
 	if !d.Redelivered {
 		t.Error("second delivery not flagged redelivered")
 	}
-	raw, ok := d.Headers["x-delivery-count"]
+	// RabbitMQ 3.10 to 4.2 count a nack with requeue in x-delivery-count;
+	// 4.3 does not (only basic.reject and crashes count) and sets
+	// x-acquired-count instead. Both are numeric headers the Marshaler must
+	// read; the library itself counts redeliveries from the redelivered flag.
+	countKey := "x-delivery-count"
+	raw, ok := d.Headers[countKey]
 	if !ok {
-		t.Fatalf("redelivered quorum delivery has no x-delivery-count: %v", d.Headers)
+		countKey = "x-acquired-count"
+		if raw, ok = d.Headers[countKey]; !ok {
+			t.Fatalf("redelivered quorum delivery has neither x-delivery-count nor x-acquired-count: %v", d.Headers)
+		}
 	}
-	t.Logf("x-delivery-count decoded as %T(%v)", raw, raw)
+	t.Logf("%s decoded as %T(%v)", countKey, raw, raw)
 	if _, err := (wamqp.DefaultMarshaler{}).Unmarshal(d); err == nil {
-		t.Fatal("wamqp.DefaultMarshaler accepted a delivery with a numeric x-delivery-count")
+		t.Fatalf("wamqp.DefaultMarshaler accepted a delivery with a numeric %s", countKey)
 	}
 
 	msg, err := Marshaler{}.Unmarshal(d)
 	if err != nil {
 		t.Fatalf("Marshaler.Unmarshal: %v", err)
 	}
-	if got := msg.Metadata.Get(middleware.XDeliveryCountKey); got != "1" {
-		t.Fatalf("metadata %s = %q, want \"1\" (metadata %v)", middleware.XDeliveryCountKey, got, msg.Metadata)
+	if got := msg.Metadata.Get(countKey); got != "1" {
+		t.Fatalf("metadata %s = %q, want \"1\" (metadata %v)", countKey, got, msg.Metadata)
+	}
+	if msg.Metadata.Get(middleware.DeliveryRedeliveredKey) != "true" {
+		t.Errorf("redelivered flag not in metadata: %v", msg.Metadata)
 	}
 	if he, ok := msg.Metadata[middleware.HeaderErrorKey]; ok {
 		t.Fatalf("unexpected header error: %s", he)

@@ -9,11 +9,14 @@ import (
 )
 
 // Metadata keys under which Marshaler.Unmarshal keeps the AMQP message
-// properties of a delivery, and from which Marshal restores them, so that a
-// retry or poison copy keeps them. watermill-amqp's DefaultMarshaler alone
-// drops every property but the delivery mode. Expiration (a per-message TTL
-// would cut the wait in a wait queue short) and user-id (the broker checks it
-// against the publishing connection's user) are deliberately not carried.
+// properties of a delivery ("AMQP 0-9-1 Model Explained", message
+// attributes), and from which Marshal restores them, so that a retry or
+// poison copy keeps them. watermill-amqp's DefaultMarshaler alone drops every
+// property and makes every publishing persistent. Expiration (a per-message
+// TTL would cut the wait in a wait queue short) and user-id (the broker checks
+// it against the publishing connection's user, "Validated User-ID") are
+// deliberately not carried. A key is only set when the delivery had the
+// property.
 const (
 	PropContentTypeKey     = "rabbitretry-amqp-content-type"
 	PropContentEncodingKey = "rabbitretry-amqp-content-encoding"
@@ -26,7 +29,33 @@ const (
 	PropPriorityKey = "rabbitretry-amqp-priority"
 	// PropTimestampKey holds the timestamp as RFC 3339 (UTC, seconds).
 	PropTimestampKey = "rabbitretry-amqp-timestamp"
+	// PropDeliveryModeKey holds the delivery mode as a decimal: "1"
+	// (transient) or "2" (persistent) ("Publishers", message durability).
+	// Marshal publishes the copy with that mode, so a transient message stays
+	// transient on its retry and poison copies. A delivery without a delivery
+	// mode (0: the producer did not set it) records nothing, and its copies
+	// get Inner's mode: persistent with watermill-amqp's DefaultMarshaler.
+	PropDeliveryModeKey = "rabbitretry-amqp-delivery-mode"
 )
+
+// TypedHeadersKey holds, in metadata only, the user headers of the delivery
+// whose value is not a string (integers of every width, booleans, floats,
+// decimals, timestamps, byte arrays, tables, arrays, void), with their AMQP
+// types: the AMQP 0-9-1 field-table encoding of those headers (the encoding
+// headers have on the wire, "AMQP 0-9-1 Reference", field tables), in
+// standard base64. Watermill metadata holds strings only, so
+// Marshaler.Unmarshal gives the handler each such header as a readable
+// string under its own name (see headerToString) and records its typed value
+// here; Marshal publishes the typed value again, unless the handler changed
+// or deleted the string (then its string wins, or the header is gone).
+//
+// The key never travels on the wire: Marshal removes it, and Unmarshal
+// ignores a header of that name (it is rebuilt from the headers themselves).
+// Broker headers (x-death, x-delivery-count, x-first-death-*,
+// x-last-death-*), the library's own keys (prefix "rabbitretry-"),
+// Watermill's *_poisoned keys and the message UUID header are never recorded
+// here: they are always strings on a copy.
+const TypedHeadersKey = "rabbitretry-amqp-typed-headers"
 
 type stringProp struct {
 	key string
@@ -57,11 +86,14 @@ func propertiesToMetadata(d *amqp.Delivery, md message.Metadata) {
 	if !d.Timestamp.IsZero() {
 		md[PropTimestampKey] = d.Timestamp.UTC().Format(time.RFC3339)
 	}
+	if d.DeliveryMode != 0 {
+		md[PropDeliveryModeKey] = strconv.Itoa(int(d.DeliveryMode))
+	}
 }
 
 // metadataToProperties restores the properties recorded in msg's metadata
-// onto p and removes their keys from p's headers. Malformed priority or
-// timestamp values are left out.
+// onto p and removes their keys from p's headers. Malformed priority,
+// timestamp or delivery-mode values (or a delivery mode of 0) are left out.
 func metadataToProperties(md message.Metadata, p *amqp.Publishing) {
 	for _, sp := range stringProps {
 		if v, ok := md[sp.key]; ok {
@@ -80,5 +112,11 @@ func metadataToProperties(md message.Metadata, p *amqp.Publishing) {
 			p.Timestamp = ts
 		}
 		delete(p.Headers, PropTimestampKey)
+	}
+	if v, ok := md[PropDeliveryModeKey]; ok {
+		if n, err := strconv.ParseUint(v, 10, 8); err == nil && n != 0 {
+			p.DeliveryMode = uint8(n)
+		}
+		delete(p.Headers, PropDeliveryModeKey)
 	}
 }

@@ -7,12 +7,15 @@ import (
 	"errors"
 	"fmt"
 	"maps"
+	"net"
+	"os"
 	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
+	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v2/pkg/amqp"
 	"github.com/cenkalti/backoff/v4"
 	amqp "github.com/rabbitmq/amqp091-go"
 )
@@ -24,9 +27,9 @@ import (
 // publishers practically never collide).
 //
 // The header exists so that a basic.return (which carries the returned
-// message's properties but no delivery tag) can be matched to the delivery tag
-// of the publish it belongs to; see the RabbitMQ "Publishers" guide, section
-// on unroutable messages and the mandatory flag.
+// message's properties but no delivery tag) can be matched to the publish it
+// belongs to; see the RabbitMQ "Publishers" guide, section on unroutable
+// messages and the mandatory flag.
 //
 // The broker cannot strip headers, so the header stays on the delivered
 // message and consumers will see it. It identifies one publish attempt, not a
@@ -34,6 +37,13 @@ import (
 // the caller's headers is overwritten). Do not use it for deduplication of
 // logical messages; use amqp.Publishing.MessageId for that.
 const PublishIDHeader = "rabbitretry-publish-id"
+
+// DefaultPublisherConnectionName is the client-provided connection name
+// (client property connection_name; RabbitMQ "Connections" guide,
+// "Client-Provided Connection Name": shown by rabbitmqctl list_connections
+// and the management UI) of the publisher's connections unless
+// PublisherConfig.ConnectionName sets another.
+const DefaultPublisherConnectionName = "rabbitretry-confirm-publisher"
 
 // Sentinel errors returned (wrapped) by ConfirmPublisher. Test with errors.Is.
 var (
@@ -75,6 +85,31 @@ var (
 	// same channel fail with this error too; the channel is reopened
 	// automatically on the next publish.
 	ErrChannelClosed = errors.New("amqpretry: channel closed before publish was confirmed")
+
+	// ErrBlocked means the broker is blocking this publisher's connection
+	// (RabbitMQ "Blocked Connection Notifications" and "Memory and Disk
+	// Alarms": while a memory or disk alarm is in effect the broker sends
+	// connection.blocked to a connection that publishes and stops reading
+	// from it until connection.unblocked). While the connection is blocked a
+	// publish fails at once with ErrBlocked and nothing is written, so the
+	// message was NOT published; Channel fails the same way. A publish that
+	// was already written when the block arrived waits up to 1 s more for its
+	// confirm (messages the broker read before blocking are confirmed), then
+	// fails with ErrBlocked too; its outcome is then unknown (the broker may
+	// enqueue it once it unblocks), as with ErrConfirmTimeout. The wrapping
+	// error carries the broker's reason, e.g. "low on memory".
+	ErrBlocked = errors.New("amqpretry: broker is blocking publishers (connection.blocked)")
+
+	// ErrWriteTimeout means writing the message to the connection's socket
+	// did not finish within PublisherConfig.ConfirmTimeout (at least 1 s; the
+	// deadline applies to each write of a frame): the broker stopped
+	// reading (flow control, see ErrBlocked) or the network stalled. The
+	// connection is closed (amqp091-go closes it on a write error), so the
+	// partly written message is discarded by the broker; every other publish
+	// in flight on the connection fails with ErrChannelClosed, and the next
+	// publish redials. Only connections the publisher dials itself (URI /
+	// AmqpConfig, not PublisherConfig.Dial) have this write deadline.
+	ErrWriteTimeout = errors.New("amqpretry: writing the message to the broker timed out")
 )
 
 const (
@@ -88,10 +123,30 @@ const (
 	reopenInitialInterval = 100 * time.Millisecond
 	reopenMaxInterval     = time.Second
 
-	publisherConnectionName = "rabbitretry-confirm-publisher"
-
 	// connectionCloseTimeout bounds the connection.close handshake in Close.
 	connectionCloseTimeout = 5 * time.Second
+
+	// defaultDialTimeout is amqp091-go's TCP dial and handshake timeout
+	// (DialConfig), used unless the URI has connection_timeout or
+	// AmqpConfig.Dial is set.
+	defaultDialTimeout = 30 * time.Second
+
+	// maxInFlightPerChannel bounds the publishes awaiting their confirm on
+	// one channel; the channel's basic.return buffer has as many slots, so
+	// amqp091-go never has to wait for (or drop, after 5 s) a return.
+	maxInFlightPerChannel = 512
+
+	// blockedGrace is how long a publish written before its connection got
+	// blocked still waits for its confirm.
+	blockedGrace = time.Second
+
+	// logQueueSize bounds the log entries waiting for the user's logger.
+	logQueueSize = 256
+
+	// minIOTimeout is the floor of the socket write deadline and of the
+	// channel.open bound (ConfirmTimeout otherwise): shorter ones would drop
+	// healthy connections on ordinary hiccups.
+	minIOTimeout = time.Second
 )
 
 // PublisherConfig configures a ConfirmPublisher. Zero values are replaced by
@@ -99,14 +154,37 @@ const (
 // the first invalid field by name.
 type PublisherConfig struct {
 	// URI is the AMQP URI of the broker, e.g.
-	// "amqp://guest:guest@127.0.0.1:5672/". Required unless Dial is set.
+	// "amqp://guest:guest@127.0.0.1:5672/"; amqps:// for TLS (RabbitMQ
+	// "TLS Support"), with the optional query parameters amqp091-go parses
+	// (heartbeat, connection_timeout in ms, channel_max, ...). Required unless
+	// Dial is set.
 	URI string
 
-	// Dial, when set, is used instead of URI to open every connection
-	// (the initial one and redials after the connection was lost). The
-	// returned connection is owned by the publisher and closed by Close.
-	// It must NOT have amqp.Config.Recovery enabled: ConfirmPublisher does its
-	// own reconnection and relies on channels staying closed once closed.
+	// AmqpConfig, when set, is the amqp091-go configuration every connection
+	// to URI is dialled with (amqp.DialConfig): TLSClientConfig, Heartbeat,
+	// Dial (the TCP dialer, e.g. amqp.DefaultDial(5*time.Second) for a dial
+	// timeout), Vhost, SASL, ChannelMax, FrameSize, Locale and Properties. It
+	// is not modified (Properties and TLSClientConfig are copied per dial).
+	// The connection_name property is always ConnectionName. Recovery must be
+	// nil: ConfirmPublisher reconnects itself and relies on channels staying
+	// closed once closed. Default nil: amqp091-go's defaults (heartbeat 10 s,
+	// 30 s dial timeout, TLS config from an amqps URI). amqpretry.New passes
+	// the subscriber's watermill-amqp Connection settings here.
+	AmqpConfig *amqp.Config
+
+	// ConnectionName is the client-provided connection name of the
+	// publisher's connections (RabbitMQ "Connections", client-provided
+	// connection name). Default DefaultPublisherConnectionName. Not used with
+	// Dial.
+	ConnectionName string
+
+	// Dial, when set, is used instead of URI and AmqpConfig to open every
+	// connection (the initial one and redials after the connection was
+	// lost). The returned connection is owned by the publisher and closed by
+	// Close. It must NOT have amqp.Config.Recovery enabled: ConfirmPublisher
+	// does its own reconnection and relies on channels staying closed once
+	// closed. Writes on such a connection have no deadline (see
+	// ErrWriteTimeout): prefer AmqpConfig.Dial for a custom TCP dialer.
 	Dial func() (*amqp.Connection, error)
 
 	// Channels is the number of AMQP channels, each in confirm mode, that
@@ -115,18 +193,28 @@ type PublisherConfig struct {
 
 	// ConfirmTimeout is how long a publish waits for the broker's confirm
 	// after writing the message before returning ErrConfirmTimeout; for
-	// PublishRawBatch it is measured from the last write of the batch. It also
-	// bounds how long Close waits for in-flight publishes. Default 30s; must
-	// be > 0.
+	// PublishRawBatch it is measured from the last write of the batch. It
+	// also bounds every socket write of the connections the publisher dials
+	// itself (ErrWriteTimeout) and every channel.open, but never below 1 s,
+	// and how long Close waits for in-flight publishes. Default 30s; must be
+	// > 0.
 	ConfirmTimeout time.Duration
 
-	// Logger receives connection/channel lifecycle events. Default
+	// maxInFlight overrides maxInFlightPerChannel (tests).
+	maxInFlight int
+
+	// Logger receives connection, channel and flow-control events. It is
+	// called from one goroutine of the publisher's own, never while a
+	// publish or a confirm is being handled, so a slow logger cannot delay
+	// or change a publish's result; when 256 entries are waiting for it,
+	// further ones are dropped (and counted in the next entry). Default
 	// watermill.NopLogger{}.
 	Logger watermill.LoggerAdapter
 }
 
 // setDefaults fills zero fields with their defaults: Channels=2,
-// ConfirmTimeout=30s, Logger=watermill.NopLogger{}.
+// ConfirmTimeout=30s, ConnectionName=DefaultPublisherConnectionName,
+// Logger=watermill.NopLogger{}.
 func (c *PublisherConfig) setDefaults() {
 	if c.Channels == 0 {
 		c.Channels = defaultPublisherChannels
@@ -134,15 +222,22 @@ func (c *PublisherConfig) setDefaults() {
 	if c.ConfirmTimeout == 0 {
 		c.ConfirmTimeout = defaultPublisherConfirmTimeout
 	}
+	if c.ConnectionName == "" {
+		c.ConnectionName = DefaultPublisherConnectionName
+	}
+	if c.maxInFlight == 0 {
+		c.maxInFlight = maxInFlightPerChannel
+	}
 	if c.Logger == nil {
 		c.Logger = watermill.NopLogger{}
 	}
 }
 
 // Validate returns an error naming the first invalid field: URI missing (and
-// Dial nil) or not a valid AMQP URI, Channels outside 1..64, ConfirmTimeout
-// <= 0, or Logger nil. Call it after defaults were applied (NewConfirmPublisher
-// does both).
+// Dial nil) or not a valid AMQP URI, both Dial and AmqpConfig set,
+// AmqpConfig.Recovery set, Channels outside 1..64, ConfirmTimeout <= 0, or
+// Logger nil. Call it after defaults were applied (NewConfirmPublisher does
+// both).
 func (c PublisherConfig) Validate() error {
 	if c.Dial == nil {
 		if c.URI == "" {
@@ -151,6 +246,11 @@ func (c PublisherConfig) Validate() error {
 		if _, err := amqp.ParseURI(c.URI); err != nil {
 			return fmt.Errorf("amqpretry: PublisherConfig.URI is invalid: %w", err)
 		}
+	} else if c.AmqpConfig != nil {
+		return errors.New("amqpretry: PublisherConfig.AmqpConfig is not used with Dial; set one of them")
+	}
+	if c.AmqpConfig != nil && c.AmqpConfig.Recovery != nil {
+		return errors.New("amqpretry: PublisherConfig.AmqpConfig.Recovery must be nil (the publisher reconnects itself)")
 	}
 	if c.Channels < 1 || c.Channels > maxPublisherChannels {
 		return fmt.Errorf("amqpretry: PublisherConfig.Channels must be in 1..%d, got %d", maxPublisherChannels, c.Channels)
@@ -164,15 +264,51 @@ func (c PublisherConfig) Validate() error {
 	return nil
 }
 
+// amqpConfigFromSubscriber returns the amqp.Config for the retry publisher
+// from a watermill-amqp subscriber's connection settings, the way
+// watermill-amqp dials with them (ConnectionConfig.AmqpConfig, else
+// ConnectionConfig.TLSConfig): nil when neither is set. Properties and the
+// TLS config are copied (amqp091-go writes into both while dialling);
+// Recovery is dropped. Setting both TLSConfig and AmqpConfig.TLSClientConfig
+// is an error, as in watermill-amqp.
+func amqpConfigFromSubscriber(c wamqp.ConnectionConfig) (*amqp.Config, error) {
+	if c.AmqpConfig != nil && c.AmqpConfig.TLSClientConfig != nil && c.TLSConfig != nil {
+		return nil, errors.New("amqpretry.Config.Subscriber.Connection sets both TLSConfig and AmqpConfig.TLSClientConfig")
+	}
+	if c.AmqpConfig == nil && c.TLSConfig == nil {
+		return nil, nil
+	}
+	var ac amqp.Config
+	if c.AmqpConfig != nil {
+		ac = *c.AmqpConfig
+	}
+	if c.TLSConfig != nil {
+		ac.TLSClientConfig = c.TLSConfig
+	}
+	if ac.TLSClientConfig != nil {
+		ac.TLSClientConfig = ac.TLSClientConfig.Clone()
+	}
+	ac.Properties = maps.Clone(ac.Properties)
+	ac.Recovery = nil
+	return &ac, nil
+}
+
 // ConfirmPublisher publishes with RabbitMQ publisher confirms and
 // mandatory=true, and reports per message whether the broker took
 // responsibility for it (RabbitMQ guides "Consumer Acknowledgements and
 // Publisher Confirms" and "Publishers").
 //
 // It is safe for concurrent use by many goroutines. Publishes are pipelined:
-// on each of the PublisherConfig.Channels channels many messages can be
-// awaiting their confirm at once; a per-channel lock is held only while a
-// message is written, never while waiting for its confirm.
+// on each of the PublisherConfig.Channels channels up to 512 messages can be
+// awaiting their confirm at once (amqp091-go's deferred confirmations); a
+// per-channel lock is held only while a message is written, never while
+// waiting for its confirm.
+//
+// A basic.return is matched to its publish by PublishIDHeader and read before
+// the publish's confirm is looked at (the broker sends the return first), from
+// a buffer as large as the number of publishes that can await a confirm, so
+// amqp091-go never drops a return and an unroutable message is never reported
+// as a success. No user code (the Logger) runs on that path.
 //
 // If a channel or the connection closes (channel error such as 404 on a
 // missing exchange, network failure, broker restart), publishes waiting on it
@@ -180,10 +316,16 @@ func (c PublisherConfig) Validate() error {
 // channel and, if needed, redials the connection (a few attempts with
 // exponential backoff, 100ms..1s). No action is required by the caller.
 //
+// Flow control (RabbitMQ "Blocked Connection Notifications"): while the broker
+// blocks the connection, publishes fail at once with ErrBlocked instead of
+// writing to a socket the broker does not read; every socket write is bounded
+// by ConfirmTimeout (ErrWriteTimeout), so a large message stuck in the write
+// cannot hold the connection's send lock for longer.
+//
 // Every published message gets the PublishIDHeader header.
 type ConfirmPublisher struct {
 	cfg      PublisherConfig
-	logger   watermill.LoggerAdapter
+	log      *asyncLog
 	instance string
 
 	// ctx is cancelled by Close; it aborts reconnect backoff.
@@ -201,10 +343,17 @@ type ConfirmPublisher struct {
 	// dialMu serialises (re)dialling; connMu guards conn only briefly.
 	dialMu sync.Mutex
 	connMu sync.Mutex
-	conn   *amqp.Connection
+	conn   *pubConn
 
 	slots []*pubSlot
 	next  atomic.Uint64
+
+	// Test hooks, set before the first publish. testHookWritten runs after
+	// a message was written; testHookGiveUp runs when a publish stops
+	// waiting (timeout, ctx, block) before it checks its confirm a last
+	// time, with the confirm's done channel.
+	testHookWritten func()
+	testHookGiveUp  func(confirmed <-chan struct{})
 }
 
 // NewConfirmPublisher applies defaults to cfg, validates it, dials the broker
@@ -223,7 +372,7 @@ func NewConfirmPublisher(cfg PublisherConfig) (*ConfirmPublisher, error) {
 	ctx, cancel := context.WithCancel(context.Background())
 	p := &ConfirmPublisher{
 		cfg:      cfg,
-		logger:   cfg.Logger,
+		log:      newAsyncLog(cfg.Logger),
 		instance: hex.EncodeToString(rnd[:]),
 		ctx:      ctx,
 		cancel:   cancel,
@@ -234,6 +383,7 @@ func NewConfirmPublisher(cfg PublisherConfig) (*ConfirmPublisher, error) {
 	}
 	if _, err := p.connection(); err != nil {
 		cancel()
+		p.log.stop()
 		return nil, err
 	}
 	for _, s := range p.slots {
@@ -264,36 +414,37 @@ func (p *ConfirmPublisher) isClosed() bool {
 	return p.closed
 }
 
+// current returns the current connection if it is open, else nil.
+func (p *ConfirmPublisher) current() *pubConn {
+	p.connMu.Lock()
+	defer p.connMu.Unlock()
+	if p.conn == nil || p.conn.c.IsClosed() {
+		return nil
+	}
+	return p.conn
+}
+
 // connection returns the current connection, dialling a new one if there is
 // none or it is closed.
-func (p *ConfirmPublisher) connection() (*amqp.Connection, error) {
+func (p *ConfirmPublisher) connection() (*pubConn, error) {
 	p.dialMu.Lock()
 	defer p.dialMu.Unlock()
 
-	p.connMu.Lock()
-	c := p.conn
-	p.connMu.Unlock()
-	if c != nil && !c.IsClosed() {
-		return c, nil
+	if pc := p.current(); pc != nil {
+		return pc, nil
 	}
 	if p.isClosed() {
 		return nil, ErrClosed
 	}
-
-	var err error
-	if p.cfg.Dial != nil {
-		c, err = p.cfg.Dial()
-		if err == nil && c == nil {
-			err = errors.New("PublisherConfig.Dial returned a nil connection")
-		}
-	} else {
-		props := amqp.NewConnectionProperties()
-		props.SetClientConnectionName(publisherConnectionName)
-		c, err = amqp.DialConfig(p.cfg.URI, amqp.Config{Properties: props})
-	}
+	c, err := p.dial()
 	if err != nil {
 		return nil, fmt.Errorf("amqpretry: dialling broker: %w", err)
 	}
+	pc := &pubConn{c: c, blockedC: make(chan struct{})}
+	// Listeners first, so no block notification is missed. Both are
+	// buffered and their goroutines never call user code inline.
+	blocks := c.NotifyBlocked(make(chan amqp.Blocking, 16))
+	closes := c.NotifyClose(make(chan *amqp.Error, 1))
 
 	p.connMu.Lock()
 	if p.isClosed() {
@@ -301,34 +452,123 @@ func (p *ConfirmPublisher) connection() (*amqp.Connection, error) {
 		_ = c.Close()
 		return nil, ErrClosed
 	}
-	p.conn = c
+	p.conn = pc
 	p.connMu.Unlock()
 
-	closes := c.NotifyClose(make(chan *amqp.Error, 1))
+	go pc.watchBlocked(blocks, p.log)
 	go func() {
 		if e, ok := <-closes; ok && e != nil {
-			p.logger.Error("AMQP publisher connection closed; will redial on next publish", e, nil)
+			p.log.error("AMQP publisher connection closed; will redial on next publish", e, nil)
 		}
 	}()
-	p.logger.Info("AMQP publisher connection opened", nil)
-	return c, nil
+	p.log.info("AMQP publisher connection opened", nil)
+	return pc, nil
+}
+
+// dial opens one connection: PublisherConfig.Dial, or URI with AmqpConfig
+// (copied), the publisher's connection name, and a write deadline of
+// ioTimeout on the socket.
+func (p *ConfirmPublisher) dial() (*amqp.Connection, error) {
+	if p.cfg.Dial != nil {
+		c, err := p.cfg.Dial()
+		if err == nil && c == nil {
+			err = errors.New("PublisherConfig.Dial returned a nil connection")
+		}
+		return c, err
+	}
+	var ac amqp.Config
+	if p.cfg.AmqpConfig != nil {
+		ac = *p.cfg.AmqpConfig
+	}
+	ac.Recovery = nil
+	if ac.Properties == nil {
+		ac.Properties = amqp.NewConnectionProperties()
+	} else {
+		ac.Properties = maps.Clone(ac.Properties)
+	}
+	ac.Properties.SetClientConnectionName(p.cfg.ConnectionName)
+	if ac.TLSClientConfig != nil {
+		ac.TLSClientConfig = ac.TLSClientConfig.Clone()
+	}
+	netDial := ac.Dial
+	if netDial == nil {
+		timeout := defaultDialTimeout
+		if u, err := amqp.ParseURI(p.cfg.URI); err == nil && u.ConnectionTimeout > 0 {
+			timeout = time.Duration(u.ConnectionTimeout) * time.Millisecond
+		}
+		netDial = amqp.DefaultDial(timeout)
+	}
+	writeTimeout := p.ioTimeout()
+	ac.Dial = func(network, addr string) (net.Conn, error) {
+		c, err := netDial(network, addr)
+		if err != nil {
+			return nil, err
+		}
+		return &deadlineConn{Conn: c, timeout: writeTimeout}, nil
+	}
+	return amqp.DialConfig(p.cfg.URI, ac)
+}
+
+// ioTimeout bounds socket writes and channel.open: ConfirmTimeout, at
+// least minIOTimeout.
+func (p *ConfirmPublisher) ioTimeout() time.Duration { return max(p.cfg.ConfirmTimeout, minIOTimeout) }
+
+// deadlineConn sets a write deadline before every write, so a write the
+// peer does not read (a blocked broker, a stalled network) fails after
+// timeout instead of holding amqp091-go's connection send lock forever.
+type deadlineConn struct {
+	net.Conn
+	timeout time.Duration
+}
+
+func (c *deadlineConn) Write(b []byte) (int, error) {
+	if err := c.Conn.SetWriteDeadline(time.Now().Add(c.timeout)); err != nil {
+		return 0, err
+	}
+	return c.Conn.Write(b)
+}
+
+// Blocked reports whether the broker currently blocks the publisher's
+// connection with connection.blocked (RabbitMQ "Blocked Connection
+// Notifications"; sent while a memory or disk alarm is in effect, once the
+// connection publishes), and the broker's reason, e.g. "low on memory".
+// While it does, publishes fail with ErrBlocked. False when there is no open
+// connection.
+func (p *ConfirmPublisher) Blocked() (reason string, blocked bool) {
+	pc := p.current()
+	if pc == nil {
+		return "", false
+	}
+	pc.mu.Lock()
+	defer pc.mu.Unlock()
+	return pc.reason, pc.blocked
 }
 
 // Channel opens a fresh, plain (non-confirm) channel on the publisher's
 // connection, redialling first if the connection is closed. It is meant for
 // topology declarations by other code; the caller must Close it. Channel
 // errors on it (e.g. a failed passive declare) do not affect publishing.
-// Returns ErrClosed after Close, or the dial/channel.open error.
+// Returns ErrClosed after Close, ErrBlocked (wrapped) while the broker blocks
+// the connection (a channel.open would not be answered), or the
+// dial/channel.open error; a channel.open not answered within ConfirmTimeout
+// (at least 1 s) closes the connection and returns its error.
 func (p *ConfirmPublisher) Channel() (*amqp.Channel, error) {
 	if err := p.begin(); err != nil {
 		return nil, err
 	}
 	defer p.inflight.Done()
-	c, err := p.connection()
+	pc, err := p.connection()
 	if err != nil {
 		return nil, err
 	}
-	ch, err := c.Channel()
+	if err := pc.blockedErr("opening a channel"); err != nil {
+		return nil, err
+	}
+	var ch *amqp.Channel
+	err = pc.bounded(p.ioTimeout(), func() (err error) {
+		ch, err = pc.c.Channel()
+		return err
+	})
 	if err != nil {
 		return nil, fmt.Errorf("amqpretry: opening channel: %w", err)
 	}
@@ -343,20 +583,32 @@ func (p *ConfirmPublisher) Channel() (*amqp.Channel, error) {
 // return is sent before the ack). The PublishIDHeader header is added to a
 // copy of msg.Headers; msg itself is not modified.
 //
+// A confirm that arrives while the publish stops waiting (timeout, ctx,
+// block) is never lost: the publish checks its confirm once more before it
+// reports a failure, so an acked message is reported as published.
+//
 // Errors (test with errors.Is / errors.As):
 //   - ErrUnroutable: the broker returned the message (no queue matched);
 //     the error text names exchange, key and the broker's reply.
 //   - ErrNacked: the broker answered with basic.nack.
-//   - ErrConfirmTimeout: no confirm within PublisherConfig.ConfirmTimeout.
+//   - ErrConfirmTimeout: no confirm within PublisherConfig.ConfirmTimeout;
+//     or (text "message not sent") the channel had 512 publishes awaiting
+//     confirms for that long, so nothing was written and the channel is
+//     replaced.
 //   - ErrChannelClosed (possibly wrapping *amqp.Error, e.g. code 404 for a
 //     missing exchange): the channel/connection closed before the confirm.
+//   - ErrBlocked: the broker blocks the connection (flow control); nothing
+//     was written, or (written before the block) no confirm within 1 s.
+//   - ErrWriteTimeout: a socket write did not finish within ConfirmTimeout
+//     (at least 1 s); the connection was closed and the message not
+//     (completely) sent.
 //   - ctx.Err() (wrapped) if ctx ends before the confirm arrived.
 //   - ErrClosed after Close; a dial/channel error if the channel could not
 //     be (re)opened after a few attempts; an amqp error for invalid headers.
 //
-// For every error other than ErrClosed and errors returned before anything
-// was written, the message may or may not have been enqueued; treat it as
-// failed.
+// For ErrConfirmTimeout, ErrChannelClosed, ctx errors after the write and
+// ErrBlocked after the write, the message may or may not have been enqueued;
+// treat it as failed.
 func (p *ConfirmPublisher) PublishRaw(ctx context.Context, exchange, key string, msg amqp.Publishing) error {
 	if ctx == nil {
 		ctx = context.Background()
@@ -371,7 +623,7 @@ func (p *ConfirmPublisher) PublishRaw(ctx context.Context, exchange, key string,
 		return err
 	}
 	s := p.pickSlot()
-	w, err := s.publish(ctx, exchange, key, prepared)
+	w, err := s.send(ctx, exchange, key, prepared, true)
 	if err != nil {
 		return err
 	}
@@ -383,11 +635,13 @@ func (p *ConfirmPublisher) PublishRaw(ctx context.Context, exchange, key string,
 // PublishRawBatch publishes all msgs to the same exchange and routing key
 // like PublishRaw, writing them back to back on one channel (pipelined) and
 // then waiting for all confirms; ConfirmTimeout is measured from the last
-// write. It returns nil if every message was confirmed and none returned,
+// write (from the last write of each group of up to 512 messages for larger
+// batches). It returns nil if every message was confirmed and none returned,
 // otherwise errors.Join of one error per failed message, each prefixed with
 // the message's index in msgs (errors.Is works on the joined error). If
-// writing stops early (ctx done, channel cannot be reopened, ErrClosed),
-// the unwritten messages fail with that error. An empty msgs returns nil.
+// writing stops early (ctx done, channel cannot be reopened, ErrClosed,
+// ErrBlocked), the unwritten messages fail with that error. An empty msgs
+// returns nil.
 func (p *ConfirmPublisher) PublishRawBatch(ctx context.Context, exchange, key string, msgs []amqp.Publishing) error {
 	if ctx == nil {
 		ctx = context.Background()
@@ -401,18 +655,47 @@ func (p *ConfirmPublisher) PublishRawBatch(ctx context.Context, exchange, key st
 	}
 
 	s := p.pickSlot()
-	waiters := make([]*waiter, len(msgs))
+	waiters := make([]*pending, len(msgs))
 	errs := make([]error, len(msgs))
+	var group []int
+	// flush waits for the confirms of the messages written so far.
+	flush := func() {
+		timer := time.NewTimer(p.cfg.ConfirmTimeout)
+		defer timer.Stop()
+		var stop error // once one timed out or was blocked, the rest don't wait
+		for _, i := range group {
+			w := waiters[i]
+			if stop != nil {
+				errs[i] = w.giveUp(w.wrap(stop))
+				continue
+			}
+			errs[i] = w.wait(ctx, timer.C)
+			switch {
+			case errors.Is(errs[i], ErrConfirmTimeout):
+				stop = ErrConfirmTimeout
+			case errors.Is(errs[i], ErrBlocked):
+				stop = ErrBlocked
+			}
+		}
+		group = group[:0]
+	}
 	for i := range msgs {
 		prepared, err := prepareMessage(msgs[i])
 		if err != nil {
 			errs[i] = err // specific to this message; go on with the rest
 			continue
 		}
-		w, err := s.publish(ctx, exchange, key, prepared)
+		w, err := s.send(ctx, exchange, key, prepared, false)
+		if errors.Is(err, errNoToken) {
+			// This channel has the maximum of publishes awaiting confirms:
+			// settle ours before waiting for a slot (never wait while
+			// holding slots only our own waiting would free).
+			flush()
+			w, err = s.send(ctx, exchange, key, prepared, true)
+		}
 		if err != nil {
-			// ctx done, ErrClosed, or the channel could not be reopened:
-			// do not retry (and reopen) for every remaining message.
+			// ctx done, ErrClosed, ErrBlocked, or the channel could not be
+			// reopened: do not retry (and reopen) for every remaining message.
 			for j := i; j < len(msgs); j++ {
 				if errs[j] == nil {
 					errs[j] = err
@@ -421,25 +704,9 @@ func (p *ConfirmPublisher) PublishRawBatch(ctx context.Context, exchange, key st
 			break
 		}
 		waiters[i] = w
+		group = append(group, i)
 	}
-
-	timer := time.NewTimer(p.cfg.ConfirmTimeout)
-	defer timer.Stop()
-	timedOut := false
-	for i, w := range waiters {
-		if w == nil {
-			continue
-		}
-		if timedOut {
-			errs[i] = w.expire()
-			continue
-		}
-		err := w.wait(ctx, timer.C)
-		if errors.Is(err, ErrConfirmTimeout) {
-			timedOut = true
-		}
-		errs[i] = err
-	}
+	flush()
 
 	var joined []error
 	for i, err := range errs {
@@ -465,7 +732,8 @@ func prepareMessage(msg amqp.Publishing) (amqp.Publishing, error) {
 // Close stops accepting publishes (new calls return ErrClosed), waits up to
 // ConfirmTimeout for in-flight publishes to get their confirms, then closes
 // the connection and with it all channels (the connection.close handshake is
-// bounded by 5s). Publishes still waiting after that fail with both
+// bounded by 5s; skipped while the broker blocks the connection, since it
+// would not be answered). Publishes still waiting after that fail with both
 // ErrChannelClosed and ErrClosed. Close is idempotent; later calls return the
 // first call's result. An already-lost connection is not an error; a failed
 // close handshake is returned wrapped.
@@ -487,21 +755,27 @@ func (p *ConfirmPublisher) Close() error {
 		select {
 		case <-done:
 		case <-timer.C:
-			p.logger.Info("ConfirmPublisher.Close: in-flight publishes did not finish within ConfirmTimeout; closing anyway", nil)
+			p.log.info("ConfirmPublisher.Close: in-flight publishes did not finish within ConfirmTimeout; closing anyway", nil)
 		}
 		timer.Stop()
 
 		p.connMu.Lock()
-		c := p.conn
+		pc := p.conn
 		p.conn = nil
 		p.connMu.Unlock()
-		if c != nil && !c.IsClosed() {
-			if err := c.CloseDeadline(time.Now().Add(connectionCloseTimeout)); err != nil && !errors.Is(err, amqp.ErrClosed) {
+		if pc != nil && !pc.c.IsClosed() {
+			_, blocked := pc.blockState()
+			deadline := time.Now().Add(connectionCloseTimeout)
+			if blocked {
+				deadline = time.Now() // the broker does not read: just close the socket
+			}
+			if err := pc.c.CloseDeadline(deadline); err != nil && !errors.Is(err, amqp.ErrClosed) && !blocked {
 				p.closeErr = fmt.Errorf("amqpretry: closing publisher connection: %w", err)
 			}
 		}
-		// Channels die with the connection; the per-channel goroutines fail
-		// any waiter left and exit.
+		// Channels die with the connection: their deferred confirmations
+		// resolve (nack), and every publish still waiting returns.
+		p.log.stop()
 	})
 	return p.closeErr
 }
@@ -511,55 +785,123 @@ func (p *ConfirmPublisher) pickSlot() *pubSlot {
 	return p.slots[(p.next.Add(1)-1)%n]
 }
 
+// pubConn is one AMQP connection with its flow-control state.
+type pubConn struct {
+	c *amqp.Connection
+
+	mu       sync.Mutex
+	blocked  bool
+	reason   string
+	since    time.Time
+	blockedC chan struct{} // closed while blocked; a fresh one while not
+}
+
+// watchBlocked records connection.blocked / connection.unblocked. It only
+// updates state and queues log entries, so amqp091-go's reader never waits
+// for it. It ends when the connection closes (amqp091-go closes blocks).
+func (pc *pubConn) watchBlocked(blocks <-chan amqp.Blocking, log *asyncLog) {
+	for b := range blocks {
+		pc.mu.Lock()
+		was, since := pc.blocked, pc.since
+		switch {
+		case b.Active && !pc.blocked:
+			pc.blocked, pc.reason, pc.since = true, b.Reason, time.Now()
+			close(pc.blockedC)
+		case !b.Active && pc.blocked:
+			pc.blocked, pc.reason = false, ""
+			pc.blockedC = make(chan struct{})
+		}
+		pc.mu.Unlock()
+		if b.Active && !was {
+			log.error("Broker blocks publishers (connection.blocked); publishes fail with ErrBlocked until it unblocks",
+				fmt.Errorf("%w: %s", ErrBlocked, b.Reason), watermill.LogFields{"reason": b.Reason})
+		} else if !b.Active && was {
+			log.info("Broker unblocked publishers (connection.unblocked)", watermill.LogFields{"blocked_for": time.Since(since).String()})
+		}
+	}
+}
+
+// blockState returns whether the connection is blocked and a channel that
+// is closed while it is (already closed if it is now).
+func (pc *pubConn) blockState() (<-chan struct{}, bool) {
+	pc.mu.Lock()
+	defer pc.mu.Unlock()
+	return pc.blockedC, pc.blocked
+}
+
+// blockedErr returns ErrBlocked wrapped with the broker's reason and what
+// was refused, or nil if the connection is not blocked.
+func (pc *pubConn) blockedErr(what string) error {
+	pc.mu.Lock()
+	defer pc.mu.Unlock()
+	if !pc.blocked {
+		return nil
+	}
+	return fmt.Errorf("%w (reason %q, for %s): %s", ErrBlocked, pc.reason, time.Since(pc.since).Round(time.Millisecond), what)
+}
+
+// bounded runs an RPC (channel.open, confirm.select) on the connection; if
+// it is not answered within timeout (a broker that stopped reading the
+// socket, e.g. blocked by an alarm, never answers), it closes the connection
+// so the RPC returns.
+func (pc *pubConn) bounded(timeout time.Duration, rpc func() error) error {
+	t := time.AfterFunc(timeout, func() { _ = pc.c.CloseDeadline(time.Now()) })
+	defer t.Stop()
+	return rpc()
+}
+
 // pubSlot is one of the publisher's channel positions. The AMQP channel in it
 // is replaced when it dies.
 type pubSlot struct {
 	p     *ConfirmPublisher
 	index int
 
-	// sem is the per-channel publish lock (a 1-buffered channel so waiting
-	// for it honours ctx). It serialises GetNextPublishSeqNo + registration +
-	// basic.publish, and channel reopening.
+	// sem is the per-channel write lock (a 1-buffered channel so waiting for
+	// it honours ctx). It serialises publishes on the channel and reopening.
 	sem   chan struct{}
 	seq   uint64 // guarded by sem
 	state atomic.Pointer[chanState]
 }
 
-// open opens a new confirm-mode channel and starts its dispatcher goroutine.
+// open opens a new confirm-mode channel with its return buffer.
 func (s *pubSlot) open() (*chanState, error) {
-	c, err := s.p.connection()
+	pc, err := s.p.connection()
 	if err != nil {
 		return nil, err
 	}
-	ch, err := c.Channel()
+	if err := pc.blockedErr("opening a publisher channel"); err != nil {
+		return nil, err
+	}
+	var ch *amqp.Channel
+	var closes chan *amqp.Error
+	err = pc.bounded(s.p.ioTimeout(), func() error {
+		var err error
+		if ch, err = pc.c.Channel(); err != nil {
+			return fmt.Errorf("amqpretry: opening channel: %w", err)
+		}
+		closes = ch.NotifyClose(make(chan *amqp.Error, 1))
+		if err := ch.Confirm(false); err != nil {
+			_ = ch.Close()
+			return fmt.Errorf("amqpretry: enabling publisher confirms: %w", err)
+		}
+		return nil
+	})
 	if err != nil {
-		return nil, fmt.Errorf("amqpretry: opening channel: %w", err)
+		return nil, err
 	}
-	closes := ch.NotifyClose(make(chan *amqp.Error, 1))
-	if err := ch.Confirm(false); err != nil {
-		_ = ch.Close()
-		return nil, fmt.Errorf("amqpretry: enabling publisher confirms: %w", err)
-	}
-	// Unbuffered on purpose: amqp091-go delivers basic.return and the
-	// confirms (basic.ack/nack, one Confirmation per tag even for
-	// multiple=true) from the connection's single reader goroutine in frame
-	// order, and blocks until we receive. Since RabbitMQ sends the return of
-	// a mandatory message before its ack, receiving both on unbuffered
-	// channels in one goroutine guarantees we see the return first.
-	// amqp091-go drops a notification a listener has not taken within 5s;
-	// run never blocks (waiter.done is buffered), so that cannot happen, and
-	// if it did the waiter would end with ErrConfirmTimeout, not a wrong
-	// result.
 	st := &chanState{
-		slot:     s,
-		ch:       ch,
-		returns:  ch.NotifyReturn(make(chan amqp.Return)),
-		confirms: ch.NotifyPublish(make(chan amqp.Confirmation)),
+		slot: s,
+		conn: pc,
+		ch:   ch,
+		// Buffered for every publish that may await its confirm (tokens):
+		// amqp091-go hands a basic.return over without ever waiting, so it
+		// never drops one (it drops a return a listener has not taken
+		// within 5 s).
+		returns:  ch.NotifyReturn(make(chan amqp.Return, s.p.cfg.maxInFlight)),
+		tokens:   make(chan struct{}, s.p.cfg.maxInFlight),
 		closes:   closes,
-		pending:  make(map[uint64]*waiter),
-		ids:      make(map[string]uint64),
+		returned: make(map[string]amqp.Return),
 	}
-	go st.run()
 	if s.p.isClosed() {
 		// Close may have run while we were opening; don't leak the channel.
 		_ = ch.Close()
@@ -571,11 +913,17 @@ func (s *pubSlot) open() (*chanState, error) {
 // ensureOpen returns a usable channel state, reopening (and redialling) with
 // bounded exponential backoff if the current one is closed. Caller holds sem.
 func (s *pubSlot) ensureOpen(ctx context.Context) (*chanState, error) {
-	if st := s.state.Load(); st != nil && !st.isClosed() && !st.ch.IsClosed() {
-		return st, nil
+	old := s.state.Load()
+	if old != nil && !old.dead.Load() && !old.ch.IsClosed() {
+		return old, nil
 	}
 	if s.p.isClosed() {
 		return nil, ErrClosed
+	}
+	if old != nil {
+		if reason := old.closeReason(); reason != nil {
+			s.p.log.error("AMQP publisher channel closed", reason, watermill.LogFields{"channel": s.index})
+		}
 	}
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
@@ -593,17 +941,20 @@ func (s *pubSlot) ensureOpen(ctx context.Context) (*chanState, error) {
 			return nil, backoff.Permanent(ErrClosed)
 		}
 		st, err := s.open()
-		if errors.Is(err, ErrClosed) {
+		if errors.Is(err, ErrClosed) || errors.Is(err, ErrBlocked) {
 			return nil, backoff.Permanent(err)
 		}
 		return st, err
 	}, b, func(err error, d time.Duration) {
-		s.p.logger.Error("Reopening AMQP publisher channel failed, retrying", err,
+		s.p.log.error("Reopening AMQP publisher channel failed, retrying", err,
 			watermill.LogFields{"channel": s.index, "retry_in": d.String()})
 	})
 	if err != nil {
 		if s.p.isClosed() {
 			return nil, ErrClosed
+		}
+		if errors.Is(err, ErrBlocked) {
+			return nil, err
 		}
 		if ctxErr := ctx.Err(); ctxErr != nil && !errors.Is(err, ctxErr) {
 			err = fmt.Errorf("%w (last error: %w)", ctxErr, err)
@@ -611,13 +962,24 @@ func (s *pubSlot) ensureOpen(ctx context.Context) (*chanState, error) {
 		return nil, fmt.Errorf("amqpretry: reopening publisher channel %d: %w", s.index, err)
 	}
 	s.state.Store(st)
-	s.p.logger.Info("AMQP publisher channel (re)opened", watermill.LogFields{"channel": s.index})
+	s.p.log.info("AMQP publisher channel (re)opened", watermill.LogFields{"channel": s.index})
 	return st, nil
 }
 
-// publish writes one message (prepared by prepareMessage, so its Headers map
-// is private and writable) and returns a waiter for its confirm.
-func (s *pubSlot) publish(ctx context.Context, exchange, key string, msg amqp.Publishing) (*waiter, error) {
+// errNoToken: the channel has maxInFlightPerChannel publishes awaiting
+// confirms and the caller asked not to wait (PublishRawBatch).
+var errNoToken = errors.New("amqpretry: channel at its limit of publishes awaiting confirms")
+
+// send writes one message (prepared by prepareMessage, so its Headers map is
+// private and writable) and returns the pending publish. With waitToken
+// false it returns errNoToken instead of waiting for one of the channel's
+// slots for publishes awaiting confirms.
+func (s *pubSlot) send(ctx context.Context, exchange, key string, msg amqp.Publishing, waitToken bool) (*pending, error) {
+	if pc := s.p.current(); pc != nil {
+		if err := pc.blockedErr(fmt.Sprintf("publish to exchange %q with routing key %q refused", exchange, key)); err != nil {
+			return nil, err
+		}
+	}
 	select {
 	case s.sem <- struct{}{}:
 	case <-ctx.Done():
@@ -634,233 +996,318 @@ func (s *pubSlot) publish(ctx context.Context, exchange, key string, msg amqp.Pu
 		if err != nil {
 			return nil, err
 		}
-
+		if err := st.conn.blockedErr(fmt.Sprintf("publish to exchange %q with routing key %q refused", exchange, key)); err != nil {
+			return nil, err
+		}
+		if err := st.acquire(ctx, waitToken, s.p.cfg.ConfirmTimeout); err != nil {
+			if errors.Is(err, ErrConfirmTimeout) {
+				err = fmt.Errorf("amqpretry: publishing to exchange %q with routing key %q: %w", exchange, key, err)
+			}
+			return nil, err
+		}
 		s.seq++
 		id := s.p.instance + "-" + strconv.Itoa(s.index) + "-" + strconv.FormatUint(s.seq, 10)
 		msg.Headers[PublishIDHeader] = id
-		tag := st.ch.GetNextPublishSeqNo()
-		w := &waiter{st: st, tag: tag, id: id, exchange: exchange, key: key, done: make(chan error, 1)}
-		if !st.register(w) {
-			lastErr = ErrChannelClosed
-			continue // channel died meanwhile: reopen and retry
+		dc, err := st.ch.PublishWithDeferredConfirmWithContext(ctx, exchange, key, true, false, msg)
+		if err == nil && dc == nil {
+			err = errors.New("amqpretry: channel not in confirm mode") // cannot happen: open enables it
 		}
-		err = st.ch.PublishWithContext(ctx, exchange, key, true, false, msg)
 		if err == nil {
-			return w, nil
+			if s.p.testHookWritten != nil {
+				s.p.testHookWritten()
+			}
+			return &pending{st: st, dc: dc, id: id, exchange: exchange, key: key}, nil
 		}
-		// Nothing was sent for this tag (amqp091-go rolls its counter back),
-		// so drop the registration before the tag can be reused.
-		st.unregister(w)
-		if errors.Is(err, amqp.ErrClosed) {
+		// Nothing of this message reached the broker complete: amqp091-go
+		// rolled its deferred confirmation back.
+		st.release()
+		switch {
+		case errors.Is(err, amqp.ErrClosed):
 			// Channel closed before the write: the message was not sent,
 			// retrying on a fresh channel is safe.
 			lastErr = err
 			continue
+		case errors.Is(err, os.ErrDeadlineExceeded):
+			err = fmt.Errorf("%w after %s (connection closed): %w", ErrWriteTimeout, s.p.ioTimeout(), err)
+			if berr := st.conn.blockedErr("the broker stopped reading"); berr != nil {
+				err = fmt.Errorf("%w; %w", err, berr)
+			}
 		}
 		return nil, fmt.Errorf("amqpretry: publishing to exchange %q with routing key %q: %w", exchange, key, err)
 	}
 	return nil, fmt.Errorf("amqpretry: publishing to exchange %q with routing key %q: channel kept closing: %w", exchange, key, lastErr)
 }
 
-// chanState is one incarnation of an AMQP channel with its pending confirms.
+// chanState is one incarnation of an AMQP channel in confirm mode.
+//
+// Return correlation: every publish holds one of tokens from before its
+// write until its deferred confirmation is done and the returns buffer was
+// drained after that. The broker sends a message's basic.return before its
+// basic.ack, and amqp091-go's reader hands the return to returns before it
+// resolves the deferred confirmation; so a return is in returns (or already
+// in returned) by the time its publish sees the confirmation done, and the
+// buffer never holds more returns than there are tokens: it never fills.
 type chanState struct {
-	slot     *pubSlot
-	ch       *amqp.Channel
-	returns  chan amqp.Return
-	confirms chan amqp.Confirmation
-	closes   chan *amqp.Error
+	slot    *pubSlot
+	conn    *pubConn
+	ch      *amqp.Channel
+	tokens  chan struct{}
+	closes  chan *amqp.Error
+	returns chan amqp.Return // read only under mu; nil once closed
+	dead    atomic.Bool      // abandoned (see acquire): reopen on the next publish
 
-	mu      sync.Mutex
-	closed  bool
-	pending map[uint64]*waiter // delivery tag -> waiter
-	ids     map[string]uint64  // publish id -> delivery tag
+	mu          sync.Mutex
+	returned    map[string]amqp.Return // publish id -> its basic.return
+	reason      *amqp.Error
+	reasonKnown bool
 }
 
-func (st *chanState) isClosed() bool {
+// acquire takes a token for one publish awaiting its confirm. Without wait
+// it returns errNoToken if none is free. Waiting is bounded by timeout: a
+// channel whose publishes all stay unconfirmed that long is abandoned
+// (closed in the background, which fails its pending publishes with
+// ErrChannelClosed; the next publish opens a new one), and acquire returns
+// ErrConfirmTimeout (wrapped); nothing was written.
+func (st *chanState) acquire(ctx context.Context, wait bool, timeout time.Duration) error {
+	select {
+	case st.tokens <- struct{}{}:
+		return nil
+	default:
+	}
+	if !wait {
+		return errNoToken
+	}
+	t := time.NewTimer(timeout)
+	defer t.Stop()
+	select {
+	case st.tokens <- struct{}{}:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-t.C:
+		if st.dead.CompareAndSwap(false, true) {
+			go func() { _ = st.ch.Close() }()
+		}
+		return fmt.Errorf("%w: channel %d had %d publishes awaiting their confirms for %s; message not sent, channel abandoned",
+			ErrConfirmTimeout, st.slot.index, cap(st.tokens), timeout)
+	}
+}
+
+func (st *chanState) release() { <-st.tokens }
+
+// takeReturn moves the buffered returns into st.returned and removes and
+// returns the one for publish id, if any.
+func (st *chanState) takeReturn(id string) (amqp.Return, bool) {
 	st.mu.Lock()
 	defer st.mu.Unlock()
-	return st.closed
-}
-
-// register adds w to the pending maps; false if the channel already closed.
-func (st *chanState) register(w *waiter) bool {
-	st.mu.Lock()
-	defer st.mu.Unlock()
-	if st.closed {
-		return false
-	}
-	st.pending[w.tag] = w
-	st.ids[w.id] = w.tag
-	return true
-}
-
-// unregister removes w if it is still pending (timeout, ctx, failed write).
-func (st *chanState) unregister(w *waiter) {
-	st.mu.Lock()
-	defer st.mu.Unlock()
-	if st.pending[w.tag] == w {
-		delete(st.pending, w.tag)
-	}
-	if tag, ok := st.ids[w.id]; ok && tag == w.tag {
-		delete(st.ids, w.id)
-	}
-}
-
-// run is the single dispatcher for this channel. It handles each return and
-// confirmation completely before receiving the next one, so a basic.return
-// (always delivered before the basic.ack of the same message) is recorded
-// before that message's confirmation is resolved.
-func (st *chanState) run() {
-	for {
+drain:
+	for st.returns != nil {
 		select {
 		case r, ok := <-st.returns:
 			if !ok {
-				st.shutdown(st.pollCloseErr())
-				return
+				st.returns = nil // channel closed; everything it sent was read
+				break drain
 			}
-			st.handleReturn(r)
-		case c, ok := <-st.confirms:
-			if !ok {
-				st.shutdown(st.pollCloseErr())
-				return
-			}
-			st.handleConfirm(c)
+			rid, _ := r.Headers[PublishIDHeader].(string)
+			st.returned[rid] = r
+		default:
+			break drain
+		}
+	}
+	r, ok := st.returned[id]
+	delete(st.returned, id)
+	return r, ok
+}
+
+// closeReason returns the broker's reason for closing the channel (or its
+// connection), if it closed with one. amqp091-go sends it to closes before
+// it resolves the pending deferred confirmations.
+func (st *chanState) closeReason() *amqp.Error {
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	if !st.reasonKnown {
+		select {
 		case e, ok := <-st.closes:
-			var err *amqp.Error
 			if ok {
-				err = e
+				st.reason = e
 			}
-			st.shutdown(err)
-			return
+			st.reasonKnown = true
+		default:
 		}
 	}
+	return st.reason
 }
 
-// pollCloseErr fetches the close reason if amqp091-go already queued it
-// (it sends it before closing the notification channels).
-func (st *chanState) pollCloseErr() *amqp.Error {
-	select {
-	case e := <-st.closes:
-		return e
-	default:
-		return nil
-	}
-}
-
-func (st *chanState) handleReturn(r amqp.Return) {
-	id, _ := r.Headers[PublishIDHeader].(string)
-	st.mu.Lock()
-	tag, ok := st.ids[id]
-	if ok {
-		delete(st.ids, id)
-		if w := st.pending[tag]; w != nil {
-			w.returned = true
-			w.replyCode = r.ReplyCode
-			w.replyText = r.ReplyText
-		}
-	}
-	st.mu.Unlock()
-	if !ok {
-		st.slot.p.logger.Debug("basic.return for unknown or abandoned publish", watermill.LogFields{
-			"publish_id": id, "exchange": r.Exchange, "routing_key": r.RoutingKey,
-		})
-	}
-}
-
-func (st *chanState) handleConfirm(c amqp.Confirmation) {
-	st.mu.Lock()
-	w := st.pending[c.DeliveryTag]
-	if w != nil {
-		delete(st.pending, c.DeliveryTag)
-		if tag, ok := st.ids[w.id]; ok && tag == c.DeliveryTag {
-			delete(st.ids, w.id)
-		}
-	}
-	st.mu.Unlock()
-	if w == nil {
-		return // abandoned (timeout / ctx) or a tag we never registered
-	}
-	var err error
-	switch {
-	case w.returned:
-		err = fmt.Errorf("%w: exchange %q, routing key %q: %d %s",
-			ErrUnroutable, w.exchange, w.key, w.replyCode, w.replyText)
-	case !c.Ack:
-		err = fmt.Errorf("%w: exchange %q, routing key %q", ErrNacked, w.exchange, w.key)
-	}
-	w.done <- err // buffered 1, and w was removed from pending: never blocks
-}
-
-// shutdown fails every pending waiter and marks the state closed so the next
-// publish on this slot reopens a channel.
-func (st *chanState) shutdown(reason *amqp.Error) {
-	st.mu.Lock()
-	st.closed = true
-	pending := st.pending
-	st.pending = make(map[uint64]*waiter)
-	st.ids = make(map[string]uint64)
-	st.mu.Unlock()
-
-	var cause error
-	switch {
-	case reason != nil:
-		cause = fmt.Errorf("%w: %w", ErrChannelClosed, reason)
-		st.slot.p.logger.Error("AMQP publisher channel closed", reason,
-			watermill.LogFields{"channel": st.slot.index, "pending": len(pending)})
-	case st.slot.p.isClosed():
-		cause = fmt.Errorf("%w: %w", ErrChannelClosed, ErrClosed)
-	default:
-		cause = ErrChannelClosed
-	}
-	for _, w := range pending {
-		w.done <- fmt.Errorf("amqpretry: exchange %q, routing key %q: %w", w.exchange, w.key, cause)
-	}
-	// Normally a no-op (the channel is already closed); releases the channel
-	// if a misconfigured connection with automatic recovery revived it.
-	_ = st.ch.Close()
-}
-
-// waiter is one publish awaiting its confirm. returned/replyCode/replyText
-// are guarded by st.mu; done receives exactly one result.
-type waiter struct {
+// pending is one written publish awaiting its deferred confirmation.
+type pending struct {
 	st       *chanState
-	tag      uint64
+	dc       *amqp.DeferredConfirmation
 	id       string
 	exchange string
 	key      string
-
-	returned  bool
-	replyCode uint16
-	replyText string
-
-	done chan error
 }
 
-// wait blocks until the confirm, ctx end, or timeout.
-func (w *waiter) wait(ctx context.Context, timeout <-chan time.Time) error {
-	select {
-	case err := <-w.done:
-		return err
-	case <-timeout:
-		return w.expire()
-	case <-ctx.Done():
-		w.st.unregister(w)
+// wrap adds the exchange and key to a sentinel error.
+func (w *pending) wrap(err error) error {
+	return fmt.Errorf("%w: exchange %q, routing key %q", err, w.exchange, w.key)
+}
+
+// wait blocks until the confirm, ctx end, timeout, or the connection has
+// been blocked for blockedGrace.
+func (w *pending) wait(ctx context.Context, timeout <-chan time.Time) error {
+	blockedC, _ := w.st.conn.blockState()
+	var grace <-chan time.Time
+	for {
 		select {
-		case err := <-w.done:
-			return err
-		default:
+		case <-w.dc.Done():
+			return w.result()
+		case <-timeout:
+			return w.giveUp(fmt.Errorf("%w: exchange %q, routing key %q, delivery tag %d",
+				ErrConfirmTimeout, w.exchange, w.key, w.dc.DeliveryTag))
+		case <-ctx.Done():
+			return w.giveUp(fmt.Errorf("amqpretry: waiting for publisher confirm (exchange %q, routing key %q): %w",
+				w.exchange, w.key, ctx.Err()))
+		case <-blockedC:
+			// Messages the broker read before it blocked are confirmed at
+			// once; later ones wait for the unblock. Give it a moment.
+			blockedC = nil
+			t := time.NewTimer(blockedGrace)
+			defer t.Stop()
+			grace = t.C
+		case <-grace:
+			grace = nil
+			if err := w.st.conn.blockedErr("no confirm for a message written before the block; outcome unknown"); err != nil {
+				return w.giveUp(w.wrap(err))
+			}
+			blockedC, _ = w.st.conn.blockState() // unblocked meanwhile: keep waiting
 		}
-		return fmt.Errorf("amqpretry: waiting for publisher confirm (exchange %q, routing key %q): %w", w.exchange, w.key, ctx.Err())
 	}
 }
 
-// expire abandons w after a confirm timeout, unless its result arrived.
-func (w *waiter) expire() error {
-	w.st.unregister(w)
+// giveUp ends the wait with err, unless the confirm arrived after all (it
+// may have arrived just as the deadline fired): the broker's answer wins.
+// An abandoned publish keeps its token until its confirm resolves (the
+// channel's closing resolves it at the latest), so its return, if one comes,
+// still has room in the buffer.
+func (w *pending) giveUp(err error) error {
+	if h := w.st.slot.p.testHookGiveUp; h != nil {
+		h(w.dc.Done())
+	}
 	select {
-	case err := <-w.done:
-		return err
+	case <-w.dc.Done():
+		return w.result()
 	default:
 	}
-	return fmt.Errorf("%w: exchange %q, routing key %q, delivery tag %d", ErrConfirmTimeout, w.exchange, w.key, w.tag)
+	go func() {
+		<-w.dc.Done()
+		r, returned := w.st.takeReturn(w.id)
+		w.st.release()
+		if returned {
+			w.st.slot.p.log.debug("basic.return for an abandoned publish", watermill.LogFields{
+				"publish_id": w.id, "exchange": r.Exchange, "routing_key": r.RoutingKey,
+			})
+		}
+	}()
+	return err
 }
+
+// result evaluates a done deferred confirmation: returned, acked, nacked by
+// the broker, or failed by the channel's closing.
+func (w *pending) result() error {
+	r, returned := w.st.takeReturn(w.id)
+	w.st.release()
+	switch {
+	case returned:
+		return fmt.Errorf("%w: exchange %q, routing key %q: %d %s",
+			ErrUnroutable, w.exchange, w.key, r.ReplyCode, r.ReplyText)
+	case w.dc.Acked():
+		return nil
+	case w.st.ch.IsClosed():
+		// amqp091-go nacks the pending confirmations of a closed channel.
+		var cause error
+		switch reason := w.st.closeReason(); {
+		case reason != nil:
+			cause = fmt.Errorf("%w: %w", ErrChannelClosed, reason)
+		case w.st.slot.p.isClosed():
+			cause = fmt.Errorf("%w: %w", ErrChannelClosed, ErrClosed)
+		default:
+			cause = ErrChannelClosed
+		}
+		return fmt.Errorf("amqpretry: exchange %q, routing key %q: %w", w.exchange, w.key, cause)
+	default:
+		return fmt.Errorf("%w: exchange %q, routing key %q", ErrNacked, w.exchange, w.key)
+	}
+}
+
+// asyncLog hands log entries to the user's logger from one goroutine of its
+// own, so no path of the publisher ever waits for the logger. When
+// logQueueSize entries are waiting, new ones are dropped and counted.
+type asyncLog struct {
+	l       watermill.LoggerAdapter
+	q       chan logEntry
+	done    chan struct{}
+	once    sync.Once
+	dropped atomic.Int64
+}
+
+type logEntry struct {
+	level  int // 0 debug, 1 info, 2 error
+	msg    string
+	err    error
+	fields watermill.LogFields
+}
+
+func newAsyncLog(l watermill.LoggerAdapter) *asyncLog {
+	a := &asyncLog{l: l, q: make(chan logEntry, logQueueSize), done: make(chan struct{})}
+	go a.run()
+	return a
+}
+
+func (a *asyncLog) run() {
+	for {
+		select {
+		case e := <-a.q:
+			a.emit(e)
+		case <-a.done:
+			for {
+				select {
+				case e := <-a.q:
+					a.emit(e)
+				default:
+					return
+				}
+			}
+		}
+	}
+}
+
+func (a *asyncLog) emit(e logEntry) {
+	if n := a.dropped.Swap(0); n > 0 {
+		e.fields = e.fields.Add(watermill.LogFields{"log_entries_dropped": n})
+	}
+	switch e.level {
+	case 0:
+		a.l.Debug(e.msg, e.fields)
+	case 1:
+		a.l.Info(e.msg, e.fields)
+	default:
+		a.l.Error(e.msg, e.err, e.fields)
+	}
+}
+
+func (a *asyncLog) put(e logEntry) {
+	select {
+	case a.q <- e:
+	default:
+		a.dropped.Add(1)
+	}
+}
+
+func (a *asyncLog) debug(msg string, f watermill.LogFields) { a.put(logEntry{0, msg, nil, f}) }
+func (a *asyncLog) info(msg string, f watermill.LogFields)  { a.put(logEntry{1, msg, nil, f}) }
+func (a *asyncLog) error(msg string, err error, f watermill.LogFields) {
+	a.put(logEntry{2, msg, err, f})
+}
+
+// stop lets the goroutine emit what is queued and end.
+func (a *asyncLog) stop() { a.once.Do(func() { close(a.done) }) }

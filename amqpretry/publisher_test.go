@@ -2,10 +2,19 @@ package amqpretry
 
 import (
 	"context"
+	"crypto/ecdsa"
+	"crypto/elliptic"
+	crand "crypto/rand"
+	"crypto/tls"
+	"crypto/x509"
+	"crypto/x509/pkix"
+	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
+	"math/big"
+	"net"
 	"os"
-	"os/exec"
 	"runtime"
 	"strconv"
 	"strings"
@@ -14,8 +23,23 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill"
+	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v2/pkg/amqp"
 	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/rabbitretry/rabbitretry/internal/testkit"
 )
+
+// publisherConn returns the publisher's current connection.
+func publisherConn(t testing.TB, p *ConfirmPublisher) *amqp.Connection {
+	t.Helper()
+	p.connMu.Lock()
+	defer p.connMu.Unlock()
+	if p.conn == nil {
+		t.Fatal("publisher has no connection")
+	}
+	return p.conn.c
+}
 
 func TestPublisherConfigValidate(t *testing.T) {
 	valid := func() PublisherConfig {
@@ -478,15 +502,15 @@ func TestConfirmPublisher_RecoversAfterConnectionLoss(t *testing.T) {
 	}
 
 	// 3. Broker-side close (as on broker shutdown: connection.close 320
-	// CONNECTION_FORCED), if rabbitmqctl is available against this broker.
-	if _, err := exec.LookPath("rabbitmqctl"); err != nil {
-		t.Log("rabbitmqctl not found; skipping broker-side connection close")
+	// CONNECTION_FORCED), if rabbitmqctl is available against this broker
+	// (testkit.CtlCommand: RABBITRETRY_CTL).
+	if testkit.CtlCommand() == "" {
+		t.Log("no rabbitmqctl for the broker under test; skipping broker-side connection close")
 	} else if pid := findConnectionPid(t, connName); pid == "" {
 		t.Log("connection not found via rabbitmqctl (remote broker?); skipping broker-side close")
 	} else {
-		out, err := exec.Command("rabbitmqctl", "close_connection", pid, "rabbitretry test").CombinedOutput()
-		if err != nil {
-			t.Fatalf("rabbitmqctl close_connection: %v: %s", err, out)
+		if _, err := testkit.Ctl(t, 30*time.Second, "close_connection", pid, "rabbitretry test"); err != nil {
+			t.Fatal(err)
 		}
 		mu.Lock()
 		last := conns[len(conns)-1]
@@ -515,9 +539,7 @@ func TestConfirmPublisher_SurvivesBrokerRestart(t *testing.T) {
 	if os.Getenv("RABBITRETRY_TEST_BROKER_RESTART") != "1" {
 		t.Skip("set RABBITRETRY_TEST_BROKER_RESTART=1 to restart the local broker")
 	}
-	if _, err := exec.LookPath("rabbitmqctl"); err != nil {
-		t.Skip("rabbitmqctl not found")
-	}
+	testkit.HaveCtl(t)
 	uri := brokerURI(t)
 	p := newTestPublisher(t, PublisherConfig{URI: uri})
 	queue := uniqueName(t, "rabbitretry.test")
@@ -530,14 +552,14 @@ func TestConfirmPublisher_SurvivesBrokerRestart(t *testing.T) {
 
 	rabbitmqctl := func(args ...string) {
 		t.Helper()
-		if out, err := exec.Command("rabbitmqctl", args...).CombinedOutput(); err != nil {
-			t.Fatalf("rabbitmqctl %v: %v: %s", args, err, out)
+		if _, err := testkit.Ctl(t, 3*time.Minute, args...); err != nil {
+			t.Fatal(err)
 		}
 	}
 	started := false
 	t.Cleanup(func() {
 		if !started {
-			_ = exec.Command("rabbitmqctl", "start_app").Run()
+			_, _ = testkit.Ctl(t, 3*time.Minute, "start_app")
 		}
 	})
 	rabbitmqctl("stop_app")
@@ -578,7 +600,7 @@ func findConnectionPid(t testing.TB, name string) string {
 	// The connection can take a moment to appear in the listing.
 	deadline := time.Now().Add(5 * time.Second)
 	for pid == "" && time.Now().Before(deadline) {
-		out, err := exec.Command("rabbitmqctl", "-q", "list_connections", "--no-table-headers", "pid", "client_properties").Output()
+		out, err := testkit.Ctl(t, 30*time.Second, "-q", "list_connections", "--no-table-headers", "pid", "client_properties")
 		if err != nil {
 			return ""
 		}
@@ -637,4 +659,603 @@ func BenchmarkConfirmPublisherParallel(b *testing.B) {
 			}
 		}
 	})
+}
+
+// stallingLogger blocks every call, once armed, until release is closed.
+type stallingLogger struct {
+	armed   atomic.Bool
+	calls   atomic.Int64
+	once    sync.Once
+	stalled chan struct{} // closed by the first call that blocks
+	release chan struct{}
+	relOnce sync.Once
+}
+
+func newStallingLogger(t testing.TB) *stallingLogger {
+	l := &stallingLogger{stalled: make(chan struct{}), release: make(chan struct{})}
+	t.Cleanup(l.unblock)
+	return l
+}
+
+func (l *stallingLogger) unblock() { l.relOnce.Do(func() { close(l.release) }) }
+
+func (l *stallingLogger) stall() {
+	if !l.armed.Load() {
+		return
+	}
+	l.calls.Add(1)
+	l.once.Do(func() { close(l.stalled) })
+	<-l.release
+}
+
+func (l *stallingLogger) Error(string, error, watermill.LogFields) { l.stall() }
+func (l *stallingLogger) Info(string, watermill.LogFields)         { l.stall() }
+func (l *stallingLogger) Debug(string, watermill.LogFields)        { l.stall() }
+func (l *stallingLogger) Trace(string, watermill.LogFields)        { l.stall() }
+func (l *stallingLogger) With(watermill.LogFields) watermill.LoggerAdapter {
+	return l
+}
+
+// amqpReaderStage reports what amqp091-go's connection reader goroutine is
+// blocked on, from the goroutine stacks: "confirm" (handing a publisher
+// confirm to a NotifyPublish listener), "return" (handing a basic.return to a
+// NotifyReturn listener), or "" (neither). amqp091-go drops a notification
+// its listener has not taken within 5 s (channel.go, notifyAll).
+func amqpReaderStage() string {
+	buf := make([]byte, 4<<20)
+	n := runtime.Stack(buf, true)
+	for _, g := range strings.Split(string(buf[:n]), "\n\n") {
+		if !strings.Contains(g, "amqp091-go.notifyAll[") {
+			continue
+		}
+		if strings.Contains(g, "amqp091-go.(*confirms).confirm(") {
+			return "confirm"
+		}
+		if strings.Contains(g, "amqp091-go.(*Channel).dispatch(") {
+			return "return"
+		}
+	}
+	return ""
+}
+
+// Item 3: a logger that stalls must not turn an unroutable mandatory publish
+// into a success. The first publish is abandoned (its ctx ends before its
+// confirm), so its basic.return arrives for a publish nobody waits for; the
+// library may log that. With the logger stalled, amqp091-go gives up
+// delivering the next returns and confirms after 5 s each; the unroutable
+// publish that follows must still fail with ErrUnroutable, whatever the
+// logger does.
+func TestConfirmPublisher_StalledLoggerCannotHideReturn(t *testing.T) {
+	logger := newStallingLogger(t)
+	p := newTestPublisher(t, PublisherConfig{Channels: 1, Logger: logger, ConfirmTimeout: time.Minute})
+	noRoute := uniqueName(t, "rabbitretry.noroute")
+	logger.armed.Store(true)
+
+	// 1. An abandoned unroutable publish (written, then its ctx ended).
+	abandoned := 0
+	for i := 0; i < 500 && abandoned == 0; i++ {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Duration(20+i*20)*time.Microsecond)
+		err := p.PublishRaw(ctx, "", noRoute, amqp.Publishing{Body: []byte("abandoned")})
+		cancel()
+		if errors.Is(err, context.DeadlineExceeded) && strings.Contains(err.Error(), "waiting for publisher confirm") {
+			abandoned++
+		}
+	}
+	if abandoned == 0 {
+		t.Fatal("could not abandon a publish after its write")
+	}
+	// The library may log the abandoned publish's return; if it does, the
+	// logger is now stalled. (If it never logs, nothing is stalled: wait a
+	// bounded time for that to happen, then go on.)
+	select {
+	case <-logger.stalled:
+		t.Log("logger stalled on the abandoned publish's return")
+	case <-time.After(2 * time.Second):
+		t.Log("logger not called for the abandoned publish")
+	}
+
+	// 2. The unroutable publish under test.
+	res := make(chan error, 1)
+	go func() {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+		defer cancel()
+		res <- p.PublishRaw(ctx, "", noRoute, amqp.Publishing{Body: []byte("must be reported unroutable")})
+	}()
+	// Keep the logger stalled until the publish returned, or until
+	// amqp091-go has given up on its return and is handing over its confirm
+	// (stages after the publish: return, then confirm); then release it.
+	var err error
+	var stages []string
+	deadline := time.Now().Add(40 * time.Second)
+wait:
+	for {
+		select {
+		case err = <-res:
+			break wait
+		default:
+		}
+		if st := amqpReaderStage(); st != "" && (len(stages) == 0 || stages[len(stages)-1] != st) {
+			stages = append(stages, st)
+		}
+		if n := len(stages); n >= 2 && stages[n-2] == "return" && stages[n-1] == "confirm" {
+			t.Logf("amqp091-go dropped the return and is delivering the confirm (stages %v); releasing the logger", stages)
+			logger.unblock()
+			err = <-res
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("publish did not return within 40 s (reader stages %v)", stages)
+		}
+		time.Sleep(2 * time.Millisecond) // polling interval, not a synchronisation point
+	}
+	logger.unblock()
+	if !errors.Is(err, ErrUnroutable) {
+		t.Fatalf("unroutable mandatory publish with a stalled logger: err = %v, want ErrUnroutable", err)
+	}
+}
+
+// Item 9: a confirm that arrives exactly when the publish stops waiting
+// (its ConfirmTimeout fires, or its ctx ends) must be reported as a success:
+// the broker has the message, and a reported failure makes the caller
+// publish it again (a duplicate). The hook holds the publish at that moment
+// until the broker's confirm has arrived.
+func TestConfirmPublisher_ConfirmAtDeadlineIsSuccess(t *testing.T) {
+	ch := testChannel(t)
+	queue := uniqueName(t, "rabbitretry.test")
+	declareTempQueue(t, ch, queue, nil)
+	conn, err := amqp.Dial(brokerURI(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	const n = 50
+	// confirmArrives is the hook: the deadline has fired; let the confirm
+	// arrive before the publish decides.
+	var raced atomic.Int64
+	confirmArrives := func(confirmed <-chan struct{}) {
+		select {
+		case <-confirmed:
+			raced.Add(1)
+		case <-time.After(10 * time.Second):
+			t.Error("no confirm within 10 s")
+		}
+	}
+
+	t.Run("ConfirmTimeout", func(t *testing.T) {
+		// 1 ns: the timer always fires before any confirm can arrive.
+		p := newTestPublisher(t, PublisherConfig{Channels: 1, ConfirmTimeout: time.Nanosecond})
+		p.testHookGiveUp = confirmArrives
+		raced.Store(0)
+		for i := range n {
+			if err := p.PublishRaw(context.Background(), "", queue, amqp.Publishing{Body: []byte("acked")}); err != nil {
+				t.Fatalf("publish %d, acked by the broker, reported as failed: %v", i, err)
+			}
+		}
+		// Now and then the confirm is there before the deadline is seen.
+		t.Logf("%d of %d publishes had their confirm arrive at the deadline", raced.Load(), n)
+		if raced.Load() == 0 {
+			t.Fatal("the deadline never fired before the confirm")
+		}
+	})
+	t.Run("ContextEnds", func(t *testing.T) {
+		p := newTestPublisher(t, PublisherConfig{Channels: 1})
+		var cancel context.CancelFunc
+		p.testHookWritten = func() { cancel() } // ctx ends right after the write
+		p.testHookGiveUp = confirmArrives
+		raced.Store(0)
+		for i := range n {
+			ctx, c := context.WithCancel(context.Background())
+			cancel = c
+			err := p.PublishRaw(ctx, "", queue, amqp.Publishing{Body: []byte("acked")})
+			c()
+			if err != nil {
+				t.Fatalf("publish %d, acked by the broker, reported as failed: %v", i, err)
+			}
+		}
+		// Now and then the confirm is there before the deadline is seen.
+		t.Logf("%d of %d publishes had their confirm arrive at the deadline", raced.Load(), n)
+		if raced.Load() == 0 {
+			t.Fatal("the deadline never fired before the confirm")
+		}
+	})
+	waitFor(t, 10*time.Second, "every acked message in the queue", func() bool { return queueDepth(t, conn, queue) == 2*n })
+}
+
+// Item 12: PublisherConfig.AmqpConfig is used to dial: its Dial (every
+// (re)dial) and Heartbeat.
+func TestConfirmPublisher_UsesAmqpConfig(t *testing.T) {
+	var dials atomic.Int64
+	ac := &amqp.Config{
+		Heartbeat: 3 * time.Second,
+		Dial: func(network, addr string) (net.Conn, error) {
+			dials.Add(1)
+			return amqp.DefaultDial(5*time.Second)(network, addr)
+		},
+	}
+	p := newTestPublisher(t, PublisherConfig{AmqpConfig: ac})
+	if dials.Load() == 0 {
+		t.Fatal("AmqpConfig.Dial was not used")
+	}
+	if hb := publisherConn(t, p).Config.Heartbeat; hb != 3*time.Second {
+		t.Fatalf("negotiated heartbeat %v, want AmqpConfig.Heartbeat 3s", hb)
+	}
+}
+
+// Item 12: New gives the retry publisher the subscriber's connection
+// settings (watermill-amqp Config.Connection.AmqpConfig): Dial, Heartbeat.
+func TestNew_PublisherUsesSubscriberAmqpConfig(t *testing.T) {
+	uri := brokerURI(t)
+	subName := uniqueName(t, "the-subscriber")
+	var dials atomic.Int64
+	sub := wamqp.NewDurableQueueConfig(uri)
+	sub.Connection.AmqpConfig = &amqp.Config{
+		Heartbeat:  4 * time.Second,
+		Properties: amqp.Table{"connection_name": subName},
+		Dial: func(network, addr string) (net.Conn, error) {
+			dials.Add(1)
+			return amqp.DefaultDial(5*time.Second)(network, addr)
+		},
+	}
+	r, err := New(Config{Subscriber: sub})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = r.Close() })
+	if dials.Load() == 0 {
+		t.Fatal("the subscriber's AmqpConfig.Dial was not used by the retry publisher")
+	}
+	c := publisherConn(t, r.Publisher())
+	if hb := c.Config.Heartbeat; hb != 4*time.Second {
+		t.Fatalf("retry publisher heartbeat %v, want the subscriber's 4s", hb)
+	}
+	// The subscriber's config is not modified (amqp091-go writes into the
+	// Properties it dials with).
+	if props := sub.Connection.AmqpConfig.Properties; len(props) != 1 || props["connection_name"] != subName {
+		t.Fatalf("subscriber's AmqpConfig.Properties modified: %v", props)
+	}
+	// What the broker sees: the heartbeat, and a connection name of its own.
+	if testkit.CtlCommand() != "" {
+		// Found by its name (behind a load balancer the broker sees the
+		// proxy's port, not ours).
+		want := subName + ".retry-publisher"
+		var bc brokerConn
+		waitFor(t, 10*time.Second, "the publisher's connection in list_connections", func() bool {
+			var ok bool
+			bc, ok = brokerSideConnection(t, want)
+			return ok
+		})
+		if bc.Timeout != 4 {
+			t.Fatalf("broker sees heartbeat %d s for %q, want 4", bc.Timeout, want)
+		}
+	}
+	// A redial goes through the same Dial.
+	before := dials.Load()
+	_ = c.Close()
+	queue := uniqueName(t, "rabbitretry.test")
+	declareTempQueue(t, testChannel(t), queue, nil)
+	if err := r.Publisher().PublishRaw(context.Background(), "", queue, amqp.Publishing{}); err != nil {
+		t.Fatal(err)
+	}
+	if dials.Load() == before {
+		t.Fatal("redial did not use the subscriber's Dial")
+	}
+}
+
+type brokerConn struct {
+	Timeout int    // negotiated heartbeat, s
+	Name    string // client-provided connection_name
+}
+
+// brokerSideConnection looks up the connection named name with rabbitmqctl
+// list_connections.
+func brokerSideConnection(t testing.TB, name string) (brokerConn, bool) {
+	t.Helper()
+	out, err := testkit.Ctl(t, 30*time.Second, "-q", "list_connections", "peer_port", "timeout", "client_properties", "--formatter", "json")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var rows []struct {
+		PeerPort         int               `json:"peer_port"`
+		Timeout          int               `json:"timeout"`
+		ClientProperties []json.RawMessage `json:"client_properties"`
+	}
+	if err := json.Unmarshal([]byte(out), &rows); err != nil {
+		t.Fatalf("parsing list_connections: %v\n%s", err, out)
+	}
+	for _, r := range rows {
+		bc := brokerConn{Timeout: r.Timeout}
+		for _, raw := range r.ClientProperties { // [key, type, value] triples
+			var triple []any
+			if json.Unmarshal(raw, &triple) == nil && len(triple) == 3 && triple[0] == "connection_name" {
+				bc.Name, _ = triple[2].(string)
+			}
+		}
+		if bc.Name == name {
+			return bc, true
+		}
+	}
+	return brokerConn{}, false
+}
+
+// Item 12: New gives the retry publisher the subscriber's TLS settings, both
+// watermill-amqp's Connection.TLSConfig and AmqpConfig.TLSClientConfig,
+// against a TLS endpoint whose certificate only the test's CA pool trusts.
+func TestNew_PublisherUsesSubscriberTLSConfig(t *testing.T) {
+	uri := brokerURI(t)
+	u, err := amqp.ParseURI(uri)
+	if err != nil {
+		t.Fatal(err)
+	}
+	proxy := startTLSProxy(t, net.JoinHostPort(u.Host, strconv.Itoa(u.Port)))
+	tlsURI := fmt.Sprintf("amqps://%s:%s@localhost:%d/", u.Username, u.Password, proxy.port)
+	queue := uniqueName(t, "rabbitretry.test")
+	declareTempQueue(t, testChannel(t), queue, nil)
+
+	// Without the subscriber's TLS settings the certificate is refused.
+	if r, err := New(Config{Subscriber: wamqp.NewDurableQueueConfig(tlsURI)}); err == nil {
+		_ = r.Close()
+		t.Fatal("New without TLS settings connected through a TLS endpoint with an untrusted certificate")
+	}
+
+	// Both TLS settings at once: refused, as watermill-amqp refuses it.
+	both := wamqp.NewDurableQueueConfig(tlsURI)
+	both.Connection.TLSConfig = &tls.Config{RootCAs: proxy.roots}
+	both.Connection.AmqpConfig = &amqp.Config{TLSClientConfig: &tls.Config{RootCAs: proxy.roots}}
+	if r, err := New(Config{Subscriber: both}); err == nil {
+		_ = r.Close()
+		t.Fatal("New accepted both Connection.TLSConfig and AmqpConfig.TLSClientConfig")
+	} else if !strings.Contains(err.Error(), "both TLSConfig and AmqpConfig.TLSClientConfig") {
+		t.Fatalf("New with both TLS settings: %v", err)
+	}
+
+	for _, viaAmqpConfig := range []bool{false, true} {
+		t.Run(fmt.Sprintf("AmqpConfig=%v", viaAmqpConfig), func(t *testing.T) {
+			sub := wamqp.NewDurableQueueConfig(tlsURI)
+			tc := &tls.Config{RootCAs: proxy.roots}
+			if viaAmqpConfig {
+				sub.Connection.AmqpConfig = &amqp.Config{TLSClientConfig: tc}
+			} else {
+				sub.Connection.TLSConfig = tc
+			}
+			before := proxy.handshakes.Load()
+			r, err := New(Config{Subscriber: sub})
+			if err != nil {
+				t.Fatalf("New with the subscriber's TLS settings: %v", err)
+			}
+			defer r.Close()
+			if err := r.Publisher().PublishRaw(context.Background(), "", queue, amqp.Publishing{Body: []byte("over TLS")}); err != nil {
+				t.Fatal(err)
+			}
+			if proxy.handshakes.Load() == before {
+				t.Fatal("no TLS handshake through the test endpoint")
+			}
+		})
+	}
+}
+
+type tlsProxy struct {
+	port       int
+	roots      *x509.CertPool
+	handshakes atomic.Int64
+}
+
+// startTLSProxy terminates TLS on 127.0.0.1 (certificate for "localhost",
+// self-signed, trusted only by proxy.roots) and forwards to target.
+func startTLSProxy(t *testing.T, target string) *tlsProxy {
+	t.Helper()
+	key, err := ecdsa.GenerateKey(elliptic.P256(), crand.Reader)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tmpl := &x509.Certificate{
+		SerialNumber: big.NewInt(1), Subject: pkix.Name{CommonName: "localhost"},
+		DNSNames: []string{"localhost"}, IPAddresses: []net.IP{net.IPv4(127, 0, 0, 1)},
+		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour),
+		KeyUsage:    x509.KeyUsageDigitalSignature | x509.KeyUsageCertSign,
+		ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth}, IsCA: true, BasicConstraintsValid: true,
+	}
+	der, err := x509.CreateCertificate(crand.Reader, tmpl, tmpl, &key.PublicKey, key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cert, err := x509.ParseCertificate(der)
+	if err != nil {
+		t.Fatal(err)
+	}
+	px := &tlsProxy{roots: x509.NewCertPool()}
+	px.roots.AddCert(cert)
+	ln, err := tls.Listen("tcp", "127.0.0.1:0", &tls.Config{Certificates: []tls.Certificate{{Certificate: [][]byte{der}, PrivateKey: key}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	px.port = ln.Addr().(*net.TCPAddr).Port
+	var mu sync.Mutex
+	var conns []net.Conn
+	var wg sync.WaitGroup
+	t.Cleanup(func() {
+		_ = ln.Close()
+		mu.Lock()
+		for _, c := range conns {
+			_ = c.Close()
+		}
+		mu.Unlock()
+		wg.Wait()
+	})
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				defer c.Close()
+				if err := c.(*tls.Conn).Handshake(); err != nil {
+					return
+				}
+				px.handshakes.Add(1)
+				b, err := net.Dial("tcp", target)
+				if err != nil {
+					return
+				}
+				defer b.Close()
+				mu.Lock()
+				conns = append(conns, c, b)
+				mu.Unlock()
+				done := make(chan struct{}, 2)
+				go func() { _, _ = io.Copy(b, c); done <- struct{}{} }()
+				go func() { _, _ = io.Copy(c, b); done <- struct{}{} }()
+				<-done
+			}()
+		}
+	}()
+	return px
+}
+
+// A channel whose confirms stop coming (here: the broker's frames are held
+// back) must not make later publishes wait for a free in-flight slot
+// forever (the Delayer publishes without a ctx deadline): after
+// ConfirmTimeout the publish fails with ErrConfirmTimeout without writing,
+// the channel is abandoned, and the next publish works on a new one.
+func TestConfirmPublisher_UnconfirmedChannelDoesNotHang(t *testing.T) {
+	uri := brokerURI(t)
+	u, err := amqp.ParseURI(uri)
+	if err != nil {
+		t.Fatal(err)
+	}
+	proxy := startStallProxy(t, net.JoinHostPort(u.Host, strconv.Itoa(u.Port)))
+	u.Host, u.Port = "127.0.0.1", proxy.port
+	p := newTestPublisher(t, PublisherConfig{URI: u.String(), Channels: 1, ConfirmTimeout: time.Second, maxInFlight: 2})
+	queue := uniqueName(t, "rabbitretry.test")
+	declareTempQueue(t, testChannel(t), queue, nil)
+	ctx := context.Background()
+	publish := func() error { return p.PublishRaw(ctx, "", queue, amqp.Publishing{Body: []byte("x")}) }
+	if err := publish(); err != nil {
+		t.Fatal(err)
+	}
+
+	proxy.stall() // no confirm reaches the publisher
+	for i := range 2 {
+		if err := publish(); !errors.Is(err, ErrConfirmTimeout) {
+			t.Fatalf("publish %d without confirms: %v, want ErrConfirmTimeout", i, err)
+		}
+	}
+	start := time.Now()
+	err = publish() // both slots held by the abandoned publishes
+	took := time.Since(start)
+	if !errors.Is(err, ErrConfirmTimeout) || !strings.Contains(err.Error(), "message not sent") {
+		t.Fatalf("publish with every slot held: %v, want ErrConfirmTimeout (message not sent)", err)
+	}
+	if took > 5*time.Second {
+		t.Fatalf("publish with every slot held took %v, want about ConfirmTimeout (1s)", took)
+	}
+	proxy.resume()
+	if err := publish(); err != nil {
+		t.Fatalf("publish after the confirms flow again: %v", err)
+	}
+	conn, err := amqp.Dial(uri)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	// 1 + the 2 abandoned ones (the broker has them) + 1; the refused one was never sent.
+	waitFor(t, 10*time.Second, "queue depth == 4", func() bool { return queueDepth(t, conn, queue) == 4 })
+}
+
+// stallProxy forwards TCP to target; stall holds back what the broker sends
+// (confirms, returns) until resume.
+type stallProxy struct {
+	port int
+	mu   sync.Mutex
+	open chan struct{} // closed while traffic flows
+}
+
+func (s *stallProxy) gate() <-chan struct{} {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.open
+}
+
+func (s *stallProxy) stall() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	select {
+	case <-s.open:
+		s.open = make(chan struct{})
+	default:
+	}
+}
+
+func (s *stallProxy) resume() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	select {
+	case <-s.open:
+	default:
+		close(s.open)
+	}
+}
+
+func startStallProxy(t *testing.T, target string) *stallProxy {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	px := &stallProxy{port: ln.Addr().(*net.TCPAddr).Port, open: make(chan struct{})}
+	close(px.open)
+	var mu sync.Mutex
+	var conns []net.Conn
+	var wg sync.WaitGroup
+	t.Cleanup(func() {
+		px.resume()
+		_ = ln.Close()
+		mu.Lock()
+		for _, c := range conns {
+			_ = c.Close()
+		}
+		mu.Unlock()
+		wg.Wait()
+	})
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			b, err := net.Dial("tcp", target)
+			if err != nil {
+				_ = c.Close()
+				continue
+			}
+			mu.Lock()
+			conns = append(conns, c, b)
+			mu.Unlock()
+			wg.Add(2)
+			go func() { defer wg.Done(); _, _ = io.Copy(b, c); _ = b.Close() }()
+			go func() {
+				defer wg.Done()
+				defer c.Close()
+				buf := make([]byte, 32<<10)
+				for {
+					n, err := b.Read(buf)
+					if n > 0 {
+						<-px.gate()
+						if _, werr := c.Write(buf[:n]); werr != nil {
+							return
+						}
+					}
+					if err != nil {
+						return
+					}
+				}
+			}()
+		}
+	}()
+	return px
 }

@@ -113,12 +113,12 @@ func declareError(kind, name string, err error) error {
 
 // Topology declares, for each originating queue Q, the retry topology:
 //
-//	business exchange --(routing key)--> Q   (x-dead-letter-exchange = WaitExchange,
-//	                                          x-dead-letter-routing-key = Q.wait.<first tier>)
+//	business exchange --(routing key)--> Q   (quorum: x-dead-letter-exchange = PoisonExchange,
+//	                                          x-dead-letter-routing-key = Q.poison; see originArgs)
 //	WaitExchange --(Q.wait.<tier>)--> Q.wait.<tier>   (x-message-ttl = tier,
-//	                                          x-dead-letter-exchange = LoopBackExchange,
+//	                                          x-dead-letter-exchange = "" (default exchange),
 //	                                          x-dead-letter-routing-key = Q)
-//	LoopBackExchange --(Q)--> Q
+//	LoopBackExchange --(Q)--> Q               (zero-delay copies, replays)
 //	PoisonExchange --(Q.poison)--> Q.poison
 //
 // Wait queues have no consumers: the broker dead-letters each message when
@@ -129,10 +129,12 @@ func declareError(kind, name string, err error) error {
 // Topology implements watermill-amqp's TopologyBuilder, so the subscriber
 // declares it (again) on every (re)connect.
 type Topology struct {
-	naming    Naming
-	tiers     []time.Duration
-	queueType string
-	logger    watermill.LoggerAdapter
+	naming          Naming
+	tiers           []time.Duration
+	queueType       string
+	deadLetterFirst bool
+	native          *NativeDelayedRetry // Q gets the x-delayed-retry-* arguments
+	logger          watermill.LoggerAdapter
 
 	mu       sync.Mutex
 	declared map[string]declaredQueue // originating queue -> how BuildTopology declared it
@@ -143,8 +145,9 @@ type declaredQueue struct {
 	config   wamqp.Config
 }
 
-func newTopology(naming Naming, tiers []time.Duration, queueType string, logger watermill.LoggerAdapter) *Topology {
-	return &Topology{naming: naming, tiers: tiers, queueType: queueType, logger: logger, declared: map[string]declaredQueue{}}
+func newTopology(naming Naming, tiers []time.Duration, queueType string, deadLetterFirst bool, logger watermill.LoggerAdapter) *Topology {
+	return &Topology{naming: naming, tiers: tiers, queueType: queueType, deadLetterFirst: deadLetterFirst, logger: logger,
+		declared: map[string]declaredQueue{}}
 }
 
 // Tiers returns the delay tiers, ascending.
@@ -215,18 +218,47 @@ func (t *Topology) CheckNames(queue string) error {
 	return nil
 }
 
-// originArgs are the arguments amqpretry sets on the originating queue.
+// originArgs are the arguments amqpretry sets on the originating queue Q.
+//
+// The library itself never dead-letters Q's messages (a failure it cannot
+// settle is nacked with requeue), except in DeadLetterFirstRetry mode, so
+// what Q's dead-letter exchange receives is what RabbitMQ itself removes:
+//   - classic Q: no dead-letter exchange. A per-message or queue TTL that
+//     expires in Q, or a max-length overflow, discards the message as the
+//     producer or operator asked, instead of a detour through the retry path
+//     that ends in the broker's dead-letter cycle detection.
+//   - quorum Q: dead-letter exchange = the poison exchange, routing key
+//     Q's poison queue, at-least-once. Besides expiry and overflow, RabbitMQ
+//     4.0+ removes a message past the queue's delivery limit (default 20):
+//     it lands in the poison queue with x-death reason delivery_limit instead
+//     of being dropped ("Quorum Queues", "Dead Letter Exchanges").
+//   - DeadLetterFirstRetry (quorum only): dead-letter exchange = the wait
+//     exchange, routing key Q's first wait queue: the library's nack is the
+//     first retry.
+//   - NativeDelayedRetry (quorum only): x-delayed-retry-type "all",
+//     x-delayed-retry-min and -max (ms): the library's nack with requeue is
+//     a native retry.
 func (t *Topology) originArgs(queue string, user amqp.Table) amqp.Table {
 	args := amqp.Table{}
 	for k, v := range user {
 		args[k] = v
 	}
-	args["x-dead-letter-exchange"] = t.naming.WaitExchange
-	args["x-dead-letter-routing-key"] = t.naming.WaitQueue(queue, t.tiers[0])
 	if t.queueType == QueueTypeQuorum {
 		args["x-queue-type"] = QueueTypeQuorum
 		args["x-dead-letter-strategy"] = "at-least-once"
 		args["x-overflow"] = "reject-publish"
+		if t.deadLetterFirst {
+			args["x-dead-letter-exchange"] = t.naming.WaitExchange
+			args["x-dead-letter-routing-key"] = t.naming.WaitQueue(queue, t.tiers[0])
+		} else {
+			args["x-dead-letter-exchange"] = t.naming.PoisonExchange
+			args["x-dead-letter-routing-key"] = t.naming.PoisonQueue(queue)
+		}
+		if t.native != nil {
+			for k, v := range t.native.args() {
+				args[k] = v
+			}
+		}
 	}
 	return args
 }
@@ -242,7 +274,10 @@ func (t *Topology) sideQueueArgs() amqp.Table {
 func (t *Topology) waitArgs(queue string, tier time.Duration) amqp.Table {
 	args := t.sideQueueArgs()
 	args["x-message-ttl"] = tier.Milliseconds()
-	args["x-dead-letter-exchange"] = t.naming.LoopBackExchange
+	// Through the default exchange, which cannot be deleted: a waiting retry
+	// cannot be lost to a deleted or misconfigured exchange. The default
+	// exchange routes by queue name, so the retry reaches Q only.
+	args["x-dead-letter-exchange"] = ""
 	args["x-dead-letter-routing-key"] = queue
 	if t.queueType == QueueTypeQuorum {
 		// At-least-once dead-lettering needs reject-publish overflow; with

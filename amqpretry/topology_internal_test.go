@@ -10,7 +10,7 @@ import (
 
 func TestTierFor(t *testing.T) {
 	ms := time.Millisecond
-	topo := newTopology(Naming{}, []time.Duration{100 * ms, 200 * ms, 400 * ms, 10 * time.Second}, QueueTypeClassic, watermill.NopLogger{})
+	topo := newTopology(Naming{}, []time.Duration{100 * ms, 200 * ms, 400 * ms, 10 * time.Second}, QueueTypeClassic, false, watermill.NopLogger{})
 	cases := []struct{ d, want time.Duration }{
 		{0, 100 * ms}, {-5 * ms, 100 * ms}, {50 * ms, 100 * ms}, {100 * ms, 100 * ms},
 		{141 * ms, 100 * ms}, {142 * ms, 200 * ms}, {200 * ms, 200 * ms}, {282 * ms, 200 * ms}, {283 * ms, 400 * ms},
@@ -26,7 +26,7 @@ func TestTierFor(t *testing.T) {
 func TestCheckNames(t *testing.T) {
 	n := Naming{}
 	n.setDefaults()
-	topo := newTopology(n, []time.Duration{time.Second}, QueueTypeClassic, watermill.NopLogger{})
+	topo := newTopology(n, []time.Duration{time.Second}, QueueTypeClassic, false, watermill.NopLogger{})
 	if err := topo.CheckNames(""); err == nil {
 		t.Error("empty queue name accepted")
 	}
@@ -43,7 +43,7 @@ func TestCheckNames(t *testing.T) {
 
 func TestTierAtLeast(t *testing.T) {
 	ms := time.Millisecond
-	topo := newTopology(Naming{}, []time.Duration{100 * ms, 200 * ms, 400 * ms}, QueueTypeClassic, watermill.NopLogger{})
+	topo := newTopology(Naming{}, []time.Duration{100 * ms, 200 * ms, 400 * ms}, QueueTypeClassic, false, watermill.NopLogger{})
 	cases := []struct {
 		d, want time.Duration
 		ok      bool

@@ -191,9 +191,10 @@ func TestBadInputConfig(t *testing.T) {
 
 // Messages without the Watermill UUID header are handled, retried and
 // poisoned. Without a UUID header the amqpretry Marshaler uses the AMQP
-// message-id property as the UUID; with neither, the UUID is "" on every
-// attempt and the poison copy can only be told apart by its payload and
-// headers. A non-string UUID header becomes its string form.
+// message-id property as the UUID; with neither, it generates a UUID on the
+// first delivery, which the retry copy and the poison copy carry: the same
+// UUID on every attempt, a different one for each message. A non-string UUID
+// header becomes its string form.
 func TestBadInputNoUUID(t *testing.T) {
 	e := newEnv(t, "classic")
 	e.declare()
@@ -246,9 +247,18 @@ func TestBadInputNoUUID(t *testing.T) {
 	}
 	want := map[string]string{"poison-no-id": "", "poison-message-id": msgID, "handled-no-id": "", "handled-int-uuid": "42"}
 	for k, u := range want {
+		if u == "" && len(seen[k]) > 0 { // generated: any UUID, the same on both attempts
+			u = seen[k][0]
+			if len(u) != 36 {
+				t.Errorf("%s: UUID %q, want a generated one", k, u)
+			}
+		}
 		if len(seen[k]) != 2 || seen[k][0] != u || seen[k][1] != u {
 			t.Errorf("%s: UUIDs %q, want %q on both attempts", k, seen[k], u)
 		}
+	}
+	if len(seen["poison-no-id"]) > 0 && len(seen["handled-no-id"]) > 0 && seen["poison-no-id"][0] == seen["handled-no-id"][0] {
+		t.Errorf("two messages without identity share the UUID %q", seen["poison-no-id"][0])
 	}
 	mu.Unlock()
 	if !settled {
@@ -258,6 +268,9 @@ func TestBadInputNoUUID(t *testing.T) {
 	for _, d := range ds {
 		if string(d.Body) == "poison-no-id" && d.Headers["order-id"] != "42" {
 			t.Errorf("poison copy without UUID lost its identifying header: %v", d.Headers)
+		}
+		if string(d.Body) == "poison-no-id" && (len(seen["poison-no-id"]) == 0 || d.Headers[wamqp.DefaultMessageUUIDHeaderKey] != seen["poison-no-id"][0]) {
+			t.Errorf("poison copy of a message without identity does not carry the UUID its attempts had: %v", d.Headers)
 		}
 		if string(d.Body) == "poison-message-id" && d.Headers[wamqp.DefaultMessageUUIDHeaderKey] != msgID {
 			t.Errorf("poison copy of a message-id message does not carry it as UUID: %v", d.Headers)

@@ -22,7 +22,6 @@ import (
 	"fmt"
 	"maps"
 	"os"
-	"os/exec"
 	"slices"
 	"strings"
 	"sync"
@@ -288,10 +287,13 @@ type env struct {
 	logs      *recLogger
 	admin     *admin
 
-	sub    *wamqp.Subscriber
+	sub    message.Subscriber
 	router *message.Router
-	cancel context.CancelFunc
-	done   chan struct{}
+	// plainSubscriber: consume with watermill-amqp's subscriber as is, not
+	// Retry.NewSubscriber's draining one (shutdown nacks in-flight messages).
+	plainSubscriber bool
+	cancel          context.CancelFunc
+	done            chan struct{}
 
 	extraQueues    []string
 	extraExchanges []string
@@ -365,7 +367,13 @@ func (e *env) start(h message.NoPublishHandlerFunc) {
 	if e.cancel != nil {
 		e.t.Fatal("consumer already running")
 	}
-	sub, err := wamqp.NewSubscriber(e.retry.SubscriberConfig(), e.logs.named("subscriber"))
+	var sub message.Subscriber
+	var err error
+	if e.plainSubscriber {
+		sub, err = wamqp.NewSubscriber(e.retry.SubscriberConfig(), e.logs.named("subscriber"))
+	} else {
+		sub, err = e.retry.NewSubscriber(e.logs.named("subscriber"), 10*time.Second)
+	}
 	if err != nil {
 		e.t.Fatal(err)
 	}
@@ -671,32 +679,16 @@ func (l *recLogger) find(level, substr string) []logEntry {
 // ---------------------------------------------------------------------------
 // rabbitmqctl
 
+// rabbitmqctl runs rabbitmqctl against the broker under test (RABBITRETRY_CTL,
+// see internal/testkit), never whatever the machine's default CLI reaches.
 func rabbitmqctl(t testing.TB, timeout time.Duration, args ...string) (string, error) {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), timeout)
-	defer cancel()
-	bin, err := exec.LookPath("rabbitmqctl")
-	if err != nil {
-		bin = "/usr/sbin/rabbitmqctl" // Debian; not on every non-login PATH
-	}
-	cmd := exec.CommandContext(ctx, bin, args...)
-	out, err := cmd.CombinedOutput()
-	if err != nil {
-		return string(out), fmt.Errorf("rabbitmqctl %s: %w: %s", strings.Join(args, " "), err, out)
-	}
-	return string(out), nil
+	return testkit.Ctl(t, timeout, args...)
 }
 
 func haveRabbitmqctl(t testing.TB) {
 	t.Helper()
-	if _, err := exec.LookPath("rabbitmqctl"); err != nil {
-		if _, err := os.Stat("/usr/sbin/rabbitmqctl"); err != nil {
-			t.Skip("rabbitmqctl not available")
-		}
-	}
-	if os.Getenv("PATH") != "" && !strings.Contains(os.Getenv("PATH"), "/usr/sbin") {
-		t.Setenv("PATH", os.Getenv("PATH")+":/usr/sbin:/sbin")
-	}
+	testkit.HaveCtl(t)
 }
 
 // brokerConnection is one row of rabbitmqctl list_connections.
@@ -749,43 +741,6 @@ func listConnections(t testing.TB) []brokerConnection {
 		conns = append(conns, brokerConnection{PID: f[0], PeerPort: port, Name: names[port]})
 	}
 	return conns
-}
-
-// ownLocalPorts returns the local ports of this process's TCP sockets
-// (from /proc), so a test can tell its own broker connections from those of
-// other processes sharing the broker.
-func ownLocalPorts(t testing.TB) map[int]bool {
-	t.Helper()
-	inodes := map[string]bool{}
-	fds, err := os.ReadDir("/proc/self/fd")
-	if err != nil {
-		t.Skipf("no /proc/self/fd: %v", err)
-	}
-	for _, fd := range fds {
-		link, err := os.Readlink("/proc/self/fd/" + fd.Name())
-		if err == nil && strings.HasPrefix(link, "socket:[") {
-			inodes[strings.TrimSuffix(strings.TrimPrefix(link, "socket:["), "]")] = true
-		}
-	}
-	ports := map[int]bool{}
-	for _, f := range []string{"/proc/self/net/tcp", "/proc/self/net/tcp6"} {
-		b, err := os.ReadFile(f)
-		if err != nil {
-			continue
-		}
-		for _, line := range strings.Split(string(b), "\n")[1:] {
-			fs := strings.Fields(line)
-			if len(fs) < 10 || !inodes[fs[9]] {
-				continue
-			}
-			i := strings.LastIndexByte(fs[1], ':')
-			var port int
-			if _, err := fmt.Sscanf(fs[1][i+1:], "%X", &port); err == nil {
-				ports[port] = true
-			}
-		}
-	}
-	return ports
 }
 
 var exactBackoff = testkit.ExactBackoff

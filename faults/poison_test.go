@@ -17,12 +17,15 @@ import (
 // The poison publish fails and cannot be repaired: the poison exchange was
 // replaced by a fanout exchange without bindings, so the publish is returned
 // unroutable and the redeclare (direct) is refused with PRECONDITION_FAILED.
-// The message is nacked, never acked: it takes the dead-letter path, comes
-// back and is attempted again, as long as the fault lasts. Once the operator
+// The message is never acked before it is poisoned: after the fallback
+// pause it is parked back in Q marked past its last attempt, so it comes
+// back and only its poison publish is tried again (the handler does not run
+// again), as long as the fault lasts. Once the operator
 // deletes the bad exchange, the next poison publish finds it missing (404),
 // the topology is redeclared and the message lands in the poison queue.
 func TestPoisonPublishFails(t *testing.T) {
 	e := newEnv(t, "classic", func(_ *env, c *amqpretry.Config) {
+		c.FallbackPause = 50 * time.Millisecond
 		c.MaxAttempts = 2
 		c.Tiers = []time.Duration{200 * time.Millisecond}
 	})
@@ -58,11 +61,15 @@ func TestPoisonPublishFails(t *testing.T) {
 	}
 	e.publish(ps...)
 
-	// While broken: each message keeps coming back (attempts beyond the
-	// poisoning point), the poison queue stays empty.
-	waitFor(t, 30*time.Second, "both messages attempted 4+ times while the poison exchange is broken", func() bool {
-		return len(l.attemptsOf(perm.UUID)) >= 4 && len(l.attemptsOf(exh.UUID)) >= 5
+	// While broken: each message is parked back in Q past its last attempt
+	// (after the fallback pause) and its poison publish is tried again; the
+	// handler does not run again; the poison queue stays empty.
+	waitFor(t, 30*time.Second, "several failed poison publishes while the poison exchange is broken", func() bool {
+		return len(e.logs.find("error", "Poison publish failed; nacking message")) >= 6
 	})
+	if a, b := l.attemptsOf(perm.UUID), l.attemptsOf(exh.UUID); len(a) != 1 || len(b) != 2 {
+		t.Fatalf("handler ran again while the poison publish failed: permanent %v, exhausted %v", a, b)
+	}
 	if d := e.poisonDepth(); d != 0 {
 		t.Fatalf("poison queue has %d messages while its exchange is broken", d)
 	}

@@ -98,8 +98,8 @@ func runStorm(t *testing.T, e *env, cfg storm, inject func(l *ledger)) (accounti
 // or the wait exchange is deleted, the retry publisher is closed, or its
 // connection is closed by the broker. Every message still ends handled: the
 // Delayer redeclares a missing topology and publishes again; when the
-// publish fails anyway the message is nacked (never acked) and the broker's
-// dead-letter path brings it back. The failure is logged.
+// publish fails anyway the message is nacked with requeue (never acked),
+// after the fallback pause, and comes back. The failure is logged.
 func TestRepublishFails(t *testing.T) {
 	t.Run("DeleteWaitQueue", func(t *testing.T) {
 		e := newEnv(t, "classic")
@@ -119,7 +119,7 @@ func TestRepublishFails(t *testing.T) {
 			}
 			t.Logf("deleted %s", wq)
 		})
-		entries := e.logs.find("error", "Retry publish found no wait queue; redeclaring topology")
+		entries := e.logs.find("error", "Retry publish found no route; redeclaring topology")
 		if len(entries) == 0 {
 			t.Fatalf("no redeclare logged after the wait queue was deleted")
 		}
@@ -139,7 +139,7 @@ func TestRepublishFails(t *testing.T) {
 			}
 			t.Logf("deleted exchange %s", e.naming.WaitExchange)
 		})
-		entries := e.logs.find("error", "Retry publish found no wait queue; redeclaring topology")
+		entries := e.logs.find("error", "Retry publish found no route; redeclaring topology")
 		if len(entries) == 0 {
 			t.Fatalf("no redeclare logged after the wait exchange was deleted")
 		}
@@ -151,20 +151,57 @@ func TestRepublishFails(t *testing.T) {
 	})
 
 	t.Run("ClosePublisher", func(t *testing.T) {
-		e := newEnv(t, "classic")
-		runStorm(t, e, storm{pause: 150 * time.Millisecond}, func(l *ledger) {
-			if err := e.retry.Publisher().Close(); err != nil {
-				t.Fatalf("closing the retry publisher: %v", err)
-			}
-		})
-		entries := e.logs.find("error", "Retry not scheduled; nacking message")
-		if len(entries) == 0 {
-			t.Fatalf("no failed schedule logged after the publisher was closed")
+		// The retry publisher is closed for good (say, Retry.Close before the
+		// router): nothing can be published, so no retry can be scheduled or
+		// counted. Messages are never acked unhandled: each failing one is
+		// requeued after the fallback pause, and its redelivery is not run
+		// again (it cannot be counted); it waits in Q, returned after each
+		// pause. A restart with a working Retry finishes them all.
+		e := newEnv(t, "classic", func(_ *env, c *amqpretry.Config) { c.FallbackPause = 20 * time.Millisecond })
+		const n = 200
+		uuids, ps := newMessages(n, nil)
+		plan := map[string]int{}
+		for i, u := range uuids {
+			plan[u] = i % 3 // a third succeed at once, a third fail once, a third twice
 		}
+		l := newLedger()
+		e.declare()
+		if err := e.retry.Publisher().Close(); err != nil {
+			t.Fatalf("closing the retry publisher: %v", err)
+		}
+		e.start(planHandler(l, staticPlan(plan), 0, errTransient))
+		e.publish(ps...)
+		waitFor(t, 30*time.Second, "failed retries requeued and their redeliveries held back", func() bool {
+			return l.handled() > 0 && len(e.logs.find("error", "Copy of a redelivered message not held")) >= 20
+		})
+		e.stop()
+		entries := e.logs.find("error", "Retry not scheduled; nacking message")
 		if !errors.Is(entries[len(entries)-1].Err, amqpretry.ErrClosed) {
 			t.Errorf("logged error %v, want ErrClosed", entries[len(entries)-1].Err)
 		}
-		t.Logf("retries nacked into the dead-letter path: %d", len(entries))
+		if e.poisonDepth() != 0 {
+			t.Errorf("poisoned while the publisher was closed")
+		}
+		left := e.depth(e.queue)
+		t.Logf("publisher closed: handled %d, %d still in Q, failed retries requeued %d", l.handled(), left, len(entries))
+		if l.handled()+left != n {
+			t.Errorf("handled %d + left in Q %d != published %d", l.handled(), left, n)
+		}
+		// Restart with a working publisher.
+		r, err := amqpretry.New(e.cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		e.retry = r
+		e.start(planHandler(l, staticPlan(plan), 0, errTransient))
+		settled := e.settle(n, l.handled, 60*time.Second)
+		e.stop()
+		poisoned, _ := e.poisoned()
+		acc := account(t, uuids, l.successes(), poisoned)
+		if !settled || acc.Handled != n {
+			t.Errorf("settled %v, handled %d of %d", settled, acc.Handled, n)
+		}
+		e.checkEmpty()
 	})
 
 	t.Run("BrokerClosesPublisherConnection", func(t *testing.T) {
@@ -176,10 +213,9 @@ func TestRepublishFails(t *testing.T) {
 				// its connection to be there.
 				var pid string
 				ok := poll(20*time.Second, func() bool {
-					own := ownLocalPorts(t)
 					var pids []string
 					for _, c := range listConnections(t) {
-						if own[c.PeerPort] && c.Name == "rabbitretry-confirm-publisher" {
+						if c.Name == e.prefix+".subscriber.retry-publisher" {
 							pids = append(pids, c.PID)
 						}
 					}
@@ -203,7 +239,7 @@ func TestRepublishFails(t *testing.T) {
 		if len(e.logs.find("error", "AMQP publisher connection closed; will redial on next publish")) < 2 {
 			t.Errorf("the publisher did not log both connection losses")
 		}
-		t.Logf("failed schedules (nacked into the dead-letter path): %d; connections opened: %d",
+		t.Logf("failed schedules (requeued by the fallback): %d; connections opened: %d",
 			len(e.logs.find("error", "Retry not scheduled; nacking message")),
 			len(e.logs.find("info", "AMQP publisher connection opened")))
 		if len(e.logs.find("info", "AMQP publisher connection opened")) < 3 {

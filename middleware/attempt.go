@@ -16,11 +16,6 @@ import (
 // header cannot buy unbounded retries.
 const MaxAttemptsCap = 1000
 
-// HeaderErrorKey holds a description of header values the library ignored
-// because they were malformed (non-numeric, negative, or not decodable). It
-// is informational; it is stripped from republished copies.
-const HeaderErrorKey = "rabbitretry-header-error"
-
 type attemptCtxKey struct{}
 
 // ContextWithAttempt returns ctx carrying attempt (1-based).

@@ -24,9 +24,17 @@ const (
 	// ActionDrop acks and discards the message, logged at Info level. Use it
 	// for messages that are obsolete, never for ones that matter.
 	ActionDrop
+	// ActionNack returns the message to the broker untouched: nothing is
+	// published and nothing is acked. The Classifier gives it (class
+	// ClassInterrupted) to a failure that happened after the subscriber had
+	// already given the delivery back (its context was done: router shutdown,
+	// or watermill-amqp's consumer loop stopping), so that no retry copy and no
+	// poison copy is made for a delivery the broker will redeliver anyway. It
+	// is not accepted in rules.
+	ActionNack
 )
 
-// String returns "retry", "poison" or "drop".
+// String returns "retry", "poison", "drop" or "nack".
 func (a Action) String() string {
 	switch a {
 	case ActionRetry:
@@ -35,6 +43,8 @@ func (a Action) String() string {
 		return "poison"
 	case ActionDrop:
 		return "drop"
+	case ActionNack:
+		return "nack"
 	default:
 		return fmt.Sprintf("Action(%d)", int(a))
 	}
@@ -50,6 +60,13 @@ const (
 	ClassExhausted  = "exhausted"
 	// ClassUndelayable: the Delayer refused the copy with ErrCannotDelay.
 	ClassUndelayable = "undelayable"
+	// ClassInterrupted: the handler failed after its delivery had already
+	// been given back to the broker (ActionNack); never poisoned.
+	ClassInterrupted = "interrupted"
+	// ClassRedeliveryLimit: the message came back redelivered more than
+	// RedeliveryGuardConfig.MaxRedeliveries times (it keeps killing or
+	// stalling its consumer); poisoned without running the handler again.
+	ClassRedeliveryLimit = "redelivery-limit"
 )
 
 type permanentError struct{ err error }
@@ -203,6 +220,12 @@ type ClassifierConfig struct {
 	Rules []Rule
 	// NoDefaultRules drops DefaultRules; only Rules then apply.
 	NoDefaultRules bool
+	// DeliveryAlive reports whether msg's delivery can still be acked. A
+	// failure on a delivery that cannot (its AMQP channel closed, its consumer
+	// cancelled) is classified ActionNack / ClassInterrupted: the broker has
+	// already returned the message, so a retry or poison copy would fork it.
+	// Default: always true (amqpretry.New sets one for AMQP).
+	DeliveryAlive func(msg *message.Message) bool
 	// Default is the action for an error no rule matches. Default ActionRetry.
 	Default Action
 	// DefaultClass is the class for such an error. Default "transient".
@@ -256,6 +279,7 @@ type Classifier struct {
 	defaultClass string
 	logger       watermill.LoggerAdapter
 	observer     Observer
+	alive        func(msg *message.Message) bool
 }
 
 // NewClassifier returns a Classifier, or the error of cfg.Validate.
@@ -268,7 +292,12 @@ func NewClassifier(cfg ClassifierConfig) (*Classifier, error) {
 	if !cfg.NoDefaultRules {
 		rules = append(rules, DefaultRules()...)
 	}
-	return &Classifier{rules: rules, def: cfg.Default, defaultClass: cfg.DefaultClass, logger: cfg.Logger, observer: cfg.Observer}, nil
+	alive := cfg.DeliveryAlive
+	if alive == nil {
+		alive = func(*message.Message) bool { return true }
+	}
+	return &Classifier{rules: rules, def: cfg.Default, defaultClass: cfg.DefaultClass, logger: cfg.Logger, observer: cfg.Observer,
+		alive: alive}, nil
 }
 
 // DefaultClassifier uses DefaultRules and retries everything else.
@@ -315,14 +344,32 @@ func (c *Classifier) classify(err error) *ClassifiedError {
 // Middleware classifies the handler's error. ActionDrop: the message is
 // acked (nil error, no produced messages) and the drop is logged.
 // Otherwise the error is returned wrapped in a *ClassifiedError.
+//
+// A failure returned when the message's context (as it entered this
+// middleware, i.e. the subscriber's, not one a Timeout middleware further in
+// derived) is already done is classified ActionNack / ClassInterrupted
+// whatever the error: the subscriber has given the delivery back (on router
+// shutdown watermill-amqp nacks in-flight deliveries while their handlers
+// still run), so acting on the failure would poison or copy a message the
+// broker redelivers anyway. The same holds when DeliveryAlive reports the
+// delivery can no longer be acked.
 func (c *Classifier) Middleware(h message.HandlerFunc) message.HandlerFunc {
 	return func(msg *message.Message) ([]*message.Message, error) {
+		ctx := msg.Context()
 		out, err := h(msg)
 		if err == nil {
 			return out, nil
 		}
+		if ctx.Err() != nil || !c.alive(msg) {
+			return nil, interrupted(err)
+		}
 		return c.onFailure(msg, out, err)
 	}
+}
+
+//go:noinline
+func interrupted(err error) error {
+	return &ClassifiedError{Err: err, Classification: Classification{Action: ActionNack, Class: ClassInterrupted}}
 }
 
 // onFailure is kept out of line so that the success path's closure stays

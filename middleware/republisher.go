@@ -84,15 +84,22 @@ var ErrCannotDelay = errors.New("message cannot be scheduled for retry")
 var ErrDeadLetter = errors.New("retry by dead-lettering the original")
 
 // DeadLetterRetryError is returned when the Delayer chose dead-lettering
-// (ErrDeadLetter): the nack that follows is the retry, not a failure. The
+// (ErrDeadLetter), or the queue's native delayed retry (ErrNativeRetry,
+// Native true): the nack that follows is the retry, not a failure. The
 // poison forwarder passes it through.
 type DeadLetterRetryError struct {
 	HandlerErr error
 	Attempt    int
+	// Native: the retry is the queue's native delayed retry (a nack with
+	// requeue), not a dead-lettering.
+	Native bool
 }
 
 // Error says which attempt failed and that the broker takes the retry.
 func (e *DeadLetterRetryError) Error() string {
+	if e.Native {
+		return fmt.Sprintf("attempt %d failed, retrying by the queue's native delayed retry: %v", e.Attempt, e.HandlerErr)
+	}
 	return fmt.Sprintf("attempt %d failed, retrying by dead-lettering: %v", e.Attempt, e.HandlerErr)
 }
 
@@ -116,6 +123,15 @@ func (e *ScheduleError) Error() string {
 
 // Unwrap returns the Delayer's error.
 func (e *ScheduleError) Unwrap() error { return e.Err }
+
+// ErrHandlerNotRun is (wrapped in) the HandlerErr of a ScheduleError raised
+// before the handler ran: the RedeliveryGuard's copy of a redelivered
+// message was not held.
+var ErrHandlerNotRun = errors.New("handler not run")
+
+// HandlerRan reports whether the handler ran and failed before the schedule
+// failed (false for the RedeliveryGuard's copies).
+func (e *ScheduleError) HandlerRan() bool { return !errors.Is(e.HandlerErr, ErrHandlerNotRun) }
 
 // DefaultBackoff returns the default policy: exponential from 1 s, factor 2,
 // capped at 5 min per attempt, with ±50% jitter (RandomizationFactor 0.5) and
@@ -328,7 +344,10 @@ func (r *Republisher) Delay(n int, requested time.Duration) (time.Duration, bool
 	return max(d, requested), true
 }
 
-// Middleware is the delayed republisher. For each handler error:
+// Middleware is the delayed republisher. A message whose attempt number is
+// already above MaxAttempts is not handed to the handler: it returns an
+// *ExhaustedError at once (the poison forwarder poisons it). For each
+// handler error:
 //   - not ActionRetry (see Classifier): returned unchanged;
 //   - attempt >= MaxAttempts, or the backoff stops: *ExhaustedError;
 //   - else a copy (same UUID, payload and metadata; AttemptKey = attempt+1;
@@ -339,12 +358,37 @@ func (r *Republisher) Delay(n int, requested time.Duration) (time.Duration, bool
 // Messages the handler produced on a failed attempt are discarded.
 func (r *Republisher) Middleware(h message.HandlerFunc) message.HandlerFunc {
 	return func(msg *message.Message) ([]*message.Message, error) {
+		if Attempt(msg) > r.cfg.MaxAttempts {
+			// Already past the last attempt (a poison publish that failed and
+			// was parked by the Fallback, or a forged header): straight to the
+			// poison queue, without running the handler again.
+			return nil, r.pastLastAttempt(msg)
+		}
 		out, err := h(msg)
 		if err == nil {
 			return out, nil
 		}
 		return nil, r.onFailure(msg, err)
 	}
+}
+
+//go:noinline
+func (r *Republisher) pastLastAttempt(msg *message.Message) error {
+	attempt := Attempt(msg)
+	last := msg.Metadata.Get(LastErrorKey)
+	if last == "" {
+		last = "no failure recorded"
+	}
+	ex := &ExhaustedError{
+		Err:      fmt.Errorf("attempt %d is past MaxAttempts %d, handler not run (last error: %s)", attempt, r.cfg.MaxAttempts, last),
+		Attempts: attempt,
+	}
+	if class := msg.Metadata.Get(ErrorClassKey); class != "" {
+		// Parked by the fallback after a refused poison publish: keep the
+		// class it was being poisoned with (e.g. "permanent").
+		return &ClassifiedError{Err: ex, Classification: Classification{Action: ActionPoison, Class: class}}
+	}
+	return ex
 }
 
 // onFailure handles a handler error. It is kept out of line so that the
@@ -380,13 +424,19 @@ func (r *Republisher) onFailure(msg *message.Message, err error) error {
 			Classification: Classification{Action: ActionPoison, Class: ClassUndelayable},
 		}
 	} else if errors.Is(serr, ErrDeadLetter) {
-		// The broker holds the retry: the nack dead-letters the original.
+		// The broker holds the retry: the nack dead-letters the original
+		// (or, ErrNativeRetry, puts it into the queue's delayed state).
+		native := errors.Is(serr, ErrNativeRetry)
 		r.cfg.Observer.RetryScheduled(msg, attempt, delay, time.Since(start))
-		r.cfg.Logger.Info("Retry by dead-lettering", watermill.LogFields{
+		logMsg := "Retry by dead-lettering"
+		if native {
+			logMsg = "Retry by native delayed retry"
+		}
+		r.cfg.Logger.Info(logMsg, watermill.LogFields{
 			"message_uuid": msg.UUID, "queue": r.cfg.QueueName(ctx), "attempt": attempt,
 			"next_attempt": attempt + 1, "delay": delay.String(), "error_class": cl.Class,
 		})
-		return &DeadLetterRetryError{HandlerErr: err, Attempt: attempt}
+		return &DeadLetterRetryError{HandlerErr: err, Attempt: attempt, Native: native}
 	} else if serr != nil {
 		// Not scheduled: never ack. The nack hands the message back to the broker.
 		r.cfg.Observer.RetryFailed(msg, attempt, serr)
@@ -406,11 +456,11 @@ func (r *Republisher) onFailure(msg *message.Message, err error) error {
 }
 
 // deliveryOnlyKeys describe one delivery and never travel on a copy.
-var deliveryOnlyKeys = []string{XDeathKey, XDeliveryCountKey, DeliveryExchangeKey, DeliveryRoutingKeyKey, HeaderErrorKey}
+var deliveryOnlyKeys = []string{XDeathKey, XDeliveryCountKey, XAcquiredCountKey, DeliveryExchangeKey, DeliveryRoutingKeyKey, DeliveryRedeliveredKey, DeliveryRetryPathKey, HeaderErrorKey}
 
 // StripDeliveryMetadata deletes from md the keys that describe one delivery
-// (x-death, x-delivery-count, the delivery exchange and routing key, header
-// errors), so that a copy does not carry them. On RabbitMQ 3.13 a republished
+// (x-death, x-delivery-count, x-acquired-count, the delivery exchange and
+// routing key, header errors), so that a copy does not carry them. On RabbitMQ 3.13 a republished
 // copy that still carries x-death can be dropped by dead-letter cycle
 // detection ("Dead Letter Exchanges").
 func StripDeliveryMetadata(md message.Metadata) {
@@ -420,8 +470,19 @@ func StripDeliveryMetadata(md message.Metadata) {
 }
 
 // RecordFailure writes the failure metadata shared by retry copies and
-// poisoned messages into md: first and last failure times, error text and
-// class, and the original exchange, routing key and queue (set once).
+// poisoned messages into md: the first failure time (set once), the last
+// failure time, the error text and class, and where the message came from:
+//   - OriginalQueueKey is set to queue, the queue the message was consumed
+//     from, overwriting whatever md carried: a producer cannot make a replay
+//     (which goes to OriginalQueueKey) deliver the message to another queue.
+//     With queue "" (unknown) the key is removed.
+//   - OriginalExchangeKey and OriginalRoutingKeyKey are kept as md carries
+//     them only if DeliveryRetryPathKey is "true" (the delivery came back
+//     through the library's own retry path, so they were written by the
+//     library on an earlier failure) and OriginalExchangeKey is present.
+//     Otherwise they are set from DeliveryExchangeKey and
+//     DeliveryRoutingKeyKey ("" when absent), replacing values a producer may
+//     have put on the message.
 func RecordFailure(md message.Metadata, now time.Time, errText, class, queue string) {
 	ts := now.UTC().Format(time.RFC3339Nano)
 	if md.Get(FirstFailureKey) == "" {
@@ -430,20 +491,31 @@ func RecordFailure(md message.Metadata, now time.Time, errText, class, queue str
 	md.Set(LastFailureKey, ts)
 	md.Set(LastErrorKey, errText)
 	md.Set(ErrorClassKey, class)
-	if _, ok := md[OriginalExchangeKey]; !ok {
+	if _, ok := md[OriginalExchangeKey]; !ok || md.Get(DeliveryRetryPathKey) != "true" {
 		md.Set(OriginalExchangeKey, md.Get(DeliveryExchangeKey))
 		md.Set(OriginalRoutingKeyKey, md.Get(DeliveryRoutingKeyKey))
 	}
-	if md.Get(OriginalQueueKey) == "" && queue != "" {
+	if queue != "" {
 		md.Set(OriginalQueueKey, queue)
+	} else {
+		delete(md, OriginalQueueKey)
 	}
 }
 
-func (r *Republisher) copyForRetry(ctx context.Context, msg *message.Message, attempt int, cl Classification, err error, delay time.Duration) *message.Message {
+// CloneMessage returns a new message with msg's UUID, payload and a copy of
+// its metadata (delivery-only keys included: strip them with
+// StripDeliveryMetadata once the failure is recorded). The copy has a
+// background context and no ack state of its own.
+func CloneMessage(msg *message.Message) *message.Message {
 	c := message.NewMessage(msg.UUID, msg.Payload)
 	for k, v := range msg.Metadata {
 		c.Metadata[k] = v
 	}
+	return c
+}
+
+func (r *Republisher) copyForRetry(ctx context.Context, msg *message.Message, attempt int, cl Classification, err error, delay time.Duration) *message.Message {
+	c := CloneMessage(msg)
 	RecordFailure(c.Metadata, r.cfg.Now(), r.cfg.ErrorText(err), cl.Class, r.cfg.QueueName(ctx))
 	StripDeliveryMetadata(c.Metadata)
 	c.Metadata.Set(AttemptKey, strconv.Itoa(attempt+1))

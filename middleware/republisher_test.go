@@ -161,17 +161,23 @@ func TestRepublisherFirstFailureSetOnce(t *testing.T) {
 	if v, ok := cp.Metadata[middleware.OriginalExchangeKey]; !ok || v != "" {
 		t.Errorf("original exchange %q present %v", v, ok)
 	}
-	// An original queue already recorded is kept.
+	// On a delivery that came back through the retry path, the original
+	// exchange already recorded is kept; the original queue is always the
+	// consuming queue (see TestRecordFailureOrigin).
 	msg2 := attemptMsg(2, "p")
 	msg2.Metadata.Set(middleware.OriginalQueueKey, "first-queue")
 	msg2.Metadata.Set(middleware.OriginalExchangeKey, "first-ex")
 	msg2.Metadata.Set(middleware.DeliveryExchangeKey, "now-ex")
+	msg2.Metadata.Set(middleware.DeliveryRetryPathKey, "true")
 	if _, err := r.Middleware(failWith(errors.New("x")))(msg2); err != nil {
 		t.Fatal(err)
 	}
 	cp2 := d.Calls()[1].msg
-	if cp2.Metadata.Get(middleware.OriginalQueueKey) != "first-queue" || cp2.Metadata.Get(middleware.OriginalExchangeKey) != "first-ex" {
-		t.Errorf("original queue/exchange overwritten: %v", cp2.Metadata)
+	if cp2.Metadata.Get(middleware.OriginalQueueKey) != "orders" || cp2.Metadata.Get(middleware.OriginalExchangeKey) != "first-ex" {
+		t.Errorf("original queue/exchange: %v", cp2.Metadata)
+	}
+	if _, ok := cp2.Metadata[middleware.DeliveryRetryPathKey]; ok {
+		t.Error("the copy carries the delivery-only retry-path mark")
 	}
 }
 
@@ -218,12 +224,19 @@ func TestRepublisherExhausted(t *testing.T) {
 	}
 	handlerErr := errors.New("still down")
 	for _, attempt := range []int{3, 4, middleware.MaxAttemptsCap} {
+		ran := false
 		out, err := r.Middleware(func(*message.Message) ([]*message.Message, error) {
+			ran = true
 			return []*message.Message{newMsg("x")}, handlerErr
 		})(attemptMsg(attempt, "p"))
 		var ex *middleware.ExhaustedError
-		if !errors.As(err, &ex) || ex.Attempts != attempt || !errors.Is(err, handlerErr) {
+		if !errors.As(err, &ex) || ex.Attempts != attempt {
 			t.Fatalf("attempt %d: got %T %v, want *ExhaustedError", attempt, err, err)
+		}
+		// The last attempt runs the handler; an attempt already past
+		// MaxAttempts goes to the poison queue without running it.
+		if wantRun := attempt <= 3; ran != wantRun || (wantRun && !errors.Is(err, handlerErr)) {
+			t.Fatalf("attempt %d: handler ran %v (want %v), err %v", attempt, ran, wantRun, err)
 		}
 		if out != nil {
 			t.Errorf("attempt %d: produced messages not discarded", attempt)

@@ -168,7 +168,7 @@ func (f *Forwarder) onFailure(msg *message.Message, out []*message.Message, err 
 	}
 	ctx := msg.Context()
 	attempt := middleware.Attempt(msg)
-	class := errorClass(err)
+	class := ErrorClass(err)
 	p := f.poisonCopy(ctx, msg, err, attempt, class)
 	topic := f.cfg.Topic(ctx)
 	if perr := f.cfg.Publisher.Publish(topic, p); perr != nil {
@@ -187,23 +187,27 @@ func (f *Forwarder) onFailure(msg *message.Message, out []*message.Message, err 
 	return nil, nil
 }
 
-func errorClass(err error) string {
+// ErrorClass returns the class a failure is poisoned with: the class of a
+// *middleware.ClassifiedError whose action is ActionPoison, else
+// middleware.ClassExhausted for a *middleware.ExhaustedError, else the
+// error's classification.
+func ErrorClass(err error) string {
+	var ce *middleware.ClassifiedError
+	if errors.As(err, &ce) && ce.Action == middleware.ActionPoison {
+		return ce.Class
+	}
 	var ex *middleware.ExhaustedError
 	if errors.As(err, &ex) {
 		return middleware.ClassExhausted
 	}
-	var ce *middleware.ClassifiedError
-	if errors.As(err, &ce) {
+	if ce != nil {
 		return ce.Class
 	}
 	return middleware.DefaultClassifier.Classify(err).Class
 }
 
 func (f *Forwarder) poisonCopy(ctx context.Context, msg *message.Message, err error, attempt int, class string) *message.Message {
-	p := message.NewMessage(msg.UUID, msg.Payload)
-	for k, v := range msg.Metadata {
-		p.Metadata[k] = v
-	}
+	p := middleware.CloneMessage(msg)
 	now := f.cfg.Now()
 	text := f.cfg.ErrorText(err)
 	middleware.RecordFailure(p.Metadata, now, text, class, f.cfg.QueueName(ctx))

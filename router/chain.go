@@ -3,26 +3,39 @@
 //
 // From the outside in:
 //
-//	AttemptCounter     sets the attempt number before anything reads it
-//	  poison.Forwarder   poisons permanent and exhausted failures (confirmed, then ack)
-//	    Republisher        schedules retries through the Delayer (confirmed, then ack)
-//	      Classifier         wraps the handler error with retry / poison / drop
-//	        [Recoverer, Timeout, ...]  Watermill middlewares that turn panics and
-//	                                   deadlines into errors go inside the chain
-//	          handler
+//	AttemptCounter       sets the attempt number before anything reads it
+//	  fallback             settles what nothing further in could: pause, copy back
+//	                       to the origin queue (confirmed), else nack with requeue
+//	    poison.Forwarder     poisons permanent and exhausted failures (confirmed, then ack)
+//	      RedeliveryGuard      a redelivered message is not run: a counted copy is
+//	                           requeued (confirmed, then ack); past the limit, poisoned
+//	        Republisher          past MaxAttempts: poisoned without running; otherwise
+//	                             schedules retries through the Delayer (confirmed, then ack)
+//	          Classifier           wraps the handler error with retry / poison / drop,
+//	                               or nack when the delivery was already given back
+//	            [Recoverer, Timeout, ...]  Watermill middlewares that turn panics and
+//	                                       deadlines into errors go inside the chain
+//	              handler
 //
 // The counter is outermost so every inner layer sees the same attempt. The
-// classifier is innermost so both the republisher and the forwarder act on
-// its verdict. The forwarder wraps the republisher because the republisher
-// turns "retryable but out of attempts" into a *middleware.ExhaustedError
-// that the forwarder poisons; and a failed retry schedule (ScheduleError) or
-// failed poison publish (PoisonError) passes through both and nacks the
-// message, never acks it.
+// classifier is innermost so every layer acts on its verdict. The forwarder
+// wraps the guard and the republisher because both turn "no more tries" into
+// an error it poisons. The fallback wraps the forwarder because a failed
+// poison publish is one of the two failures it settles (the other is a
+// retry the Delayer could not hold).
+//
+// Every message that enters the chain ends exactly one way: acked after
+// success (or a Drop); acked after its retry copy was held by the Delayer
+// (for AMQP: confirmed by the broker); acked after its poison copy was
+// confirmed; or, when no copy could be held, nacked with requeue after a
+// pause, so it stays in its queue. Nothing is acked before the copy that
+// replaces it is confirmed.
 package router
 
 import (
 	"context"
 	"errors"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -61,6 +74,21 @@ type Config struct {
 	// ErrorText renders errors into headers; use it to redact secrets.
 	// Default: err.Error() cut to 1 KiB.
 	ErrorText func(error) string
+	// MaxRedeliveries is how many broker redeliveries (crashes, consumer
+	// timeouts, returns) a message survives before it is poisoned with class
+	// middleware.ClassRedeliveryLimit. Default middleware.DefaultMaxRedeliveries.
+	MaxRedeliveries int
+	// RedeliveriesCounted: AttemptSources count every broker redelivery as
+	// an attempt (middleware.AcquiredCountSource), so the RedeliveryGuard
+	// lets redelivered messages run (see
+	// middleware.RedeliveryGuardConfig.RedeliveriesCounted) and
+	// MaxRedeliveries is not used. Default false.
+	RedeliveriesCounted bool
+	// FallbackPause is how long a message whose retry or poison copy was not
+	// held waits before the fallback copy (or the requeue), so a refusing
+	// broker is not hammered. Default DefaultFallbackPause (1 s); negative:
+	// no pause (tests).
+	FallbackPause time.Duration
 	// Observer is told of retries, poisonings and drops (e.g. metrics).
 	Observer middleware.Observer
 	// Logger receives structured logs (use watermill.NewSlogLogger for slog).
@@ -84,8 +112,10 @@ func (c Config) Validate() error {
 type Chain struct {
 	Counter     *middleware.AttemptCounter
 	Forwarder   *poison.Forwarder
+	Guard       *middleware.RedeliveryGuard
 	Republisher *middleware.Republisher
 	Classifier  *middleware.Classifier
+	fallback    *fallback
 }
 
 // New builds the chain. It returns the first configuration error, naming the
@@ -134,13 +164,33 @@ func New(cfg Config) (*Chain, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &Chain{Counter: counter, Forwarder: fwd, Republisher: rep, Classifier: classifier}, nil
+	guard, err := middleware.NewRedeliveryGuard(middleware.RedeliveryGuardConfig{
+		Delayer: cfg.Delayer, MaxRedeliveries: cfg.MaxRedeliveries, QueueName: queueName, Logger: cfg.Logger,
+		RedeliveriesCounted: cfg.RedeliveriesCounted,
+	})
+	if err != nil {
+		return nil, err
+	}
+	fb := &fallback{
+		delayer: cfg.Delayer, maxAttempts: rep.MaxAttempts(), pause: cfg.FallbackPause,
+		errorText: cfg.ErrorText, queueName: queueName, logger: cfg.Logger,
+	}
+	if fb.pause == 0 {
+		fb.pause = DefaultFallbackPause
+	}
+	if fb.errorText == nil {
+		fb.errorText = func(err error) string { return middleware.ErrorText(err, middleware.DefaultMaxErrorBytes) }
+	}
+	if fb.logger == nil {
+		fb.logger = watermill.NopLogger{}
+	}
+	return &Chain{Counter: counter, Forwarder: fwd, Guard: guard, Republisher: rep, Classifier: classifier, fallback: fb}, nil
 }
 
 // Middleware runs h inside the whole chain; use it with
 // (*message.Router).AddMiddleware or (*message.Handler).AddMiddleware.
 func (c *Chain) Middleware(h message.HandlerFunc) message.HandlerFunc {
-	return c.Counter.Middleware(c.Forwarder.Middleware(c.Republisher.Middleware(c.Classifier.Middleware(h))))
+	return c.Counter.Middleware(c.fallback.Middleware(c.Forwarder.Middleware(c.Guard.Middleware(c.Republisher.Middleware(c.Classifier.Middleware(h))))))
 }
 
 // AddTo adds the chain to r, followed by extra middlewares (which end up

@@ -490,7 +490,7 @@ func run(ctx context.Context, cfg config) (*summary, error) {
 	fmt.Fprintf(out, "queue %s: %d handlers x prefetch %d; retry tiers %v; backoff 200ms x2 ±50%% (cap 3.2s); max attempts %d\n",
 		cfg.Queue, cfg.Handlers, cfg.Prefetch, topo.Tiers(), cfg.MaxAttempts)
 
-	sub, err := wamqp.NewSubscriber(retry.SubscriberConfig(), logger)
+	sub, err := retry.NewSubscriber(logger, 0) // drains in-flight handlers on shutdown
 	if err != nil {
 		return nil, err
 	}

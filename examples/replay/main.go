@@ -309,7 +309,7 @@ func run(ctx context.Context, cfg config) (sum summary, err error) {
 	}()
 	sum.MetricsURL = "http://" + ln.Addr().String() + "/metrics"
 
-	sub, err := wamqp.NewSubscriber(retry.SubscriberConfig(), logger)
+	sub, err := retry.NewSubscriber(logger, 0) // drains in-flight handlers on shutdown
 	if err != nil {
 		return sum, err
 	}

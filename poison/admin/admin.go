@@ -28,14 +28,35 @@ type Admin struct {
 
 	mu     sync.Mutex
 	closed bool
+
+	// hook, if set (tests only, see export_test.go), is called at the
+	// steps of the modifying operations, with the number of matched
+	// messages handled so far; a test pauses there to break the broker.
+	hook func(step string, done int)
+}
+
+// at calls the test hook, if any.
+func (a *Admin) at(step string, done int) {
+	if a.hook != nil {
+		a.hook(step, done)
+	}
 }
 
 // New applies defaults to cfg, validates it and connects to the broker
-// (one connection, dial timeout 10s, connection name
-// "rabbitretry-poison-admin"). It returns the Validate error for a bad
+// (one connection, dial timeout 10s, connection name Config.ConnectionName,
+// default "rabbitretry-poison-admin"). It returns the Validate error for a bad
 // config, or an error wrapping the dial error when the broker is
 // unreachable or refuses the credentials; it does not retry.
 func New(cfg Config) (*Admin, error) {
+	name := cfg.ConnectionName
+	if name == "" {
+		name = connectionName
+	}
+	return newAdmin(cfg, name)
+}
+
+// newAdmin is New with the client-provided connection name.
+func newAdmin(cfg Config, name string) (*Admin, error) {
 	cfg.setDefaults()
 	if err := cfg.Validate(); err != nil {
 		return nil, err
@@ -44,7 +65,7 @@ func New(cfg Config) (*Admin, error) {
 	pub, err := amqpretry.NewConfirmPublisher(amqpretry.PublisherConfig{
 		Dial: func() (*amqp.Connection, error) {
 			props := amqp.NewConnectionProperties()
-			props.SetClientConnectionName(connectionName)
+			props.SetClientConnectionName(name)
 			return amqp.DialConfig(uri, amqp.Config{Dial: amqp.DefaultDial(dialTimeout), Properties: props})
 		},
 		Channels: 1,
@@ -180,11 +201,83 @@ type item struct {
 type scan struct {
 	queue     string
 	ch        *amqp.Channel
-	depth     int // ready messages at the start (passive declare)
-	consumers int // consumers at the start
-	scanned   int // messages fetched
+	closes    chan *amqp.Error // ch.NotifyClose
+	closeErr  error            // why ch closed, once known
+	depth     int              // ready messages at the start (passive declare)
+	consumers int              // consumers at the start
+	scanned   int              // messages fetched
 	lastTag   uint64
 	matched   []item
+}
+
+// alive returns nil while the scan channel is open, and otherwise an error
+// wrapping the reason the broker or the connection gave (or
+// amqp.ErrClosed). Once it is closed the messages it held are back in the
+// queue (the broker requeues a closed channel's unacknowledged deliveries)
+// and can no longer be removed through it, so a modifying operation must
+// stop: anything it copied from then on would be a duplicate.
+func (s *scan) alive() error {
+	if s.closeErr != nil {
+		return s.closeErr
+	}
+	if !s.ch.IsClosed() {
+		return nil
+	}
+	// amqp091-go marks the channel closed before it hands out the reason;
+	// keep asking until it did.
+	select {
+	case e, ok := <-s.closes:
+		var reason error = amqp.ErrClosed
+		if ok && e != nil {
+			reason = e
+		}
+		s.closeErr = fmt.Errorf("the channel reading queue %q closed: %w", s.queue, reason)
+		return s.closeErr
+	default:
+		return fmt.Errorf("the channel reading queue %q closed: %w", s.queue, amqp.ErrClosed)
+	}
+}
+
+// errAckNotSent wraps the error of an ack that was never written (the
+// channel was already known to be closed): the message is certainly still
+// in the queue.
+var errAckNotSent = errors.New("ack not sent")
+
+// remove acks it and then waits until the broker processed the ack: AMQP
+// 0-9-1 does not confirm acks, but a channel's methods are processed in
+// order, so the reply to a synchronous method sent after the ack (a no-op
+// basic.qos, prefetch unchanged at 0 = unlimited; basic.get ignores it)
+// proves that the broker handled the ack, and an error on it means the
+// channel died with the ack's outcome unknown. Without this barrier an ack
+// written to a connection the broker already closed is silently dropped
+// while the caller counts the message as removed.
+//
+// nil: the message is removed. An error wrapping errAckNotSent: it is
+// still in the queue. Any other error: it may or may not have been removed.
+// The test hook runs at "acked", between the ack and the barrier.
+func (s *scan) remove(a *Admin, it item, done int) error {
+	if err := s.alive(); err != nil {
+		return fmt.Errorf("%w: %w", errAckNotSent, err)
+	}
+	if err := s.ch.Ack(it.d.DeliveryTag, false); err != nil {
+		if errors.Is(err, amqp.ErrClosed) {
+			return fmt.Errorf("%w: %w", errAckNotSent, s.reason(err))
+		}
+		return s.reason(err)
+	}
+	a.at("acked", done)
+	if err := s.ch.Qos(0, 0, false); err != nil {
+		return s.reason(err)
+	}
+	return nil
+}
+
+// reason returns the channel's close reason if it is closed, else err.
+func (s *scan) reason(err error) error {
+	if cerr := s.alive(); cerr != nil {
+		return cerr
+	}
+	return err
 }
 
 // scanQueue reads at most the queue's initial depth of messages with
@@ -216,6 +309,7 @@ func (a *Admin) scanQueue(ctx context.Context, queue string, f Filter, visit fun
 		return nil, classify("queue", queue, err)
 	}
 	s := &scan{queue: queue, ch: ch, depth: q.Messages, consumers: q.Consumers}
+	s.closes = ch.NotifyClose(make(chan *amqp.Error, 1))
 	for s.scanned < s.depth {
 		if f.Limit > 0 && len(s.matched) >= f.Limit {
 			break
@@ -284,13 +378,13 @@ func (a *Admin) finish(s *scan, removed int) error {
 const requeueWait = 2 * time.Second
 
 // release requeues every message of the scan not acked yet (basic.nack
-// delivery-tag=0 multiple=true requeue=true) and closes the channel. The close handshake
-// completes after the broker processed every ack and nack sent before it,
-// so a nil error means all acks took effect; an error means some may not
-// have (the broker closed the channel or the connection dropped).
+// delivery-tag=0 multiple=true requeue=true) and closes the channel. An
+// error means the channel was already closed (or closed meanwhile); the
+// broker then requeued the messages itself. Either way the acks confirmed
+// by remove stand.
 func (s *scan) release() error {
 	var nackErr error
-	if s.lastTag > 0 {
+	if s.lastTag > 0 && !s.ch.IsClosed() {
 		// Delivery tag 0 with multiple=true means "all outstanding
 		// deliveries" (AMQP 0-9-1 basic.nack); a concrete tag that was
 		// already acked would be an unknown delivery tag (406).

@@ -28,6 +28,11 @@ type Config struct {
 	// consumers. Default "rabbitretry.loopback".
 	LoopBackExchange string
 
+	// ConnectionName is the client-provided connection name the broker
+	// shows for the Admin's connection (management UI, rabbitmqctl
+	// list_connections). Default "rabbitretry-poison-admin".
+	ConnectionName string
+
 	// Logger logs the outcome of each modifying operation (Info) and failed
 	// publishes (Error). Default watermill.NopLogger{}.
 	Logger watermill.LoggerAdapter

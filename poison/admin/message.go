@@ -10,6 +10,7 @@ import (
 
 	amqp "github.com/rabbitmq/amqp091-go"
 
+	"github.com/rabbitretry/rabbitretry/amqpretry"
 	"github.com/rabbitretry/rabbitretry/middleware"
 	"github.com/rabbitretry/rabbitretry/poison"
 )
@@ -101,6 +102,23 @@ func MessageFromDelivery(d amqp.Delivery) Message {
 	m.OriginalQueue = h(middleware.OriginalQueueKey)
 	m.OriginalExchange = h(middleware.OriginalExchangeKey)
 	m.OriginalRoutingKey = h(middleware.OriginalRoutingKeyKey)
+	if deaths, err := amqpretry.DeathRecordsFromTable(d.Headers["x-death"]); err == nil && len(deaths) > 0 {
+		// Dead-lettered into the poison queue by the broker (a quorum Q's
+		// dead-letter exchange: expiry, max-length, delivery limit), not
+		// forwarded by the library: its rabbitretry-original-* headers are
+		// the producer's, maybe forged. The broker's own record of the
+		// queue it died in (the most recent x-death entry) is the origin.
+		// The library's poison copies never carry x-death.
+		m.OriginalQueue = deaths[0].Queue
+		m.OriginalExchange = deaths[0].Exchange
+		m.OriginalRoutingKey = ""
+		if len(deaths[0].RoutingKeys) > 0 {
+			m.OriginalRoutingKey = deaths[0].RoutingKeys[0]
+		}
+		if m.Class == "" && deaths[0].Reason != "" {
+			m.Class = "dead-lettered:" + deaths[0].Reason
+		}
+	}
 	if n, ok := parseAttempts(h(poison.AttemptsKey)); ok {
 		m.Attempts = n
 	} else if n, ok := parseAttempts(h(middleware.AttemptKey)); ok {

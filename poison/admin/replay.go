@@ -43,15 +43,38 @@ type ReplayResult struct {
 	// they have no destination (see ReplayOptions.DefaultQueue).
 	Skipped int `json:"skipped"`
 	// Errors has one *MessageError per skipped or failed message. Failed
-	// messages stay in the poison queue.
+	// messages stay in the poison queue, except those in Duplicated (their
+	// MessageError matches ErrMaybeDuplicated).
 	Errors []error `json:"-"`
-	// Duplicated lists the UUIDs of messages that may now be both in their
-	// original queue and in the poison queue: republished (confirmed) but
-	// their removal from the poison queue may not have taken effect because
-	// the channel closed, or written but unconfirmed (confirm timeout,
-	// channel closed while waiting). Never a loss.
+	// Duplicated lists the UUIDs of the messages that may now be both in
+	// their original queue and in the poison queue (see
+	// ErrMaybeDuplicated): at most the one being replayed when Replay
+	// stopped because a channel or the connection closed, or a confirm timed
+	// out. Never a loss. Each is counted in Left, not in Replayed.
 	Duplicated []string `json:"duplicated,omitempty"`
+	// Left is the number of matched messages whose removal from the poison
+	// queue was not confirmed: Matched - Replayed, that is the skipped and
+	// failed ones, those not reached when Replay stopped, and those in
+	// Duplicated (which may in fact have been removed). In DryRun, the
+	// number that would be left (the skipped ones).
+	Left int `json:"left"`
 }
+
+var (
+	// ErrMaybeDuplicated marks, in a *MessageError, a message that Replay
+	// or Move could not settle because the channel reading the source queue
+	// or the connection closed (or a publisher confirm timed out) while it
+	// was handled: its copy was confirmed, or written without a confirm,
+	// but its removal from the source queue was not confirmed. It may be
+	// in both queues; it is in at least one.
+	ErrMaybeDuplicated = errors.New("message may be in both queues: its copy was (or may have been) enqueued, its removal from the source queue is unconfirmed")
+
+	// ErrRemovalUnconfirmed marks, in a *MessageError, the message Purge
+	// was removing when the channel or the connection closed: its ack was
+	// sent but the broker did not confirm processing it, so it may still
+	// be in the queue. It is not counted as removed.
+	ErrRemovalUnconfirmed = errors.New("message removal unconfirmed: the channel closed after its ack was sent")
+)
 
 // Keys Replay removes from the copy it publishes: the poison-only keys
 // (so the message no longer looks poisoned), the attempt number (so the
@@ -148,6 +171,18 @@ func perMessage(err error) bool {
 // returns ctx.Err() wrapped with the partial result; everything not
 // replayed stays in the poison queue.
 //
+// Every ack is confirmed before the next message is published (a
+// synchronous no-op on the reading channel after it: AMQP does not confirm
+// acks, but a channel processes its methods in order), and the reading
+// channel is checked before every publish. So if the channel reading the
+// poison queue or the connection closes, Replay publishes nothing more
+// (the publisher would redial on its own: its copies could no longer be
+// removed from the poison queue) and returns; the broker returns the
+// messages not removed to the poison queue. Replayed then counts exactly
+// the messages whose copy and whose removal were both confirmed, Left the
+// others, and Duplicated holds at most the one message in flight (copy
+// enqueued or possibly enqueued, removal unconfirmed).
+//
 // Errors: a *NotFoundError matching ErrQueueNotFound (queue missing) or
 // ErrExchangeNotFound (loop-back exchange missing; nothing is changed); a
 // Filter.Validate error; ErrClosed; ctx.Err(); channel, connection or
@@ -189,6 +224,7 @@ func (a *Admin) Replay(ctx context.Context, queue string, f Filter, opts ReplayO
 				res.Replayed++
 			}
 		}
+		res.Left = res.Matched - res.Replayed
 		_ = a.finish(s, 0)
 		return res, nil
 	}
@@ -196,7 +232,6 @@ func (a *Admin) Replay(ctx context.Context, queue string, f Filter, opts ReplayO
 	var (
 		opErr   error
 		done    int
-		acked   []string // UUIDs acked since the channel opened
 		pubCtx  = context.WithoutCancel(ctx)
 		total   = res.Matched
 		handled = func() {
@@ -205,13 +240,28 @@ func (a *Admin) Replay(ctx context.Context, queue string, f Filter, opts ReplayO
 				opts.Progress(done, total)
 			}
 		}
+		// maybeDuplicated records the message in flight when Replay
+		// stopped, whose copy is (or may be) enqueued and whose removal
+		// is unconfirmed.
+		maybeDuplicated = func(it item, to string, cause error) {
+			res.Duplicated = append(res.Duplicated, it.msg.UUID)
+			res.Errors = append(res.Errors, &MessageError{UUID: it.msg.UUID, Queue: to, Err: fmt.Errorf("%w: %w", ErrMaybeDuplicated, cause)})
+			a.logger.Error("Replay stopped with a message possibly in both queues", cause, watermill.LogFields{
+				"queue": queue, "message_uuid": it.msg.UUID, "to_queue": to,
+			})
+		}
 	)
+	stopped := func(what string, err error) error {
+		return fmt.Errorf("poison/admin: replay from %q stopped after %d of %d messages (%d replayed; the rest are still in the poison queue): %s: %w",
+			queue, done, total, res.Replayed, what, err)
+	}
 loop:
 	for _, it := range s.matched {
 		if err := ctx.Err(); err != nil {
 			opErr = fmt.Errorf("poison/admin: replay from %q interrupted after %d of %d messages: %w", queue, done, total, err)
 			break
 		}
+		a.at("next", done)
 		to := dest(it.msg)
 		if to == "" {
 			res.Skipped++
@@ -219,6 +269,13 @@ loop:
 			handled()
 			continue
 		}
+		// The publisher redials on its own, so a publish would succeed
+		// even though the message can no longer be removed.
+		if err := s.alive(); err != nil {
+			opErr = stopped("nothing more was published", err)
+			break
+		}
+		a.at("publish", done)
 		err := a.pub.PublishRaw(pubCtx, a.cfg.LoopBackExchange, to, replayPublishing(it.d, time.Now()))
 		switch {
 		case err == nil:
@@ -229,35 +286,35 @@ loop:
 			})
 			handled()
 			continue
+		case errors.Is(err, amqpretry.ErrConfirmTimeout) || errors.Is(err, amqpretry.ErrChannelClosed):
+			// Written but unconfirmed: the copy may have been enqueued.
+			maybeDuplicated(it, to, err)
+			opErr = stopped(fmt.Sprintf("publishing message %q", it.msg.UUID), err)
+			break loop
 		default:
 			res.Errors = append(res.Errors, &MessageError{UUID: it.msg.UUID, Queue: to, Err: err})
-			if errors.Is(err, amqpretry.ErrConfirmTimeout) || errors.Is(err, amqpretry.ErrChannelClosed) {
-				// Written but unconfirmed: the copy may have been enqueued.
-				res.Duplicated = append(res.Duplicated, it.msg.UUID)
-			}
-			opErr = fmt.Errorf("poison/admin: replay from %q stopped after %d of %d messages: publishing message %q: %w", queue, done, total, it.msg.UUID, err)
+			opErr = stopped(fmt.Sprintf("publishing message %q", it.msg.UUID), err)
 			break loop
 		}
 		// Confirmed: only now remove the poison copy.
-		if err := it.d.Ack(false); err != nil {
-			res.Duplicated = append(res.Duplicated, it.msg.UUID)
-			opErr = fmt.Errorf("poison/admin: replay from %q stopped: message %q was replayed but could not be removed from the poison queue (it is now in both queues): %w", queue, it.msg.UUID, err)
+		a.at("ack", done)
+		if err := s.remove(a, it, done); err != nil {
+			maybeDuplicated(it, to, err)
+			opErr = stopped(fmt.Sprintf("message %q was replayed but its removal from the poison queue is unconfirmed (it may be in both queues)", it.msg.UUID), err)
 			break
 		}
-		acked = append(acked, it.msg.UUID)
 		res.Replayed++
 		handled()
 	}
-	if err := a.finish(s, len(acked)); err != nil && len(acked) > 0 {
-		// The close handshake failed: acks sent may not have been applied.
-		res.Duplicated = append(res.Duplicated, acked...)
-		if opErr == nil {
-			opErr = fmt.Errorf("poison/admin: replay from %q: closing the channel failed, so the removal of the %d replayed messages from the poison queue is unconfirmed (they may be duplicated, never lost): %w", queue, len(acked), err)
-		}
+	res.Left = res.Matched - res.Replayed
+	if err := a.finish(s, res.Replayed+len(res.Duplicated)); err != nil {
+		a.logger.Debug("Releasing the poison queue's channel failed; the broker requeues its messages", watermill.LogFields{
+			"queue": queue, "error": err.Error(),
+		})
 	}
 	a.logger.Info("Replayed poisoned messages", watermill.LogFields{
-		"queue": queue, "matched": res.Matched, "replayed": res.Replayed, "skipped": res.Skipped,
-		"errors": len(res.Errors), "loop_back_exchange": a.cfg.LoopBackExchange,
+		"queue": queue, "matched": res.Matched, "replayed": res.Replayed, "skipped": res.Skipped, "left": res.Left,
+		"duplicated": len(res.Duplicated), "errors": len(res.Errors), "loop_back_exchange": a.cfg.LoopBackExchange,
 	})
 	return res, opErr
 }
@@ -268,9 +325,15 @@ loop:
 // would remove. A zero Filter removes every message ready when Purge
 // started. Removed messages are gone for good.
 //
-// Errors: those of List; if ctx ends or the channel fails, Purge stops and
-// returns the number removed so far with the error (when the final channel
-// close fails, that number is unconfirmed).
+// Each removal is confirmed before the next (see Replay). If ctx ends, or
+// the channel reading the queue or the connection closes, Purge stops and
+// returns the number of removals confirmed so far with the error; the
+// broker returns the messages not removed to the queue. When the channel
+// closed right after an ack was sent, that message may or may not have
+// been removed: it is not counted, and the error wraps a *MessageError
+// naming it that matches ErrRemovalUnconfirmed.
+//
+// Errors: those of List; ctx.Err() (wrapped); channel or connection errors.
 func (a *Admin) Purge(ctx context.Context, queue string, f Filter, dryRun bool) (int, error) {
 	if ctx == nil {
 		ctx = context.Background()
@@ -283,23 +346,35 @@ func (a *Admin) Purge(ctx context.Context, queue string, f Filter, dryRun bool) 
 		_ = a.finish(s, 0)
 		return len(s.matched), nil
 	}
-	n := 0
+	n, unconfirmed := 0, 0
 	var opErr error
 	for _, it := range s.matched {
 		if err := ctx.Err(); err != nil {
 			opErr = fmt.Errorf("poison/admin: purge of %q interrupted after %d of %d messages: %w", queue, n, len(s.matched), err)
 			break
 		}
-		if err := it.d.Ack(false); err != nil {
-			opErr = fmt.Errorf("poison/admin: purge of %q stopped after %d messages: %w", queue, n, err)
+		a.at("next", n)
+		if err := s.alive(); err != nil {
+			opErr = fmt.Errorf("poison/admin: purge of %q stopped after %d of %d messages (the rest are still in the queue): %w", queue, n, len(s.matched), err)
+			break
+		}
+		a.at("ack", n)
+		if err := s.remove(a, it, n); err != nil {
+			if !errors.Is(err, errAckNotSent) {
+				unconfirmed++
+				err = &MessageError{UUID: it.msg.UUID, Err: fmt.Errorf("%w: %w", ErrRemovalUnconfirmed, err)}
+			}
+			opErr = fmt.Errorf("poison/admin: purge of %q stopped after %d of %d messages (the rest are still in the queue): %w", queue, n, len(s.matched), err)
 			break
 		}
 		n++
 	}
-	if err := a.finish(s, n); err != nil && opErr == nil && n > 0 {
-		opErr = fmt.Errorf("poison/admin: purge of %q: closing the channel failed, so the removal of %d messages is unconfirmed: %w", queue, n, err)
+	if err := a.finish(s, n+unconfirmed); err != nil {
+		a.logger.Debug("Releasing the queue's channel failed; the broker requeues its messages", watermill.LogFields{
+			"queue": queue, "error": err.Error(),
+		})
 	}
-	a.logger.Info("Purged poisoned messages", watermill.LogFields{"queue": queue, "removed": n, "matched": len(s.matched)})
+	a.logger.Info("Purged poisoned messages", watermill.LogFields{"queue": queue, "removed": n, "matched": len(s.matched), "unconfirmed": unconfirmed})
 	return n, opErr
 }
 
@@ -307,15 +382,23 @@ func (a *Admin) Purge(ctx context.Context, queue string, f Filter, dryRun bool) 
 // them, to queue to: each is published unchanged (body, headers and
 // properties, except user-id) to the default exchange with routing key to,
 // with mandatory=true, and acked in from only after the broker confirmed
-// it, so a message is never lost (at worst duplicated if the channel
-// closes right after the confirm). It returns how many messages were moved;
-// with dryRun, how many would be, without changing anything.
+// it, so a message is never lost. It returns how many messages were moved
+// (copy and removal both confirmed); with dryRun, how many would be,
+// without changing anything.
+//
+// Like Replay, Move confirms each removal before the next publish and stops
+// as soon as the channel reading from or the connection closes. The
+// message in flight then, whose copy was (or may have been) enqueued but
+// whose removal is unconfirmed, may be in both queues: it is not counted,
+// and the error wraps a *MessageError naming it that matches
+// ErrMaybeDuplicated.
 //
 // Errors: a *NotFoundError matching ErrQueueNotFound naming from or to; an
 // error if from == to; a Filter.Validate error; ErrClosed; ctx.Err()
 // (Move stops before the next message; messages not moved stay in from);
 // publish errors from amqpretry.ConfirmPublisher (the first one stops
-// Move). The count returned with an error is the number moved so far.
+// Move); channel or connection errors. The count returned with an error is
+// the number moved so far.
 func (a *Admin) Move(ctx context.Context, from, to string, f Filter, dryRun bool) (int, error) {
 	if ctx == nil {
 		ctx = context.Background()
@@ -337,29 +420,49 @@ func (a *Admin) Move(ctx context.Context, from, to string, f Filter, dryRun bool
 		_ = a.finish(s, 0)
 		return len(s.matched), nil
 	}
-	n := 0
+	n, inDoubt := 0, 0
 	var opErr error
 	pubCtx := context.WithoutCancel(ctx)
+	stopped := func(what string, err error) error {
+		return fmt.Errorf("poison/admin: move from %q to %q stopped after %d of %d messages (the rest are still in %q): %s: %w",
+			from, to, n, len(s.matched), from, what, err)
+	}
+	maybeDuplicated := func(it item, err error) error {
+		inDoubt++
+		return &MessageError{UUID: it.msg.UUID, Queue: to, Err: fmt.Errorf("%w: %w", ErrMaybeDuplicated, err)}
+	}
 	for _, it := range s.matched {
 		if err := ctx.Err(); err != nil {
 			opErr = fmt.Errorf("poison/admin: move from %q to %q interrupted after %d of %d messages: %w", from, to, n, len(s.matched), err)
 			break
 		}
-		h := cloneHeaders(it.d.Headers)
-		delete(h, amqpretry.PublishIDHeader)
-		if err := a.pub.PublishRaw(pubCtx, "", to, copyPublishing(it.d, h)); err != nil {
-			opErr = fmt.Errorf("poison/admin: move from %q to %q stopped after %d messages: publishing message %q: %w", from, to, n, it.msg.UUID, err)
+		a.at("next", n)
+		if err := s.alive(); err != nil {
+			opErr = stopped("nothing more was copied", err)
 			break
 		}
-		if err := it.d.Ack(false); err != nil {
-			opErr = fmt.Errorf("poison/admin: move from %q to %q stopped: message %q was copied to %q but could not be removed from %q (it is now in both): %w", from, to, it.msg.UUID, to, from, err)
+		h := cloneHeaders(it.d.Headers)
+		delete(h, amqpretry.PublishIDHeader)
+		a.at("publish", n)
+		if err := a.pub.PublishRaw(pubCtx, "", to, copyPublishing(it.d, h)); err != nil {
+			if errors.Is(err, amqpretry.ErrConfirmTimeout) || errors.Is(err, amqpretry.ErrChannelClosed) {
+				err = maybeDuplicated(it, err) // written but unconfirmed
+			}
+			opErr = stopped(fmt.Sprintf("copying message %q", it.msg.UUID), err)
+			break
+		}
+		a.at("ack", n)
+		if err := s.remove(a, it, n); err != nil {
+			opErr = stopped(fmt.Sprintf("message %q was copied to %q but its removal from %q is unconfirmed (it may be in both)", it.msg.UUID, to, from), maybeDuplicated(it, err))
 			break
 		}
 		n++
 	}
-	if err := a.finish(s, n); err != nil && opErr == nil && n > 0 {
-		opErr = fmt.Errorf("poison/admin: move from %q to %q: closing the channel failed, so the removal of %d moved messages from %q is unconfirmed (they may be duplicated, never lost): %w", from, to, n, from, err)
+	if err := a.finish(s, n+inDoubt); err != nil {
+		a.logger.Debug("Releasing the source queue's channel failed; the broker requeues its messages", watermill.LogFields{
+			"queue": from, "error": err.Error(),
+		})
 	}
-	a.logger.Info("Moved poisoned messages", watermill.LogFields{"from": from, "to": to, "moved": n, "matched": len(s.matched)})
+	a.logger.Info("Moved poisoned messages", watermill.LogFields{"from": from, "to": to, "moved": n, "matched": len(s.matched), "in_doubt": inDoubt})
 	return n, opErr
 }

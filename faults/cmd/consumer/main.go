@@ -113,7 +113,7 @@ func run() error {
 		return err
 	}
 	defer retry.Close()
-	sub, err := wamqp.NewSubscriber(retry.SubscriberConfig(), logger)
+	sub, err := retry.NewSubscriber(logger, 0) // drains in-flight handlers on shutdown
 	if err != nil {
 		return err
 	}

@@ -30,7 +30,11 @@
 // matches), --limit N (0 = all).
 //
 // Exit status: 0 success, 1 operation failed (broker unreachable, queue
-// missing, a message could not be replayed...), 2 usage error.
+// missing, a message could not be replayed, a replay left matching messages
+// in the poison queue, an operation stopped because its connection
+// closed...), 2 usage error. An interrupted replay prints how many messages
+// were replayed and how many are left, and names the one message, if any,
+// that may now be in both queues.
 package main
 
 import "os"

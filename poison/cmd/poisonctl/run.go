@@ -59,6 +59,7 @@ type options struct {
 	dryRun, yes      bool
 	defaultQueue, to string
 	loopBack         string
+	connName         string
 }
 
 // multiFlag is a repeatable string flag.
@@ -109,6 +110,7 @@ func (o *options) globalFlags(fs *flag.FlagSet) {
 	// Defaults are the current values, so flags given before the command
 	// survive the command's flag set.
 	fs.StringVar(&o.uri, "uri", o.uri, "AMQP `URI` (default $AMQP_URI, else "+defaultURI+")")
+	fs.StringVar(&o.connName, "connection-name", o.connName, "connection `name` the broker shows for poisonctl (default rabbitretry-poison-admin)")
 	fs.Lookup("uri").DefValue = "" // never print a password in the usage
 	fs.StringVar(&o.queue, "queue", o.queue, "poison queue to operate on (required)")
 	fs.BoolVar(&o.json, "json", o.json, "print JSON on stdout")
@@ -234,7 +236,7 @@ func runContext(ctx context.Context, args []string, stdout, stderr io.Writer) in
 	if o.uri == "" {
 		o.uri = defaultURI
 	}
-	cfg := admin.Config{URI: o.uri}
+	cfg := admin.Config{URI: o.uri, ConnectionName: o.connName}
 	if o.loopBack != "" {
 		cfg.LoopBackExchange = o.loopBack
 	}
@@ -479,8 +481,15 @@ func cmdReplay(ctx context.Context, a *admin.Admin, o *options, f admin.Filter, 
 		opts.Progress = progressPrinter(stderr)
 	}
 	res, err := a.Replay(ctx, o.queue, f, opts)
+	return reportReplay(o, res, err, stdout, stderr)
+}
+
+// reportReplay prints the outcome of a replay and returns the exit status:
+// exitFail if Replay failed, a message could not be replayed, or any
+// matched message was left in the poison queue (ReplayResult.Left).
+func reportReplay(o *options, res admin.ReplayResult, err error, stdout, stderr io.Writer) int {
 	code := exitOK
-	if err != nil || len(res.Errors) > 0 {
+	if err != nil || len(res.Errors) > 0 || res.Left > 0 {
 		code = exitFail
 	}
 	if o.json {
@@ -510,15 +519,15 @@ func cmdReplay(ctx context.Context, a *admin.Admin, o *options, f admin.Filter, 
 		fmt.Fprintf(stderr, "poisonctl: %d message(s) have no original queue; pass --default-queue to replay them\n", res.Skipped)
 	}
 	if len(res.Duplicated) > 0 {
-		fmt.Fprintf(stderr, "poisonctl: %d replayed message(s) may also remain in %s (duplicates): %s\n",
+		fmt.Fprintf(stderr, "poisonctl: %d message(s) may be both in their original queue and still in %s (copy enqueued, removal unconfirmed): %s\n",
 			len(res.Duplicated), o.queue, strings.Join(res.Duplicated, ", "))
 	}
 	if o.dryRun {
 		fmt.Fprintf(stdout, "dry run: would replay %d of %d matching message(s) from %s; %d would be skipped\n",
 			res.Replayed, res.Matched, o.queue, res.Skipped)
 	} else {
-		fmt.Fprintf(stdout, "replayed %d of %d matching message(s) from %s; %d skipped, %d failed\n",
-			res.Replayed, res.Matched, o.queue, res.Skipped, len(res.Errors)-res.Skipped)
+		fmt.Fprintf(stdout, "replayed %d of %d matching message(s) from %s; %d skipped, %d failed; %d left in %s\n",
+			res.Replayed, res.Matched, o.queue, res.Skipped, len(res.Errors)-res.Skipped, res.Left, o.queue)
 	}
 	if err != nil {
 		return fail(stderr, err)
@@ -526,10 +535,21 @@ func cmdReplay(ctx context.Context, a *admin.Admin, o *options, f admin.Filter, 
 	return code
 }
 
+// inDoubt returns the UUID of the message err names as in doubt (a
+// *admin.MessageError matching target), or nil.
+func inDoubt(err, target error) []string {
+	var me *admin.MessageError
+	if errors.Is(err, target) && errors.As(err, &me) {
+		return []string{me.UUID}
+	}
+	return []string{}
+}
+
 func cmdMove(ctx context.Context, a *admin.Admin, o *options, f admin.Filter, _ []string, stdout, stderr io.Writer) int {
 	n, err := a.Move(ctx, o.queue, o.to, f, o.dryRun)
+	doubt := inDoubt(err, admin.ErrMaybeDuplicated)
 	if o.json {
-		out := map[string]any{"dry_run": o.dryRun, "moved": n, "to": o.to}
+		out := map[string]any{"dry_run": o.dryRun, "moved": n, "to": o.to, "duplicated": doubt}
 		if err != nil {
 			out["error"] = err.Error()
 		}
@@ -541,6 +561,9 @@ func cmdMove(ctx context.Context, a *admin.Admin, o *options, f admin.Filter, _ 
 	} else {
 		fmt.Fprintf(stdout, "moved %d message(s) from %s to %s\n", n, o.queue, o.to)
 	}
+	if len(doubt) > 0 && !o.json {
+		fmt.Fprintf(stderr, "poisonctl: message %s may be both in %s and still in %s (copy enqueued, removal unconfirmed)\n", doubt[0], o.to, o.queue)
+	}
 	if err != nil {
 		return fail(stderr, err)
 	}
@@ -549,8 +572,9 @@ func cmdMove(ctx context.Context, a *admin.Admin, o *options, f admin.Filter, _ 
 
 func cmdPurge(ctx context.Context, a *admin.Admin, o *options, f admin.Filter, _ []string, stdout, stderr io.Writer) int {
 	n, err := a.Purge(ctx, o.queue, f, o.dryRun)
+	doubt := inDoubt(err, admin.ErrRemovalUnconfirmed)
 	if o.json {
-		out := map[string]any{"dry_run": o.dryRun, "purged": n}
+		out := map[string]any{"dry_run": o.dryRun, "purged": n, "unconfirmed": doubt}
 		if err != nil {
 			out["error"] = err.Error()
 		}
@@ -561,6 +585,9 @@ func cmdPurge(ctx context.Context, a *admin.Admin, o *options, f admin.Filter, _
 		fmt.Fprintf(stdout, "dry run: would delete %d message(s) from %s\n", n, o.queue)
 	} else {
 		fmt.Fprintf(stdout, "deleted %d message(s) from %s\n", n, o.queue)
+	}
+	if len(doubt) > 0 && !o.json {
+		fmt.Fprintf(stderr, "poisonctl: message %s may or may not have been deleted (removal unconfirmed)\n", doubt[0])
 	}
 	if err != nil {
 		return fail(stderr, err)

@@ -1,0 +1,117 @@
+package faults
+
+import (
+	"os"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/rabbitretry/rabbitretry/amqpretry"
+	"github.com/rabbitretry/rabbitretry/middleware"
+)
+
+// brokerAtLeast4 reports whether the broker under test is RabbitMQ 4.x or
+// later (RABBITRETRY_BROKER_VERSION, set by scripts/brokers.sh env).
+func brokerAtLeast4() bool {
+	v := os.Getenv("RABBITRETRY_BROKER_VERSION")
+	return v != "" && !strings.HasPrefix(v, "3.")
+}
+
+// A handler slower than the queue's consumer_timeout (RabbitMQ 4.x quorum
+// queues: the broker cancels the consumer, without closing the channel, and
+// returns its unacked messages; "Delivery Acknowledgement Timeout"). The
+// late ack is void, so the slow message must not fork (no retry copy for a
+// delivery the broker took back), the consumer must keep consuming, and the
+// slow message, redelivered each time, ends in the poison queue (class
+// redelivery-limit) instead of running forever. The other messages are each
+// handled.
+func TestConsumerTimeoutSlowHandler(t *testing.T) {
+	requireDisruptive(t) // slow (~1 min); run with the fault suite
+	if !brokerAtLeast4() {
+		t.Skip("per-queue consumer timeout (x-consumer-timeout) and its cancel-without-close are RabbitMQ 4.x behaviour")
+	}
+	e := newEnv(t, amqpretry.QueueTypeQuorum, func(_ *env, c *amqpretry.Config) {
+		c.Subscriber.Queue.Arguments = map[string]any{"x-consumer-timeout": int64(2000)}
+		c.Subscriber.Consume.Qos.PrefetchCount = 1
+	})
+	slowUUIDs, slowPs := newMessages(1, func(int) []byte { return []byte("slow") })
+	okUUIDs, okPs := newMessages(5, nil)
+	l := newLedger()
+	var slowRuns atomic.Int32
+	e.declare()
+	e.start(func(msg *message.Message) error {
+		l.attempt(msg.UUID, middleware.Attempt(msg))
+		if string(msg.Payload) == "slow" {
+			slowRuns.Add(1)
+			time.Sleep(4 * time.Second) // simulated slow work, past the 2 s consumer timeout
+			return errTransient
+		}
+		l.success(msg.UUID)
+		return nil
+	})
+	e.publish(slowPs...)
+	e.publish(okPs...)
+	all := append(append([]string{}, slowUUIDs...), okUUIDs...)
+	settled := e.settle(len(all), l.handled, 120*time.Second)
+	e.stop()
+	poisoned, ds := e.poisoned()
+	acc := account(t, all, l.successes(), poisoned)
+	if !settled {
+		t.Errorf("did not settle")
+	}
+	e.checkEmpty()
+	if poisoned[slowUUIDs[0]] != 1 || acc.Handled != len(okUUIDs) {
+		t.Fatalf("slow message poisoned %d times, %d others handled", poisoned[slowUUIDs[0]], acc.Handled)
+	}
+	for _, d := range ds {
+		t.Logf("slow message poisoned with class %v after %d runs (attempts %v)", d.Headers[middleware.ErrorClassKey], slowRuns.Load(), l.attemptsOf(slowUUIDs[0]))
+	}
+	if retries := e.depth(e.waitQueues()[0]); retries != 0 {
+		t.Errorf("%d retry copies waiting", retries)
+	}
+}
+
+// A quorum queue's delivery limit (RabbitMQ 4.0+ defaults to 20; any
+// version honours x-delivery-limit): a message that reaches it (here: another
+// consumer of Q rejects it with requeue, which counts on every version) is
+// dead-lettered by RabbitMQ through Q's dead-letter exchange into Q's poison
+// queue, with x-death reason delivery_limit: never dropped silently, never
+// stranded in the retry path's dead-letter cycle detection.
+func TestQuorumDeliveryLimitLandsInPoison(t *testing.T) {
+	e := newEnv(t, amqpretry.QueueTypeQuorum, func(_ *env, c *amqpretry.Config) {
+		c.Subscriber.Queue.Arguments = map[string]any{"x-delivery-limit": int64(1)}
+	})
+	e.declare()
+	uuids, ps := newMessages(1, nil)
+	e.publish(ps...)
+	ch := e.admin.channel()
+	defer ch.Close()
+	for i := 0; ; i++ {
+		ok := poll(5*time.Second, func() bool {
+			d, ok2, err := ch.Get(e.queue, false)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if ok2 {
+				_ = d.Reject(true)
+			}
+			return ok2
+		})
+		if !ok {
+			break // dead-lettered
+		}
+		if i > 5 {
+			t.Fatal("the delivery limit of 1 never removed the message")
+		}
+	}
+	waitFor(t, 10*time.Second, "the message in the poison queue", func() bool { return e.poisonDepth() == 1 })
+	poisoned, ds := e.poisoned()
+	account(t, uuids, nil, poisoned)
+	if r, _ := ds[0].Headers["x-first-death-reason"].(string); r != "delivery_limit" {
+		t.Errorf("x-first-death-reason %q, want delivery_limit", r)
+	}
+	e.checkEmpty()
+}

@@ -1,0 +1,59 @@
+package middleware
+
+import (
+	"fmt"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+)
+
+// XAcquiredCountKey holds RabbitMQ's x-acquired-count header (quorum
+// queues, 4.x) as a decimal string: the number of times the queue gave the
+// message to a consumer and got it back without an ack, whatever the return
+// (nack, reject, channel or connection loss, consumer crash, consumer
+// timeout). It describes one delivery and never travels on a copy
+// (StripDeliveryMetadata).
+const XAcquiredCountKey = "x-acquired-count"
+
+// ErrNativeRetry is returned (possibly wrapped) by a Delayer that leaves the
+// retry to the queue's own delayed retry (RabbitMQ 4.3+ quorum queues,
+// x-delayed-retry-type "all"): the subscriber's nack with requeue puts the
+// message into the queue's delayed state, and the queue delivers it again
+// once the delay ends. It wraps ErrDeadLetter, so the republisher returns a
+// *DeadLetterRetryError (with Native set) that the poison forwarder and the
+// router's fallback pass through: the nack that follows is the retry.
+//
+// Like the dead-letter hop, a native retry publishes no copy, so it records
+// no failure metadata: the next delivery is the original message as the
+// producer sent it (plus the broker's x-acquired-count).
+var ErrNativeRetry = fmt.Errorf("%w (native delayed retry: the queue holds the nacked original)", ErrDeadLetter)
+
+// AcquiredCountSource counts the returns of a message to its quorum queue
+// from the broker's x-acquired-count (XAcquiredCountKey), but only on a
+// delivery with the redelivered flag (DeliveryRedeliveredKey): on a first
+// delivery the header can only be a producer's (RabbitMQ 4.3 passes a
+// forged value through until the first return, then replaces it), so it
+// counts 0 there.
+//
+// It is the attempt source of amqpretry's native delayed retry, where each
+// retry is a return (a nack with requeue), and so is every crash: a
+// consumer that dies or loses its connection holding the message uses one
+// attempt, and a crash loop ends in the poison queue after MaxAttempts
+// (the RedeliveryGuard lets such redeliveries run, see
+// RedeliveryGuardConfig.RedeliveriesCounted). The library's own copies
+// (wait queue, fallback) are new messages: their count starts again at 0
+// and AttemptKey carries the attempts before them, so the two add up.
+//
+// Absent: 0. Non-numeric or negative: an error (the counter ignores it).
+// Above MaxAttemptsCap: MaxAttemptsCap.
+func AcquiredCountSource() AttemptSource {
+	return AttemptSource{Name: "x-acquired-count", Previous: func(msg *message.Message) (int64, error) {
+		if msg.Metadata.Get(DeliveryRedeliveredKey) == "" {
+			return 0, nil
+		}
+		v, ok := msg.Metadata[XAcquiredCountKey]
+		if !ok {
+			return 0, nil
+		}
+		return parseCount(XAcquiredCountKey, v)
+	}}
+}

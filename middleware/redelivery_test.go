@@ -1,0 +1,91 @@
+package middleware_test
+
+import (
+	"errors"
+	"testing"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/rabbitretry/rabbitretry/middleware"
+)
+
+func redelivered(attempt int, redeliveries string) *message.Message {
+	msg := attemptMsg(attempt, "p")
+	msg.Metadata.Set(middleware.DeliveryRedeliveredKey, "true")
+	msg.Metadata.Set(middleware.DeliveryExchangeKey, "biz")
+	if redeliveries != "" {
+		msg.Metadata.Set(middleware.RedeliveriesKey, redeliveries)
+	}
+	return msg
+}
+
+func TestRedeliveryGuardCountsOnACopy(t *testing.T) {
+	d := &recordingDelayer{}
+	g, err := middleware.NewRedeliveryGuard(middleware.RedeliveryGuardConfig{Delayer: d, MaxRedeliveries: 3})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ran := 0
+	h := func(*message.Message) ([]*message.Message, error) { ran++; return nil, nil }
+
+	// Not redelivered: runs, no copy.
+	if _, err := g.Middleware(h)(attemptMsg(2, "p")); err != nil || ran != 1 || len(d.Calls()) != 0 {
+		t.Fatalf("plain delivery: err %v, ran %d, copies %d", err, ran, len(d.Calls()))
+	}
+	// Redelivered: not run; a copy with the count +1, same attempt, no
+	// delivery-only keys, delay 0.
+	for i, in := range []string{"", "1", "2", "garbage", "-4"} {
+		if _, err := g.Middleware(h)(redelivered(2, in)); err != nil {
+			t.Fatalf("redelivery %q: %v", in, err)
+		}
+		c := d.Calls()[i]
+		want := map[string]string{"": "1", "1": "2", "2": "3", "garbage": "1", "-4": "1"}[in]
+		if got := c.msg.Metadata.Get(middleware.RedeliveriesKey); got != want || c.delay != 0 ||
+			c.msg.Metadata.Get(middleware.AttemptKey) != "2" ||
+			c.msg.Metadata.Get(middleware.DeliveryRedeliveredKey) != "" || c.msg.Metadata.Get(middleware.DeliveryExchangeKey) != "" {
+			t.Fatalf("redelivery %q: copy redeliveries %q (want %s), delay %v, metadata %v", in, got, want, c.delay, c.msg.Metadata)
+		}
+	}
+	if ran != 1 {
+		t.Fatalf("handler ran %d times, want 1 (redeliveries are not run)", ran)
+	}
+	// Past the limit: poisoned, not copied, not run.
+	_, err = g.Middleware(h)(redelivered(2, "3"))
+	var ce *middleware.ClassifiedError
+	if !errors.As(err, &ce) || ce.Action != middleware.ActionPoison || ce.Class != middleware.ClassRedeliveryLimit {
+		t.Fatalf("past the limit: %v", err)
+	}
+	if ran != 1 || len(d.Calls()) != 5 {
+		t.Fatalf("past the limit: ran %d, copies %d", ran, len(d.Calls()))
+	}
+}
+
+func TestRedeliveryGuardCopyRefused(t *testing.T) {
+	refused := errors.New("broker alarm")
+	d := &recordingDelayer{err: refused}
+	g, err := middleware.NewRedeliveryGuard(middleware.RedeliveryGuardConfig{Delayer: d})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ran := false
+	_, err = g.Middleware(func(*message.Message) ([]*message.Message, error) { ran = true; return nil, nil })(redelivered(1, ""))
+	var se *middleware.ScheduleError
+	if !errors.As(err, &se) || !errors.Is(err, refused) || se.HandlerRan() || ran {
+		t.Fatalf("refused copy: err %v, handler ran %v", err, ran)
+	}
+	// ErrCannotDelay: poisoned as undelayable.
+	d.err = middleware.ErrCannotDelay
+	_, err = g.Middleware(failWith(errors.New("x")))(redelivered(1, ""))
+	var ce *middleware.ClassifiedError
+	if !errors.As(err, &ce) || ce.Class != middleware.ClassUndelayable {
+		t.Fatalf("undelayable: %v", err)
+	}
+}
+
+func TestRedeliveryGuardConfigValidate(t *testing.T) {
+	for _, cfg := range []middleware.RedeliveryGuardConfig{{}, {Delayer: &recordingDelayer{}, MaxRedeliveries: -1}} {
+		if _, err := middleware.NewRedeliveryGuard(cfg); err == nil {
+			t.Errorf("%+v: no error", cfg)
+		}
+	}
+}

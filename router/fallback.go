@@ -1,0 +1,120 @@
+package router
+
+import (
+	"context"
+	"errors"
+	"strconv"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/rabbitretry/rabbitretry/middleware"
+	"github.com/rabbitretry/rabbitretry/poison"
+)
+
+// DefaultFallbackPause is the default of Config.FallbackPause.
+const DefaultFallbackPause = time.Second
+
+// fallback is the outermost settlement step, just inside the attempt
+// counter. It sees only failures that nothing further in could settle: a
+// retry copy the Delayer did not hold (*middleware.ScheduleError), a poison
+// copy the broker did not take (*poison.PoisonError), or anything else that
+// would end in a nack. For those it never relies on the broker's
+// dead-lettering of the original (at-most-once on classic queues) and never
+// requeues at once (a hot loop):
+//
+//  1. it pauses (FallbackPause, cut short by shutdown), so a broker that
+//     refuses publishes (alarm, full queue, missing exchange) is not hammered;
+//  2. it hands a copy to the Delayer with delay 0 (amqpretry: straight back to
+//     the origin queue through the loop-back exchange, confirmed), counted as
+//     the next attempt for a failed retry, or as past the last attempt for a
+//     failed poison publish, so the handler never runs again for it (the
+//     Republisher sends such a copy straight to the poison queue); the
+//     original is acked once the copy is held;
+//  3. if that copy is refused too, the error is returned and the subscriber
+//     nacks with requeue: the message stays in its queue, and its redelivery
+//     is counted by the RedeliveryGuard.
+//
+// Failures classified middleware.ActionNack (the delivery was already given
+// back by the subscriber) and *middleware.DeadLetterRetryError (the nack is
+// the retry) pass through untouched.
+type fallback struct {
+	delayer     middleware.Delayer
+	maxAttempts int
+	pause       time.Duration
+	errorText   func(error) string
+	queueName   func(ctx context.Context) string
+	logger      watermill.LoggerAdapter
+}
+
+func (f *fallback) Middleware(h message.HandlerFunc) message.HandlerFunc {
+	return func(msg *message.Message) ([]*message.Message, error) {
+		out, err := h(msg)
+		if err == nil {
+			return out, nil
+		}
+		return nil, f.onFailure(msg, err)
+	}
+}
+
+//go:noinline
+func (f *fallback) onFailure(msg *message.Message, err error) error {
+	var dl *middleware.DeadLetterRetryError
+	if errors.As(err, &dl) {
+		return err
+	}
+	var ce *middleware.ClassifiedError
+	if errors.As(err, &ce) && ce.Action == middleware.ActionNack {
+		return err
+	}
+	ctx := msg.Context()
+	attempt := middleware.Attempt(msg)
+	var next int
+	var handlerErr error
+	var se *middleware.ScheduleError
+	var pe *poison.PoisonError
+	switch {
+	case errors.As(err, &se) && se.HandlerRan():
+		next, handlerErr = se.Attempt+1, se.HandlerErr
+	case errors.As(err, &pe):
+		next, handlerErr = max(attempt, f.maxAttempts+1), pe.HandlerErr
+	default:
+		// Nothing a copy would fix (e.g. the RedeliveryGuard's own copy of a
+		// redelivered message was refused): pause, then requeue.
+		f.wait(ctx)
+		return err
+	}
+	if !f.wait(ctx) {
+		return err // shutting down: the subscriber returns the delivery
+	}
+	c := middleware.CloneMessage(msg)
+	middleware.RecordFailure(c.Metadata, time.Now(), f.errorText(handlerErr), poison.ErrorClass(handlerErr), f.queueName(ctx))
+	middleware.StripDeliveryMetadata(c.Metadata)
+	c.Metadata.Set(middleware.AttemptKey, strconv.Itoa(next))
+	if serr := f.delayer.Schedule(ctx, c, 0); serr != nil {
+		f.logger.Error("Fallback copy not held either; returning the message to the broker (requeue)", serr, watermill.LogFields{
+			"message_uuid": msg.UUID, "queue": f.queueName(ctx), "attempt": attempt, "next_attempt": next,
+		})
+		return errors.Join(err, serr)
+	}
+	f.logger.Info("Fallback copy held: message back in its queue", watermill.LogFields{
+		"message_uuid": msg.UUID, "queue": f.queueName(ctx), "attempt": attempt, "next_attempt": next, "error": err.Error(),
+	})
+	return nil
+}
+
+// wait pauses for f.pause; false if ctx ended first.
+func (f *fallback) wait(ctx context.Context) bool {
+	if f.pause <= 0 {
+		return ctx.Err() == nil
+	}
+	t := time.NewTimer(f.pause)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return true
+	case <-ctx.Done():
+		return false
+	}
+}

@@ -1,0 +1,176 @@
+package router_test
+
+import (
+	"context"
+	"errors"
+	"strconv"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
+
+	"github.com/rabbitretry/rabbitretry/middleware"
+	"github.com/rabbitretry/rabbitretry/poison"
+	"github.com/rabbitretry/rabbitretry/router"
+)
+
+// tierDelayer refuses delayed copies (a wait queue refusing) and takes
+// zero-delay ones (the origin queue) unless zeroErr is set.
+type tierDelayer struct {
+	mu      sync.Mutex
+	zero    []*message.Message
+	zeroErr error
+}
+
+func (d *tierDelayer) Schedule(_ context.Context, msg *message.Message, delay time.Duration) error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if delay > 0 {
+		return errors.New("wait queue refused the copy")
+	}
+	if d.zeroErr != nil {
+		return d.zeroErr
+	}
+	d.zero = append(d.zero, msg)
+	return nil
+}
+
+func newFallbackChain(t *testing.T, d middleware.Delayer, pub message.Publisher) *router.Chain {
+	t.Helper()
+	c, err := router.New(router.Config{
+		Delayer: d, PoisonPublisher: pub, MaxAttempts: 3, FallbackPause: 30 * time.Millisecond,
+		Backoff: exactBackoff(time.Second), QueueName: func(context.Context) string { return "q" },
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return c
+}
+
+func msgAt(attempt int) *message.Message {
+	m := message.NewMessage(watermill.NewUUID(), []byte("x"))
+	m.Metadata.Set(middleware.AttemptKey, strconv.Itoa(attempt))
+	return m
+}
+
+// A retry the Delayer does not hold: after the pause, a copy goes straight
+// back to the queue as the next attempt, and the original is acked.
+func TestFallbackRetryNotHeld(t *testing.T) {
+	d := &tierDelayer{}
+	c := newFallbackChain(t, d, nopPublisher{})
+	start := time.Now()
+	_, err := c.Middleware(func(*message.Message) ([]*message.Message, error) { return nil, errTransient })(msgAt(1))
+	if err != nil {
+		t.Fatalf("want ack after the fallback copy, got %v", err)
+	}
+	if took := time.Since(start); took < 30*time.Millisecond {
+		t.Errorf("no pause before the fallback copy (%v)", took)
+	}
+	if len(d.zero) != 1 || d.zero[0].Metadata.Get(middleware.AttemptKey) != "2" ||
+		d.zero[0].Metadata.Get(middleware.ErrorClassKey) != middleware.ClassTransient {
+		t.Fatalf("fallback copies %d, metadata %v", len(d.zero), d.zero[0].Metadata)
+	}
+	// The copy is refused too: the error comes back (nack with requeue).
+	d.zeroErr = errors.New("origin queue refused too")
+	if _, err := c.Middleware(func(*message.Message) ([]*message.Message, error) { return nil, errTransient })(msgAt(1)); err == nil {
+		t.Fatal("both copies refused, yet acked")
+	}
+}
+
+// A poison copy the broker refuses: the message is parked past its last
+// attempt, keeping its class, and is never run again.
+func TestFallbackPoisonRefused(t *testing.T) {
+	d := &tierDelayer{}
+	c := newFallbackChain(t, d, failingPublisher{})
+	_, err := c.Middleware(func(*message.Message) ([]*message.Message, error) {
+		return nil, middleware.Permanent(errors.New("unknown customer"))
+	})(msgAt(1))
+	if err != nil || len(d.zero) != 1 {
+		t.Fatalf("err %v, parked copies %d", err, len(d.zero))
+	}
+	parked := d.zero[0]
+	if parked.Metadata.Get(middleware.AttemptKey) != "4" || parked.Metadata.Get(middleware.ErrorClassKey) != middleware.ClassPermanent {
+		t.Fatalf("parked copy metadata %v", parked.Metadata)
+	}
+	// Delivered again (to a chain whose poison publisher works): poisoned,
+	// handler not run, class kept.
+	rec := &poisonRecorder{Publisher: nopPublisher{}}
+	c2 := newFallbackChain(t, d, rec)
+	ran := false
+	if _, err := c2.Middleware(func(*message.Message) ([]*message.Message, error) { ran = true; return nil, nil })(parked); err != nil {
+		t.Fatal(err)
+	}
+	if ran || len(rec.all()) != 1 || rec.all()[0].Metadata.Get(middleware.ErrorClassKey) != middleware.ClassPermanent {
+		t.Fatalf("ran %v, poisoned %d", ran, len(rec.all()))
+	}
+	if got := rec.all()[0].Metadata.Get(poison.AttemptsKey); got != "4" {
+		t.Errorf("attempts %q", got)
+	}
+}
+
+// A failure after the subscriber gave the delivery back (its context done)
+// is neither retried, nor poisoned, nor paused on.
+func TestFallbackInterruptedPassesThrough(t *testing.T) {
+	d := &tierDelayer{}
+	rec := &poisonRecorder{Publisher: nopPublisher{}}
+	c := newFallbackChain(t, d, rec)
+	ctx, cancel := context.WithCancel(context.Background())
+	m := msgAt(3)
+	m.SetContext(ctx)
+	_, err := c.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+		cancel()
+		return nil, middleware.Permanent(errors.New("would be poisoned"))
+	})(m)
+	var ce *middleware.ClassifiedError
+	if !errors.As(err, &ce) || ce.Action != middleware.ActionNack || len(d.zero) != 0 || len(rec.all()) != 0 {
+		t.Fatalf("err %v, copies %d, poisoned %d", err, len(d.zero), len(rec.all()))
+	}
+}
+
+// DrainingSubscriber: closing the router lets the in-flight handler finish
+// with a live context, and its message is acked, not handed back.
+func TestDrainingSubscriberLetsHandlersFinish(t *testing.T) {
+	pubsub := gochannel.NewGoChannel(gochannel.Config{}, watermill.NopLogger{})
+	sub := router.NewDrainingSubscriber(pubsub, 5*time.Second)
+	r, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, watermill.NopLogger{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	entered, release := make(chan struct{}), make(chan struct{})
+	var ctxErr error
+	var runs int
+	r.AddConsumerHandler("h", "t", sub, func(msg *message.Message) error {
+		runs++
+		close(entered)
+		<-release
+		ctxErr = msg.Context().Err()
+		return nil
+	})
+	go func() { _ = r.Run(context.Background()) }()
+	recv(t, r.Running(), 5*time.Second)
+	if err := pubsub.Publish("t", message.NewMessage("m1", nil)); err != nil {
+		t.Fatal(err)
+	}
+	recv(t, entered, 5*time.Second)
+	closed := make(chan error, 1)
+	go func() { closed <- r.Close() }()
+	recv(t, sub.Draining(), 5*time.Second)
+	select {
+	case err := <-closed:
+		t.Fatalf("router closed (%v) while a handler was still running", err)
+	default:
+	}
+	close(release)
+	if err := recv(t, closed, 10*time.Second); err != nil {
+		t.Fatalf("router Close: %v", err)
+	}
+	if ctxErr != nil || runs != 1 {
+		t.Fatalf("handler saw context error %v, ran %d times", ctxErr, runs)
+	}
+	if err := sub.Close(); err != nil {
+		t.Fatalf("second Close: %v", err)
+	}
+}
