@@ -2,7 +2,7 @@
 # brokers.sh - RabbitMQ brokers on demand for the test suite.
 #
 # Usage:
-#   scripts/brokers.sh up   local|43|dev|cluster|all   make sure the broker(s) run (installs what is missing)
+#   scripts/brokers.sh up   local|43|dev|dev2|cluster|all   make sure the broker(s) run (installs what is missing)
 #   scripts/brokers.sh down 43|cluster|all         stop what this script started
 #   scripts/brokers.sh env  local|43|cluster       print `export` lines: eval "$(scripts/brokers.sh env 43)"
 #   scripts/brokers.sh ctl  local|43|cluster [--node n1|n2|n3] -- RABBITMQCTL-ARGS...
@@ -20,6 +20,7 @@
 #            AMQP 127.0.0.1:5673, dist 25673, management http://127.0.0.1:15673/.
 #   dev      a second 4.3 single node like 43 (node dev43@localhost, AMQP 5693, dist 25693,
 #            management 15693) for development while a test run owns 43; never used by CI.
+#   dev2     another one (node dev2@localhost, AMQP 5694, dist 25694, management 15694).
 #   cluster  three 4.3 nodes n1..n3@localhost from the same root, AMQP 5681..5683, dist 25681..25683,
 #            behind HAProxy on 127.0.0.1:5680 (TCP, leastconn, health checks every second).
 #   All nodes in the root share their own epmd on port 4370 (ERL_EPMD_PORT) and one Erlang cookie;
@@ -99,10 +100,11 @@ node_vars() {
 	case "$1" in
 	rabbit43) NODE=rabbit43@localhost AMQP_PORT=5673 DIST_PORT=25673 MGMT_PORT=15673 ;;
 	dev43) NODE=dev43@localhost AMQP_PORT=5693 DIST_PORT=25693 MGMT_PORT=15693 ;;
+	dev2) NODE=dev2@localhost AMQP_PORT=5694 DIST_PORT=25694 MGMT_PORT=15694 ;;
 	n1) NODE=n1@localhost AMQP_PORT=5681 DIST_PORT=25681 MGMT_PORT="" ;;
 	n2) NODE=n2@localhost AMQP_PORT=5682 DIST_PORT=25682 MGMT_PORT="" ;;
 	n3) NODE=n3@localhost AMQP_PORT=5683 DIST_PORT=25683 MGMT_PORT="" ;;
-	*) die "unknown node '$1' (want rabbit43, dev43, n1, n2 or n3)" ;;
+	*) die "unknown node '$1' (want rabbit43, dev43, dev2, n1, n2 or n3)" ;;
 	esac
 	IN_BASE="$IN_NODES/$1"
 	HOST_BASE="$ROOT$IN_BASE"
@@ -778,6 +780,10 @@ print_summary() {
 			printf 'dev      %s  management http://127.0.0.1:15693/ (guest/guest)\n' "$(node_uri dev43)"
 			printf '         control: %s ctl dev -- status     logs: %s/dev43/\n' "$SELF" "$LOG_DIR"
 			;;
+		dev2)
+			printf 'dev2     %s  management http://127.0.0.1:15694/ (guest/guest)\n' "$(node_uri dev2)"
+			printf '         control: %s ctl dev2 -- status     logs: %s/dev2/\n' "$SELF" "$LOG_DIR"
+			;;
 		cluster)
 			printf 'cluster  amqp://guest:guest@127.0.0.1:%s/  (haproxy -> %s %s %s)\n' "$HAPROXY_PORT" \
 				"$(node_uri n1)" "$(node_uri n2)" "$(node_uri n3)"
@@ -793,7 +799,7 @@ print_summary() {
 cmd_up() {
 	local what="${1:-}" names=()
 	case "$what" in
-	local | 43 | dev | cluster) names=("$what") ;;
+	local | 43 | dev | dev2 | cluster) names=("$what") ;;
 	all) names=(local 43 cluster) ;;
 	*) usage ;;
 	esac
@@ -805,6 +811,7 @@ cmd_up() {
 		local) want_local=1 ;;
 		43) nodes+=(rabbit43) ;;
 		dev) nodes+=(dev43) ;;
+		dev2) nodes+=(dev2) ;;
 		cluster) nodes+=("${CLUSTER_NODES[@]}") ;;
 		esac
 	done
@@ -827,7 +834,7 @@ cmd_up() {
 
 cmd_down() {
 	local what="${1:-}" short
-	case "$what" in 43 | dev | cluster | all) ;; *) usage ;; esac
+	case "$what" in 43 | dev | dev2 | cluster | all) ;; *) usage ;; esac
 	lock
 	if [[ ! -d $ROOT ]]; then
 		log "nothing to stop ($ROOT does not exist)"
@@ -850,9 +857,12 @@ cmd_down() {
 	if [[ $what == dev || $what == all ]]; then
 		stop_node dev43
 	fi
+	if [[ $what == dev2 || $what == all ]]; then
+		stop_node dev2
+	fi
 	# Our epmd goes when no node of the root is left.
 	local any=0
-	for short in rabbit43 dev43 "${CLUSTER_NODES[@]}"; do
+	for short in rabbit43 dev43 dev2 "${CLUSTER_NODES[@]}"; do
 		beam_pid "$short" >/dev/null && any=1
 	done
 	if ((any == 0)) && [[ -f $READY_MARKER ]]; then
@@ -920,6 +930,10 @@ cmd_ctl() {
 		[[ -z $node || $node == dev43 ]] || die "--node applies to the cluster only"
 		node=dev43
 		;;
+	dev2)
+		[[ -z $node || $node == dev2 ]] || die "--node applies to the cluster only"
+		node=dev2
+		;;
 	cluster)
 		if [[ -n $node ]]; then
 			node="${node%@localhost}"
@@ -928,7 +942,7 @@ cmd_ctl() {
 			node="$(default_cluster_node)" || die "no cluster node runs; start them with: $SELF up cluster"
 		fi
 		;;
-	*) die "unknown broker '$name' (want local, 43, dev or cluster)" ;;
+	*) die "unknown broker '$name' (want local, 43, dev, dev2 or cluster)" ;;
 	esac
 	need_root
 	[[ -f $READY_MARKER ]] || die "broker $name is not provisioned; run: $SELF up $name"
@@ -949,10 +963,11 @@ broker_version() {
 			log "warning: could not ask the local broker its version; using the package's (${v:-unknown})"
 		fi
 		;;
-	43 | dev | cluster)
+	43 | dev | dev2 | cluster)
 		case "$name" in
 		43) short=rabbit43 ;;
 		dev) short=dev43 ;;
+		dev2) short=dev2 ;;
 		*) short="$(default_cluster_node)" || short="" ;;
 		esac
 		if [[ -n $short ]] && [[ $(id -u) == 0 ]]; then
@@ -975,6 +990,7 @@ cmd_env() {
 	local) uri="$LOCAL_URI" ;;
 	43) uri="$(node_uri rabbit43)" ;;
 	dev) uri="$(node_uri dev43)" ;;
+	dev2) uri="$(node_uri dev2)" ;;
 	cluster)
 		uri="amqp://guest:guest@127.0.0.1:$HAPROXY_PORT/"
 		node_list="${CLUSTER_NODES[*]}"
@@ -1054,7 +1070,7 @@ cmd_status() {
 		return 0
 	fi
 	printf '  root: %s, rabbitmq-server %s\n' "$ROOT" "$(pkg_version || echo '?')"
-	for short in rabbit43 dev43 "${CLUSTER_NODES[@]}"; do
+	for short in rabbit43 dev43 dev2 "${CLUSTER_NODES[@]}"; do
 		node_vars "$short"
 		if pid="$(beam_pid "$short")"; then
 			if amqp_answers "$AMQP_PORT"; then state=running; else state='app-down'; fi
