@@ -731,13 +731,23 @@ func TestConfirmPublisher_StalledLoggerCannotHideReturn(t *testing.T) {
 	noRoute := uniqueName(t, "rabbitretry.noroute")
 	logger.armed.Store(true)
 
-	// 1. An abandoned unroutable publish (written, then its ctx ended).
+	// 1. An abandoned unroutable publish (written, then its ctx ended): the
+	// write hook ends the publish's ctx right after the write, before the
+	// broker's return and confirm can have arrived (on a loaded machine a
+	// timed deadline may never fall between the two).
+	var cancelAfterWrite atomic.Pointer[context.CancelFunc]
+	p.testHookWritten = func() {
+		if c := cancelAfterWrite.Swap(nil); c != nil {
+			(*c)()
+		}
+	}
 	abandoned := 0
-	for i := 0; i < 500 && abandoned == 0; i++ {
-		ctx, cancel := context.WithTimeout(context.Background(), time.Duration(20+i*20)*time.Microsecond)
+	for i := 0; i < 50 && abandoned == 0; i++ {
+		ctx, cancel := context.WithCancel(context.Background())
+		cancelAfterWrite.Store(&cancel)
 		err := p.PublishRaw(ctx, "", noRoute, amqp.Publishing{Body: []byte("abandoned")})
 		cancel()
-		if errors.Is(err, context.DeadlineExceeded) && strings.Contains(err.Error(), "waiting for publisher confirm") {
+		if errors.Is(err, context.Canceled) && strings.Contains(err.Error(), "waiting for publisher confirm") {
 			abandoned++
 		}
 	}

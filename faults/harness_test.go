@@ -23,6 +23,7 @@ import (
 	"maps"
 	"os"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -487,7 +488,9 @@ func (e *env) settle(n int, completed func() int, timeout time.Duration) bool {
 }
 
 // checkEmpty fails the test for any message left in the originating queue or
-// a wait queue (call it with no consumer running).
+// a wait queue (call it with no consumer running). With NativeDelayedRetry
+// it also counts the messages held in Q's delayed state, which a passive
+// declare does not report (its count is the ready messages only).
 func (e *env) checkEmpty() {
 	e.t.Helper()
 	for _, q := range append(e.waitQueues(), e.queue) {
@@ -495,6 +498,35 @@ func (e *env) checkEmpty() {
 			e.t.Errorf("%d message(s) left in %s", d, q)
 		}
 	}
+	if e.cfg.NativeDelayedRetry != nil {
+		// list_queues reports the queue's metrics, emitted every 5 s: a
+		// count above 0 may be an old one, so wait for it to reach 0.
+		held := -1
+		if !poll(15*time.Second, func() bool { held = e.queueMessages(e.queue); return held == 0 }) {
+			e.t.Errorf("%d message(s) left in %s (ready, unacknowledged or delayed)", held, e.queue)
+		}
+	}
+}
+
+// queueMessages is q's "messages" as rabbitmqctl list_queues reports it:
+// ready, unacknowledged and (quorum queues, 4.3) delayed. -1 if unknown.
+func (e *env) queueMessages(q string) int {
+	e.t.Helper()
+	out, err := rabbitmqctl(e.t, time.Minute, "-q", "list_queues", "name", "messages", "--no-table-headers")
+	if err != nil {
+		e.t.Errorf("list_queues: %v", err)
+		return -1
+	}
+	for _, line := range strings.Split(out, "\n") {
+		if f := strings.Fields(line); len(f) == 2 && f[0] == q {
+			n, err := strconv.Atoi(f[1])
+			if err != nil {
+				return -1
+			}
+			return n
+		}
+	}
+	return -1
 }
 
 // poisoned drains the poison queue and returns the count per UUID.
@@ -550,6 +582,20 @@ func (l *ledger) handled() int {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	return len(l.ok)
+}
+
+// awaitingRetry counts the messages that failed at least once and have not
+// succeeded yet (retries waiting somewhere, or in a handler now).
+func (l *ledger) awaitingRetry() int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	n := 0
+	for u := range l.attempts {
+		if l.ok[u] == 0 {
+			n++
+		}
+	}
+	return n
 }
 
 func (l *ledger) successes() map[string]int {

@@ -36,12 +36,14 @@ type consumerProc struct {
 	done   chan error
 }
 
-func startConsumer(t *testing.T, bin string, e *env, out string) *consumerProc {
+// startConsumer starts faults/cmd/consumer on e's queue; extra are more
+// flags (e.g. -native-min).
+func startConsumer(t *testing.T, bin string, e *env, out string, extra ...string) *consumerProc {
 	t.Helper()
-	cmd := exec.Command(bin,
+	cmd := exec.Command(bin, append([]string{
 		"-uri", e.uri, "-exchange", e.exchange, "-routing-key", routingKey, "-queue", e.queue,
 		"-naming-prefix", e.prefix, "-queue-type", e.queueType, "-tiers", "200ms,400ms",
-		"-max-attempts", "5", "-initial-backoff", "200ms", "-fail-percent", "30", "-out", out)
+		"-max-attempts", "5", "-initial-backoff", "200ms", "-fail-percent", "30", "-out", out}, extra...)...)
 	stdout, err := cmd.StdoutPipe()
 	if err != nil {
 		t.Fatal(err)
@@ -122,7 +124,12 @@ func successes(t *testing.T, files ...string) map[string]int {
 // process takes over. The union of the success files and the poison queue
 // accounts for every published message.
 func TestConsumerKilled(t *testing.T) {
-	e := newEnv(t, "classic")
+	consumerKilled(t, newEnv(t, "classic"))
+}
+
+// consumerKilled runs the kill scenario on e; extra are more consumer flags
+// (both processes get them).
+func consumerKilled(t *testing.T, e *env, extra ...string) {
 	bin := buildConsumer(t, t.TempDir())
 	dir := t.TempDir()
 	out1, out2 := filepath.Join(dir, "success-1.log"), filepath.Join(dir, "success-2.log")
@@ -133,7 +140,7 @@ func TestConsumerKilled(t *testing.T) {
 	e.publish(ps...)
 	count := func() int { return len(successes(t, out1, out2)) }
 
-	c1 := startConsumer(t, bin, e, out1)
+	c1 := startConsumer(t, bin, e, out1, extra...)
 	waitFor(t, 30*time.Second, "first consumer's progress", func() bool { return len(successes(t, out1)) >= n/3 })
 	waiting := 0
 	for _, wq := range e.waitQueues() {
@@ -146,9 +153,9 @@ func TestConsumerKilled(t *testing.T) {
 	if ws, ok := c1.cmd.ProcessState.Sys().(syscall.WaitStatus); !ok || !ws.Signaled() || ws.Signal() != syscall.SIGKILL {
 		t.Fatalf("first consumer did not die by SIGKILL: %v", err)
 	}
-	t.Logf("killed the first consumer after %d successes, %d retries waiting in wait queues", len(successes(t, out1)), waiting)
+	t.Logf("killed the first consumer after %d successes, %d retries waiting in wait queues (native delayed retries, held in Q, are not counted)", len(successes(t, out1)), waiting)
 
-	c2 := startConsumer(t, bin, e, out2)
+	c2 := startConsumer(t, bin, e, out2, extra...)
 	settled := e.settle(n, count, 60*time.Second)
 	if err := c2.cmd.Process.Signal(syscall.SIGTERM); err != nil {
 		t.Fatal(err)

@@ -48,3 +48,41 @@ func TestNativeDelayedRetryConnectionDrop(t *testing.T) {
 		t.Errorf("%d retries went to a wait queue; every delay is in the native range (first: %v)", len(es), es[0])
 	}
 }
+
+// nativeEnv is a quorum-queue env in the native delayed retry mode: the
+// backoff (200, 400 ms) fits Min 200 ms / Max 400 ms, so every retry waits
+// in Q's delayed state. MaxAttempts 8 leaves room for the attempts a crash
+// or a connection loss uses (each return of an unacked delivery counts,
+// x-acquired-count).
+func nativeEnv(t *testing.T) *env {
+	t.Helper()
+	if !brokerAtLeast43() {
+		t.Skip("native delayed retry needs RabbitMQ 4.3+ (RABBITRETRY_BROKER_VERSION)")
+	}
+	return newEnv(t, amqpretry.QueueTypeQuorum, func(_ *env, c *amqpretry.Config) {
+		c.MaxAttempts = 8
+		c.NativeDelayedRetry = &amqpretry.NativeDelayedRetry{Min: 200 * time.Millisecond, Max: 400 * time.Millisecond}
+	})
+}
+
+// TestBrokerRestartMidStorm with native delayed retry: the broker app
+// restarts twice while retries are held in Q's delayed state (a quorum
+// queue's Raft log keeps them); every message ends handled, none poisoned.
+func TestNativeDelayedRetryBrokerRestartMidStorm(t *testing.T) {
+	requireDisruptive(t)
+	haveRabbitmqctl(t)
+	e := nativeEnv(t)
+	restartMidStorm(t, e)
+	if es := e.logs.find("info", "Retry scheduled"); len(es) != 0 {
+		t.Errorf("%d retries went to a wait queue; every delay is in the native range", len(es))
+	}
+}
+
+// TestConsumerKilled with native delayed retry: the SIGKILLed consumer's
+// unacked deliveries go back to Q delayed (x-delayed-retry-type all), the
+// retries it had handed to the delayed state stay there; a second process
+// takes over and every message is accounted for.
+func TestNativeDelayedRetryConsumerKilled(t *testing.T) {
+	e := nativeEnv(t)
+	consumerKilled(t, e, "-max-attempts", "8", "-native-min", "200ms", "-native-max", "400ms")
+}

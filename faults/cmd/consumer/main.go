@@ -63,6 +63,8 @@ func run() error {
 		failPercent = flag.Int("fail-percent", 30, "share of UUIDs failing transiently once or twice")
 		work        = flag.Duration("work", time.Millisecond, "simulated work per attempt")
 		out         = flag.String("out", "", "file the handled UUIDs are appended to")
+		nativeMin   = flag.Duration("native-min", 0, "NativeDelayedRetry.Min (0: mode off; RabbitMQ 4.3+ quorum queues)")
+		nativeMax   = flag.Duration("native-max", 0, "NativeDelayedRetry.Max (0: Min)")
 	)
 	flag.Parse()
 	if *exchange == "" || *queue == "" || *prefix == "" || *out == "" {
@@ -96,8 +98,13 @@ func run() error {
 	subCfg.Exchange = wamqp.ExchangeConfig{GenerateName: func(string) string { return *exchange }, Type: "direct", Durable: true}
 	subCfg.QueueBind = wamqp.QueueBindConfig{GenerateRoutingKey: func(string) string { return *routingKey }}
 	subCfg.Consume.Qos.PrefetchCount = 16
+	var native *amqpretry.NativeDelayedRetry
+	if *nativeMin > 0 {
+		native = &amqpretry.NativeDelayedRetry{Min: *nativeMin, Max: *nativeMax}
+	}
 	retry, err := amqpretry.New(amqpretry.Config{
-		URI: *uri, Subscriber: subCfg, QueueType: *queueType, MaxAttempts: *maxAttempts,
+		NativeDelayedRetry: native,
+		URI:                *uri, Subscriber: subCfg, QueueType: *queueType, MaxAttempts: *maxAttempts,
 		Backoff: func() backoff.BackOff {
 			b := backoff.NewExponentialBackOff()
 			b.InitialInterval, b.Multiplier, b.RandomizationFactor, b.MaxElapsedTime = *initial, 2, 0, 0
