@@ -105,6 +105,12 @@ type Config struct {
 	// RabbitMQ 4.3+ (New refuses it otherwise); excludes
 	// DeadLetterFirstRetry. Default nil (off).
 	NativeDelayedRetry *NativeDelayedRetry
+	// AdoptQueue, when set, adopts existing originating queues: their queue
+	// arguments are left alone (passive declare) and what the retry mode
+	// needs from them is set by a policy, applied through the management
+	// API or logged as a rabbitmqctl command (see AdoptQueue). Default nil:
+	// the library declares Q with the arguments it needs.
+	AdoptQueue *AdoptQueue
 	// MaxRedeliveries is how many broker redeliveries (the redelivered flag:
 	// consumer crash, connection loss, consumer_timeout, a requeue) a message
 	// survives before it is poisoned with class "redelivery-limit" without
@@ -194,6 +200,19 @@ func (c Config) Validate() error {
 	}
 	if err := c.validateNative(); err != nil {
 		return err
+	}
+	if a := c.AdoptQueue; a != nil {
+		if a.ManagementURL == "" && (c.DeadLetterFirstRetry || c.NativeDelayedRetry != nil) {
+			return errors.New("amqpretry.Config.AdoptQueue.ManagementURL is empty, and DeadLetterFirstRetry and NativeDelayedRetry cannot work on an adopted queue until their policy applies: set ManagementURL so the library applies and checks it")
+		}
+		if a.ManagementURL != "" {
+			if _, err := newMgmtClient(a); err != nil {
+				return err
+			}
+		}
+		if a.PolicyPriority < 0 {
+			return fmt.Errorf("amqpretry.Config.AdoptQueue.PolicyPriority %d is negative", a.PolicyPriority)
+		}
 	}
 	if c.PublisherChannels < 0 {
 		return fmt.Errorf("amqpretry.Config.PublisherChannels %d is negative", c.PublisherChannels)
@@ -305,6 +324,13 @@ func New(cfg Config) (*Retry, error) {
 			middleware.XDeathSource(func(msg *message.Message) string { return qn(msg.Context()) }),
 			middleware.AcquiredCountSource(),
 		}
+	}
+	if cfg.AdoptQueue != nil {
+		if topo.adopt, err = newAdopter(cfg.AdoptQueue, topo, cfg.URI); err != nil {
+			_ = pub.Close()
+			return nil, err
+		}
+		topo.open = pub.Channel
 	}
 	delayer := &Delayer{publisher: pub, topology: topo, marshaler: marshaler, queueName: cfg.QueueName, logger: cfg.Logger,
 		deadLetterFirst: cfg.DeadLetterFirstRetry, native: cfg.NativeDelayedRetry}

@@ -1,6 +1,7 @@
 package amqpretry
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"regexp"
@@ -37,8 +38,9 @@ type Naming struct {
 	// a retry returns to Q only. Default "rabbitretry.loopback".
 	LoopBackExchange string
 	// WaitExchange is the direct exchange retries are published to; each
-	// wait queue is bound to it with its own name as routing key. It is also
-	// Q's dead-letter exchange. Default "rabbitretry.wait".
+	// wait queue is bound to it with its own name as routing key. No queue
+	// argument names it (dead-lettering goes through the default exchange),
+	// so it can be renamed between deploys. Default "rabbitretry.wait".
 	WaitExchange string
 	// PoisonExchange is the direct exchange poison queues are bound to with
 	// their own names. Default "rabbitretry.poison".
@@ -80,22 +82,44 @@ type DeclareError struct {
 	// Argument is the conflicting argument, e.g. "x-dead-letter-exchange",
 	// when the broker named one.
 	Argument string
-	Err      error
+	// Wanted and Found are the argument's value as declared and as the
+	// existing queue has it, as the broker wrote them ("none", or "the
+	// value '1000' of type 'long'"); empty when the broker did not say.
+	Wanted, Found string
+	Err           error
+	// origin: the queue is an originating queue (AdoptQueue can adopt it).
+	origin bool
 }
 
-// Error names the declared object, the conflicting argument if known, and the broker error.
+// Error names the declared object, the conflicting argument and both values
+// if known, the fix, and the broker error.
 func (e *DeclareError) Error() string {
 	if e.Argument != "" {
-		return fmt.Sprintf("amqpretry: declaring %s %q: argument %s conflicts with the existing %s (delete it or align its arguments): %v",
-			e.Kind, e.Name, e.Argument, e.Kind, e.Err)
+		fix := "delete it (its messages are lost) or declare it with the same arguments"
+		if e.origin {
+			fix = "set amqpretry.Config.AdoptQueue to adopt the queue as it is (its arguments stay; what the retry mode needs is set by a policy), or declare it with the same arguments"
+		}
+		return fmt.Sprintf("amqpretry: declaring %s %q: argument %s is %s on the existing %s, and the library declares %s; fix: %s: %v",
+			e.Kind, e.Name, e.Argument, orUnknown(e.Found), e.Kind, orUnknown(e.Wanted), fix, e.Err)
 	}
 	return fmt.Sprintf("amqpretry: declaring %s %q: %v", e.Kind, e.Name, e.Err)
+}
+
+func orUnknown(s string) string {
+	if s == "" {
+		return "(not reported)"
+	}
+	return s
 }
 
 // Unwrap returns the broker error (an *amqp.Error for a refused declare).
 func (e *DeclareError) Unwrap() error { return e.Err }
 
-var inequivalentArg = regexp.MustCompile(`inequivalent arg '([^']+)'`)
+var (
+	inequivalentArg = regexp.MustCompile(`inequivalent arg '([^']+)'`)
+	// "received none but current is the value '1000' of type 'long'"
+	inequivalentValues = regexp.MustCompile(`received (none|the value '[^']*' of type '[^']*') but current is (none|the value '[^']*' of type '[^']*')`)
+)
 
 func declareError(kind, name string, err error) error {
 	if err == nil {
@@ -106,6 +130,9 @@ func declareError(kind, name string, err error) error {
 	if errors.As(err, &aerr) && aerr.Code == amqp.PreconditionFailed {
 		if m := inequivalentArg.FindStringSubmatch(aerr.Reason); m != nil {
 			de.Argument = m[1]
+			if v := inequivalentValues.FindStringSubmatch(aerr.Reason); v != nil {
+				de.Wanted, de.Found = v[1], v[2]
+			}
 		}
 	}
 	return de
@@ -113,7 +140,7 @@ func declareError(kind, name string, err error) error {
 
 // Topology declares, for each originating queue Q, the retry topology:
 //
-//	business exchange --(routing key)--> Q   (quorum: x-dead-letter-exchange = PoisonExchange,
+//	business exchange --(routing key)--> Q   (quorum: x-dead-letter-exchange = "" (default),
 //	                                          x-dead-letter-routing-key = Q.poison; see originArgs)
 //	WaitExchange --(Q.wait.<tier>)--> Q.wait.<tier>   (x-message-ttl = tier,
 //	                                          x-dead-letter-exchange = "" (default exchange),
@@ -135,6 +162,10 @@ type Topology struct {
 	deadLetterFirst bool
 	native          *NativeDelayedRetry // Q gets the x-delayed-retry-* arguments
 	logger          watermill.LoggerAdapter
+	// adopt (Config.AdoptQueue): Q is declared passively, its needs go to a
+	// policy; open gives the side channel the passive declare runs on.
+	adopt *adopter
+	open  func() (*amqp.Channel, error)
 
 	mu       sync.Mutex
 	declared map[string]declaredQueue // originating queue -> how BuildTopology declared it
@@ -227,14 +258,14 @@ func (t *Topology) CheckNames(queue string) error {
 //     expires in Q, or a max-length overflow, discards the message as the
 //     producer or operator asked, instead of a detour through the retry path
 //     that ends in the broker's dead-letter cycle detection.
-//   - quorum Q: dead-letter exchange = the poison exchange, routing key
+//   - quorum Q: dead-letter exchange = the default exchange, routing key
 //     Q's poison queue, at-least-once. Besides expiry and overflow, RabbitMQ
 //     4.0+ removes a message past the queue's delivery limit (default 20):
 //     it lands in the poison queue with x-death reason delivery_limit instead
 //     of being dropped ("Quorum Queues", "Dead Letter Exchanges").
-//   - DeadLetterFirstRetry (quorum only): dead-letter exchange = the wait
-//     exchange, routing key Q's first wait queue: the library's nack is the
-//     first retry.
+//   - DeadLetterFirstRetry (quorum only): dead-letter exchange = the
+//     default exchange, routing key Q's first wait queue: the library's nack
+//     is the first retry.
 //   - NativeDelayedRetry (quorum only): x-delayed-retry-type "all",
 //     x-delayed-retry-min and -max (ms): the library's nack with requeue is
 //     a native retry.
@@ -245,19 +276,35 @@ func (t *Topology) originArgs(queue string, user amqp.Table) amqp.Table {
 	}
 	if t.queueType == QueueTypeQuorum {
 		args["x-queue-type"] = QueueTypeQuorum
-		args["x-dead-letter-strategy"] = "at-least-once"
-		args["x-overflow"] = "reject-publish"
-		if t.deadLetterFirst {
-			args["x-dead-letter-exchange"] = t.naming.WaitExchange
-			args["x-dead-letter-routing-key"] = t.naming.WaitQueue(queue, t.tiers[0])
-		} else {
-			args["x-dead-letter-exchange"] = t.naming.PoisonExchange
-			args["x-dead-letter-routing-key"] = t.naming.PoisonQueue(queue)
-		}
-		if t.native != nil {
-			for k, v := range t.native.args() {
-				args[k] = v
-			}
+	}
+	for k, v := range t.retryArgs(queue) {
+		args[k] = v
+	}
+	return args
+}
+
+// retryArgs are the arguments of Q that the retry mode needs (none for a
+// classic queue): declared with Q, or, for an adopted queue (AdoptQueue),
+// set by a policy with the same keys without "x-". Every dead-letter target
+// goes through the default exchange, which cannot be deleted and depends on
+// no exchange name in Naming, so renaming an exchange never changes Q's
+// arguments.
+func (t *Topology) retryArgs(queue string) amqp.Table {
+	args := amqp.Table{}
+	if t.queueType != QueueTypeQuorum {
+		return args
+	}
+	args["x-dead-letter-strategy"] = "at-least-once"
+	args["x-overflow"] = "reject-publish"
+	args["x-dead-letter-exchange"] = ""
+	if t.deadLetterFirst {
+		args["x-dead-letter-routing-key"] = t.naming.WaitQueue(queue, t.tiers[0])
+	} else {
+		args["x-dead-letter-routing-key"] = t.naming.PoisonQueue(queue)
+	}
+	if t.native != nil {
+		for k, v := range t.native.args() {
+			args[k] = v
 		}
 	}
 	return args
@@ -304,9 +351,8 @@ func (t *Topology) BuildTopology(ch *amqp.Channel, queueName, exchangeName strin
 	if err := t.CheckNames(queueName); err != nil {
 		return err
 	}
-	if _, err := ch.QueueDeclare(queueName, config.Queue.Durable || t.queueType == QueueTypeQuorum, config.Queue.AutoDelete,
-		config.Queue.Exclusive, config.Queue.NoWait, t.originArgs(queueName, config.Queue.Arguments)); err != nil {
-		return declareError("queue", queueName, err)
+	if err := t.declareOrigin(ch, queueName, config); err != nil {
+		return err
 	}
 	if exchangeName != "" {
 		if err := t.ExchangeDeclare(ch, exchangeName, config); err != nil {
@@ -324,6 +370,59 @@ func (t *Topology) BuildTopology(ch *amqp.Channel, queueName, exchangeName strin
 	t.declared[queueName] = declaredQueue{exchange: exchangeName, config: config}
 	t.mu.Unlock()
 	return nil
+}
+
+// declareOrigin declares Q with the arguments the retry mode needs; an
+// adopted Q (Config.AdoptQueue) that exists is left as it is, one that does
+// not is declared without the retry arguments, and the policy is applied.
+func (t *Topology) declareOrigin(ch *amqp.Channel, queue string, config wamqp.Config) error {
+	durable := config.Queue.Durable || t.queueType == QueueTypeQuorum
+	if t.adopt == nil {
+		_, err := ch.QueueDeclare(queue, durable, config.Queue.AutoDelete, config.Queue.Exclusive, config.Queue.NoWait,
+			t.originArgs(queue, config.Queue.Arguments))
+		if de, ok := declareError("queue", queue, err).(*DeclareError); ok {
+			de.origin = true
+			return de
+		}
+		return nil
+	}
+	exists, err := t.queueExists(queue)
+	if err != nil {
+		return err
+	}
+	if !exists {
+		args := amqp.Table{}
+		for k, v := range config.Queue.Arguments {
+			args[k] = v
+		}
+		if t.queueType == QueueTypeQuorum {
+			args["x-queue-type"] = QueueTypeQuorum
+		}
+		if _, err := ch.QueueDeclare(queue, durable, config.Queue.AutoDelete, config.Queue.Exclusive, config.Queue.NoWait, args); err != nil {
+			return declareError("queue", queue, err)
+		}
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	return t.adopt.adopt(ctx, queue)
+}
+
+// queueExists declares queue passively on a channel of its own (a missing
+// queue closes the channel: 404 NOT_FOUND).
+func (t *Topology) queueExists(queue string) (bool, error) {
+	ch, err := t.open()
+	if err != nil {
+		return false, fmt.Errorf("amqpretry: adopting queue %q: opening a channel: %w", queue, err)
+	}
+	defer ch.Close()
+	if _, err := ch.QueueDeclarePassive(queue, false, false, false, false, nil); err != nil {
+		var aerr *amqp.Error
+		if errors.As(err, &aerr) && aerr.Code == amqp.NotFound {
+			return false, nil
+		}
+		return false, fmt.Errorf("amqpretry: adopting queue %q: %w", queue, err)
+	}
+	return true, nil
 }
 
 // DeclareRetry declares Q's side of the retry topology (loop-back binding,

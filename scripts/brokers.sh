@@ -985,12 +985,15 @@ broker_version() {
 }
 
 cmd_env() {
-	local name="${1:-}" uri node_list="" node_uris="" version short
+	local name="${1:-}" uri node_list="" node_uris="" version short mgmt=""
 	case "$name" in
-	local) uri="$LOCAL_URI" ;;
-	43) uri="$(node_uri rabbit43)" ;;
-	dev) uri="$(node_uri dev43)" ;;
-	dev2) uri="$(node_uri dev2)" ;;
+	local) uri="$LOCAL_URI" mgmt="http://guest:guest@127.0.0.1:15672/" ;;
+	43 | dev | dev2)
+		case "$name" in 43) short=rabbit43 ;; dev) short=dev43 ;; *) short=dev2 ;; esac
+		uri="$(node_uri "$short")"
+		node_vars "$short"
+		mgmt="http://guest:guest@127.0.0.1:$MGMT_PORT/"
+		;;
 	cluster)
 		uri="amqp://guest:guest@127.0.0.1:$HAPROXY_PORT/"
 		node_list="${CLUSTER_NODES[*]}"
@@ -1012,6 +1015,9 @@ cmd_env() {
 		printf "export RABBITRETRY_NODE_CTL=''\n"
 	fi
 	printf "export RABBITRETRY_BROKER_VERSION='%s'\n" "$version"
+	# The management HTTP API (empty: the broker has none; the cluster's
+	# nodes run without it).
+	printf "export RABBITRETRY_MGMT_URI='%s'\n" "$mgmt"
 }
 
 cmd_node() {

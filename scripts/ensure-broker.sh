@@ -224,6 +224,19 @@ install_rabbitmq() {
 	fix_nodename_if_needed
 }
 
+# ensure_management: the management plugin (HTTP API on :15672), which the
+# tests of amqpretry.AdoptQueue use to apply and check policies. Enabled
+# online; a failure is a warning (those tests then skip, saying why).
+ensure_management() {
+	have rabbitmq-plugins || return 0
+	if run_t 60 rabbitmq-plugins -q list -e -m 2>/dev/null | grep -x rabbitmq_management >/dev/null; then
+		return 0
+	fi
+	log "enabling the management plugin (rabbitmq-plugins enable rabbitmq_management)"
+	run_t 120 rabbitmq-plugins -q enable rabbitmq_management >&2 ||
+		log "warning: could not enable rabbitmq_management; the AdoptQueue tests that need the management API will skip"
+}
+
 how_to() {
 	log "ERROR: no RabbitMQ broker answers on $BROKER_HOST:$BROKER_PORT (AMQP_URI=${AMQP_URI})"
 	log "To fix, do one of:"
@@ -256,6 +269,7 @@ fi
 if have rabbitmqctl && node_up; then
 	ensure_app_running
 	wait_ready
+	ensure_management
 	exit 0
 fi
 
@@ -268,6 +282,7 @@ fi
 # 3. Installed but not running: start it.
 if have rabbitmq-server; then
 	start_node
+	ensure_management
 	exit 0
 fi
 
@@ -281,6 +296,7 @@ if [[ ${BROKER_NO_INSTALL:-0} != 1 ]] && [[ $(id -u) == 0 ]] && have apt-get; th
 	else
 		start_node
 	fi
+	ensure_management
 	exit 0
 fi
 

@@ -3,6 +3,7 @@ package testkit
 import (
 	"context"
 	"fmt"
+	"net/http"
 	"os"
 	"os/exec"
 	"strings"
@@ -101,4 +102,48 @@ func runPrefix(prefix string, timeout time.Duration, args ...string) (string, er
 		return string(out), fmt.Errorf("%s %s: %w: %s", prefix, strings.Join(args, " "), err, out)
 	}
 	return string(out), nil
+}
+
+// MgmtURI is the management HTTP API of the broker under test:
+// RABBITRETRY_MGMT_URI when set (scripts/brokers.sh env prints it, empty
+// for a broker without one), else http://guest:guest@127.0.0.1:15672/ for
+// the machine's default broker, else "".
+func MgmtURI() string {
+	if v, ok := os.LookupEnv("RABBITRETRY_MGMT_URI"); ok {
+		return strings.TrimSpace(v)
+	}
+	if u := os.Getenv("AMQP_URI"); u != "" && u != DefaultURI {
+		return ""
+	}
+	return "http://guest:guest@127.0.0.1:15672/"
+}
+
+// HaveMgmt returns MgmtURI, skipping the test when the broker under test
+// has no management API that answers (the cluster here runs without one).
+// Under CI=true a missing API on a broker that should have one fails.
+func HaveMgmt(t testing.TB) string {
+	t.Helper()
+	u := MgmtURI()
+	if u == "" {
+		t.Skip("the broker under test has no management API (RABBITRETRY_MGMT_URI is empty)")
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, strings.TrimSuffix(u, "/")+"/api/overview", nil)
+	if err == nil {
+		var resp *http.Response
+		if resp, err = http.DefaultClient.Do(req); err == nil {
+			_ = resp.Body.Close()
+			if resp.StatusCode != http.StatusOK {
+				err = fmt.Errorf("GET /api/overview: %s", resp.Status)
+			}
+		}
+	}
+	if err != nil {
+		if os.Getenv("CI") == "true" {
+			t.Fatalf("management API %s does not answer: %v (scripts/ensure-broker.sh enables it)", RedactURI(u), err)
+		}
+		t.Skipf("management API %s does not answer: %v (scripts/ensure-broker.sh enables it)", RedactURI(u), err)
+	}
+	return u
 }
