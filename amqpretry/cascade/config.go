@@ -1,0 +1,403 @@
+package cascade
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"regexp"
+	"strings"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/rabbitretry/rabbitretry/amqpretry"
+)
+
+// Defaults of Config.
+const (
+	// DefaultPrefix starts every exchange and queue name of the cascade.
+	DefaultPrefix = "rabbitretry.delay"
+	// DefaultGrain is the default time unit of the cascade: 100 ms.
+	DefaultGrain = 100 * time.Millisecond
+	// MaxLevels bounds Config.Levels: with the smallest grain (1 ms), level
+	// 31's TTL is 2^31 ms, and 2^32 ms would exceed amqpretry.MaxTTL.
+	MaxLevels = 32
+)
+
+// Config configures the delay cascade. The zero value is usable: zero
+// fields take the defaults given. Every process sharing a vhost's cascade
+// must use the same Prefix, Grain, Levels and QueueType (the broker refuses
+// a redeclare with other arguments: PRECONDITION_FAILED, returned as an
+// *amqpretry.DeclareError naming the argument).
+type Config struct {
+	// Prefix starts every name: exchanges and queues "<Prefix>.level.NN"
+	// (NN = 00 .. Levels-1, two digits) and the delivery exchange
+	// "<Prefix>.delivery". Default DefaultPrefix ("rabbitretry.delay").
+	// Must not start with "amq." (reserved, RabbitMQ "Exchanges"); at most
+	// 245 bytes (names are limited to 255).
+	Prefix string
+	// Grain is the cascade's time unit: a delay is rounded up to a whole
+	// number of grains, and level n's queue holds messages 2^n grains
+	// (x-message-ttl, in ms, RabbitMQ "Time-To-Live and Expiration").
+	// Default DefaultGrain (100 ms). Must be a whole number of milliseconds,
+	// at least 1 ms.
+	Grain time.Duration
+	// Levels is the number of levels, i.e. of bits in a delay: MaxDelay is
+	// (2^Levels - 1) × Grain. Default: the fewest levels whose MaxDelay
+	// covers amqpretry.MaxTTL (2^32-1 ms, about 49.7 days) while level
+	// Levels-1's TTL stays within it: 26 for 100 ms (MaxDelay about 77.7
+	// days), 23 for 1 s, 32 for 1 ms. Range [1, MaxLevels], with
+	// 2^(Levels-1) × Grain <= amqpretry.MaxTTL (RabbitMQ refuses a larger
+	// x-message-ttl).
+	Levels int
+	// QueueType of the level queues: amqpretry.QueueTypeQuorum (default) or
+	// amqpretry.QueueTypeClassic. Quorum level queues dead-letter
+	// at-least-once (x-dead-letter-strategy at-least-once, which needs
+	// x-overflow reject-publish; RabbitMQ 3.10+, "Quorum Queues"): a
+	// message is removed from a level only once the next level's queue (or
+	// the destination) confirmed it, so no broker crash or restart loses
+	// it. Classic queues dead-letter at-most-once ("Dead Letter
+	// Exchanges"): a message in transit between levels is lost if the node
+	// stops; use them only where that is acceptable (they are cheaper).
+	QueueType string
+	// Publisher publishes the delayed messages (mandatory, with publisher
+	// confirms) and opens the channels for declarations. Set it, or URI.
+	// NewDelayer and NewPublisher do not close it.
+	Publisher *amqpretry.ConfirmPublisher
+	// URI, when Publisher is nil, is the AMQP URI NewDelayer and
+	// NewPublisher dial their own ConfirmPublisher with (closed by Close).
+	// Setting both Publisher and URI is an error.
+	URI string
+	// Marshaler converts watermill messages to AMQP publishings. Its zero
+	// value is ready (amqpretry.Marshaler{}); use the subscriber's.
+	Marshaler amqpretry.Marshaler
+	// QueueName maps a message's context to its destination queue, for the
+	// Delayer (a retry goes back to the queue the message was consumed
+	// from). Default: message.SubscribeTopicFromCtx(ctx), i.e. the router's
+	// subscribe topic, which is the queue name with watermill-amqp's
+	// durable-queue configs. Not used by the Publisher (the topic is the
+	// queue).
+	QueueName func(ctx context.Context) string
+	// Logger receives warnings (a clamped delay, a redeclared topology).
+	// Default watermill.NopLogger{}.
+	Logger watermill.LoggerAdapter
+}
+
+func (c *Config) setDefaults() {
+	if c.Prefix == "" {
+		c.Prefix = DefaultPrefix
+	}
+	if c.Grain == 0 {
+		c.Grain = DefaultGrain
+	}
+	if c.Levels == 0 && c.Grain >= time.Millisecond && c.Grain <= amqpretry.MaxTTL {
+		c.Levels = defaultLevels(c.Grain)
+	}
+	if c.QueueType == "" {
+		c.QueueType = amqpretry.QueueTypeQuorum
+	}
+	if c.QueueName == nil {
+		c.QueueName = message.SubscribeTopicFromCtx
+	}
+	if c.Logger == nil {
+		c.Logger = watermill.NopLogger{}
+	}
+}
+
+// defaultLevels returns the fewest levels whose max delay covers MaxTTL,
+// one fewer if the top level's TTL would then exceed MaxTTL.
+func defaultLevels(grain time.Duration) int {
+	n := 1
+	for n < MaxLevels && time.Duration(uint64(1)<<uint(n)-1)*grain < amqpretry.MaxTTL {
+		n++
+	}
+	if levelTTL(grain, n-1) > amqpretry.MaxTTL && n > 1 {
+		n--
+	}
+	return n
+}
+
+// levelTTL is level n's queue TTL: 2^n × grain.
+func levelTTL(grain time.Duration, n int) time.Duration {
+	return time.Duration(uint64(1)<<uint(n)) * grain
+}
+
+// Validate reports the first invalid field, by name: Prefix reserved or too
+// long, Grain not a positive whole number of milliseconds, Levels outside
+// [1, MaxLevels] or with a top-level TTL above amqpretry.MaxTTL, QueueType
+// neither quorum nor classic, or both Publisher and URI set. Zero fields
+// are valid (defaults); NewDelayer and NewPublisher apply them first.
+func (c Config) Validate() error {
+	c.setDefaults()
+	if strings.HasPrefix(c.Prefix, "amq.") {
+		return fmt.Errorf("cascade.Config.Prefix %q starts with \"amq.\", which RabbitMQ reserves", c.Prefix)
+	}
+	if len(c.Prefix) > 245 {
+		return fmt.Errorf("cascade.Config.Prefix has %d bytes, more than 245 (names are limited to 255)", len(c.Prefix))
+	}
+	if c.Grain < time.Millisecond || c.Grain%time.Millisecond != 0 {
+		return fmt.Errorf("cascade.Config.Grain %v is not a positive whole number of milliseconds (x-message-ttl is in ms)", c.Grain)
+	}
+	if c.Levels < 1 || c.Levels > MaxLevels {
+		return fmt.Errorf("cascade.Config.Levels %d is outside [1, %d]", c.Levels, MaxLevels)
+	}
+	if top := levelTTL(c.Grain, c.Levels-1); top > amqpretry.MaxTTL {
+		return fmt.Errorf("cascade.Config.Levels %d with Grain %v makes the top level's TTL %v, above RabbitMQ's maximum %v",
+			c.Levels, c.Grain, top, amqpretry.MaxTTL)
+	}
+	if c.QueueType != amqpretry.QueueTypeQuorum && c.QueueType != amqpretry.QueueTypeClassic {
+		return fmt.Errorf("cascade.Config.QueueType %q is neither %q nor %q", c.QueueType, amqpretry.QueueTypeQuorum, amqpretry.QueueTypeClassic)
+	}
+	if c.Publisher != nil && c.URI != "" {
+		return errors.New("cascade.Config: both Publisher and URI are set; set one")
+	}
+	return nil
+}
+
+// resolved returns c with defaults, validated.
+func (c Config) resolved() (Config, error) {
+	c.setDefaults()
+	return c, c.Validate()
+}
+
+// LevelName is the name of level n's exchange and of its queue (the same
+// string names both; exchanges and queues are separate namespaces):
+// "<Prefix>.level.NN", NN two digits.
+func (c Config) LevelName(n int) string {
+	c.setDefaults()
+	return fmt.Sprintf("%s.level.%02d", c.Prefix, n)
+}
+
+// DeliveryExchange is the name of the topic exchange the last level
+// dead-letters to, and the destinations are bound to: "<Prefix>.delivery".
+func (c Config) DeliveryExchange() string {
+	c.setDefaults()
+	return c.Prefix + ".delivery"
+}
+
+// FirstExchange is the exchange a delayed message is published to: the
+// top level's, "<Prefix>.level.<Levels-1>".
+func (c Config) FirstExchange() string {
+	c.setDefaults()
+	return c.LevelName(c.Levels - 1)
+}
+
+// nextExchange is where level n passes (bit 0) and dead-letters to.
+func (c *Config) nextExchange(n int) string {
+	if n == 0 {
+		return c.DeliveryExchange()
+	}
+	return c.LevelName(n - 1)
+}
+
+// levelPatterns returns level n's binding keys: the one matching keys whose
+// bit n is 1 (to the level queue) and the one for bit n 0 (to the next
+// exchange). Bit n is word Levels-1-n of the key (0-based).
+func (c *Config) levelPatterns(n int) (one, zero string) {
+	skip := strings.Repeat("*.", c.Levels-1-n)
+	return skip + "1.#", skip + "0.#"
+}
+
+// destinationPattern is queue's binding key on the delivery exchange: one
+// "*" per level, then the queue name word for word, so it matches that
+// queue's keys only (a "#." prefix would also match queue "b" for "a.b").
+func (c *Config) destinationPattern(queue string) string {
+	return strings.Repeat("*.", c.Levels) + queue
+}
+
+// levelArgs are level n's queue arguments.
+func (c *Config) levelArgs(n int) amqp.Table {
+	args := amqp.Table{
+		"x-queue-type":           c.QueueType,
+		"x-message-ttl":          levelTTL(c.Grain, n).Milliseconds(),
+		"x-dead-letter-exchange": c.nextExchange(n),
+	}
+	if c.QueueType == amqpretry.QueueTypeQuorum {
+		args["x-dead-letter-strategy"] = "at-least-once"
+		args["x-overflow"] = "reject-publish"
+	}
+	return args
+}
+
+// Declare declares the whole fixed topology on ch, idempotently (RabbitMQ
+// declares are no-ops when the object exists with the same arguments):
+//
+//   - the delivery exchange (topic, durable);
+//   - per level n in [0, Levels): exchange "<Prefix>.level.NN" (topic,
+//     durable) and queue "<Prefix>.level.NN" (durable, QueueType,
+//     x-message-ttl 2^n × Grain in ms, x-dead-letter-exchange level n-1's
+//     exchange or, for level 0, the delivery exchange, no
+//     x-dead-letter-routing-key so the message keeps its key; quorum:
+//     x-dead-letter-strategy at-least-once, x-overflow reject-publish);
+//   - level n's exchange bound to its queue with "*." × (Levels-1-n) + "1.#"
+//     and to the next exchange (exchange-to-exchange binding, RabbitMQ
+//     "Exchange to Exchange Bindings") with "*." × (Levels-1-n) + "0.#".
+//
+// 4 × Levels + 1 operations; nothing per destination (see
+// BindDestination). It returns Validate's error, or an
+// *amqpretry.DeclareError (Kind "exchange", "queue" or "binding") for the
+// first refused operation; the broker then closes ch (a queue declared with
+// other arguments: 406 PRECONDITION_FAILED, Argument names the argument).
+func (c Config) Declare(ch *amqp.Channel) error {
+	c, err := c.resolved()
+	if err != nil {
+		return err
+	}
+	if err := ch.ExchangeDeclare(c.DeliveryExchange(), amqp.ExchangeTopic, true, false, false, false, nil); err != nil {
+		return declareError("exchange", c.DeliveryExchange(), err)
+	}
+	for n := 0; n < c.Levels; n++ {
+		name := c.LevelName(n)
+		if err := ch.ExchangeDeclare(name, amqp.ExchangeTopic, true, false, false, false, nil); err != nil {
+			return declareError("exchange", name, err)
+		}
+		if _, err := ch.QueueDeclare(name, true, false, false, false, c.levelArgs(n)); err != nil {
+			return declareError("queue", name, err)
+		}
+	}
+	for n := 0; n < c.Levels; n++ {
+		name := c.LevelName(n)
+		one, zero := c.levelPatterns(n)
+		if err := ch.QueueBind(name, one, name, false, nil); err != nil {
+			return declareError("binding", name, err)
+		}
+		if err := ch.ExchangeBind(c.nextExchange(n), zero, name, false, nil); err != nil {
+			return declareError("binding", name, err)
+		}
+	}
+	return nil
+}
+
+// BindDestination binds queue to the delivery exchange with the key
+// "*." × Levels + queue, so that messages addressed to queue arrive there
+// and nowhere else. Idempotent (a binding that exists is not duplicated);
+// one binding per destination, no queue. The queue must exist. It returns
+// Validate's error, ErrBadQueueName (wrapped), or an *amqpretry.DeclareError
+// (Kind "binding"; 404 NOT_FOUND when the queue or the delivery exchange is
+// missing, which closes ch).
+//
+// A message whose destination is unbound when it leaves the last level is
+// unroutable: with classic level queues it is dropped; with quorum ones
+// (at-least-once) RabbitMQ keeps it in the level queue and retries the
+// dead-lettering ("Quorum Queues", at-least-once dead-lettering), so it is
+// delivered once the binding exists, after up to the dead-letter worker's
+// resend interval (3 min by default; see the package doc).
+func (c Config) BindDestination(ch *amqp.Channel, queue string) error {
+	c, err := c.resolved()
+	if err != nil {
+		return err
+	}
+	if err := c.checkQueue(queue); err != nil {
+		return err
+	}
+	if err := ch.QueueBind(queue, c.destinationPattern(queue), c.DeliveryExchange(), false, nil); err != nil {
+		return declareError("binding", queue, err)
+	}
+	return nil
+}
+
+// UnbindDestination removes queue's binding (see BindDestination). It
+// returns Validate's error, ErrBadQueueName or the broker's error.
+func (c Config) UnbindDestination(ch *amqp.Channel, queue string) error {
+	c, err := c.resolved()
+	if err != nil {
+		return err
+	}
+	if err := c.checkQueue(queue); err != nil {
+		return err
+	}
+	return ch.QueueUnbind(queue, c.destinationPattern(queue), c.DeliveryExchange(), nil)
+}
+
+// Delete deletes the level queues (with every message waiting in them),
+// the level exchanges and the delivery exchange (unconditionally; missing
+// ones are not an error: queue.delete and exchange.delete of a missing
+// object succeed on RabbitMQ 3.10+). For tests and decommissioning. It
+// returns Validate's error or the first broker error.
+func (c Config) Delete(ch *amqp.Channel) error {
+	c, err := c.resolved()
+	if err != nil {
+		return err
+	}
+	for n := 0; n < c.Levels; n++ {
+		if _, err := ch.QueueDelete(c.LevelName(n), false, false, false); err != nil {
+			return fmt.Errorf("cascade: deleting queue %q: %w", c.LevelName(n), err)
+		}
+	}
+	for n := 0; n < c.Levels; n++ {
+		if err := ch.ExchangeDelete(c.LevelName(n), false, false); err != nil {
+			return fmt.Errorf("cascade: deleting exchange %q: %w", c.LevelName(n), err)
+		}
+	}
+	if err := ch.ExchangeDelete(c.DeliveryExchange(), false, false); err != nil {
+		return fmt.Errorf("cascade: deleting exchange %q: %w", c.DeliveryExchange(), err)
+	}
+	return nil
+}
+
+// LevelCount is what Waiting reports for one level.
+type LevelCount struct {
+	// Level is n: the queue holds messages 2^n grains.
+	Level int
+	// Queue is the level queue's name.
+	Queue string
+	// TTL is the level queue's x-message-ttl: 2^n × Grain.
+	TTL time.Duration
+	// Messages is the number of messages ready in the queue, as queue.declare
+	// (passive) reports it ("Queues", passive declare): messages waiting
+	// out this level's TTL. Level queues have no consumers, so none are
+	// unacknowledged; a quorum queue's count does not include messages
+	// already expired and waiting to be dead-lettered.
+	Messages int
+	// Consumers should be 0: anything consuming a level queue takes
+	// messages out of the cascade.
+	Consumers int
+}
+
+// Waiting reports, per level (level 0 first), how many messages wait in
+// the level queue, with a passive queue.declare each. A message is counted
+// in the level it is in now; how long it still waits, and for which
+// destination, is in its routing key, which can only be read by consuming
+// it (see ParseRoutingKey), so Waiting gives no per-destination counts. It
+// returns Validate's error, ctx's error (checked between declares), or the
+// broker's error (a missing level queue: 404 NOT_FOUND, which closes ch).
+func (c Config) Waiting(ctx context.Context, ch *amqp.Channel) ([]LevelCount, error) {
+	c, err := c.resolved()
+	if err != nil {
+		return nil, err
+	}
+	counts := make([]LevelCount, 0, c.Levels)
+	for n := 0; n < c.Levels; n++ {
+		if err := ctx.Err(); err != nil {
+			return counts, err
+		}
+		q, err := ch.QueueDeclarePassive(c.LevelName(n), true, false, false, false, c.levelArgs(n))
+		if err != nil {
+			return counts, fmt.Errorf("cascade: inspecting level queue %q: %w", c.LevelName(n), err)
+		}
+		counts = append(counts, LevelCount{Level: n, Queue: q.Name, TTL: levelTTL(c.Grain, n), Messages: q.Messages, Consumers: q.Consumers})
+	}
+	return counts, nil
+}
+
+var (
+	inequivalentArg    = regexp.MustCompile(`inequivalent arg '([^']+)'`)
+	inequivalentValues = regexp.MustCompile(`received (none|the value '[^']*' of type '[^']*') but current is (none|the value '[^']*' of type '[^']*')`)
+)
+
+// declareError wraps a refused declare or bind like amqpretry does.
+func declareError(kind, name string, err error) error {
+	de := &amqpretry.DeclareError{Kind: kind, Name: name, Err: err}
+	var aerr *amqp.Error
+	if errors.As(err, &aerr) && aerr.Code == amqp.PreconditionFailed {
+		if m := inequivalentArg.FindStringSubmatch(aerr.Reason); m != nil {
+			de.Argument = m[1]
+			if v := inequivalentValues.FindStringSubmatch(aerr.Reason); v != nil {
+				de.Wanted, de.Found = v[1], v[2]
+			}
+		}
+	}
+	return de
+}

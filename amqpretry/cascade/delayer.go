@@ -1,0 +1,257 @@
+package cascade
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/rabbitretry/rabbitretry/amqpretry"
+	"github.com/rabbitretry/rabbitretry/middleware"
+)
+
+// core is what the Delayer and the Publisher share: the resolved Config,
+// the publisher and what has been declared.
+type core struct {
+	cfg    Config
+	pub    *amqpretry.ConfirmPublisher
+	ownPub bool
+
+	mu       sync.Mutex
+	declared bool
+	bound    map[string]bool
+}
+
+func newCore(cfg Config) (*core, error) {
+	cfg, err := cfg.resolved()
+	if err != nil {
+		return nil, err
+	}
+	c := &core{cfg: cfg, pub: cfg.Publisher, bound: map[string]bool{}}
+	if c.pub == nil {
+		if cfg.URI == "" {
+			return nil, errors.New("cascade.Config: Publisher and URI are both empty; set one")
+		}
+		c.pub, err = amqpretry.NewConfirmPublisher(amqpretry.PublisherConfig{URI: cfg.URI, Logger: cfg.Logger})
+		if err != nil {
+			return nil, fmt.Errorf("cascade: connecting the publisher: %w", err)
+		}
+		c.ownPub = true
+	}
+	return c, nil
+}
+
+func (c *core) close() error {
+	if c.ownPub {
+		return c.pub.Close()
+	}
+	return nil
+}
+
+// ensure declares the topology (once) and binds queue (once per queue),
+// on a channel of its own.
+func (c *core) ensure(queue string) error { return c.ensureBound(queue, false) }
+
+// ensureBound is ensure; force binds queue even if it was bound before.
+func (c *core) ensureBound(queue string, force bool) error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.declared && c.bound[queue] && !force {
+		return nil
+	}
+	ch, err := c.pub.Channel()
+	if err != nil {
+		return err
+	}
+	defer ch.Close()
+	if !c.declared {
+		if err := c.cfg.Declare(ch); err != nil {
+			return err
+		}
+		c.declared = true
+	}
+	if err := c.cfg.BindDestination(ch, queue); err != nil {
+		return err
+	}
+	c.bound[queue] = true
+	return nil
+}
+
+// forget drops what ensure cached, after the broker showed the topology or
+// the binding missing.
+func (c *core) forget(queue string) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.declared = false
+	delete(c.bound, queue)
+}
+
+// send marshals msg and publishes it with n grains for queue, mandatory and
+// confirmed; if the broker shows the topology missing (returned as
+// unroutable, or 404 NOT_FOUND) it redeclares and tries once more.
+func (c *core) send(ctx context.Context, msg *message.Message, n uint64, queue string) error {
+	key, err := c.cfg.routingKey(n, queue)
+	if err != nil {
+		return err
+	}
+	p, err := c.cfg.Marshaler.Marshal(msg)
+	if err != nil {
+		return fmt.Errorf("cascade: marshaling: %w", err)
+	}
+	// A per-message TTL would expire the message out of a level queue
+	// early, skipping the rest of that level's wait (the lower of the two
+	// TTLs applies, "Time-To-Live and Expiration"). Dead-lettering removes
+	// it anyway after the first hop.
+	p.Expiration = ""
+	if size, limit := headerBytes(p.Headers), c.headerLimit(queue); size > limit {
+		return fmt.Errorf("%w: the delayed copy's headers take about %d bytes, more than the %d that stay deliverable once the broker adds an x-death entry per level",
+			middleware.ErrCannotDelay, size, limit)
+	}
+	exchange := c.cfg.FirstExchange()
+	if n == 0 {
+		exchange = c.cfg.DeliveryExchange() // straight to the queue; mandatory checks its binding
+	}
+	if err := c.ensure(queue); err != nil {
+		return fmt.Errorf("cascade: declaring the cascade for %q: %w", queue, err)
+	}
+	err = c.pub.PublishRaw(ctx, exchange, key, p)
+	if err == nil || !topologyMissing(err) {
+		return err
+	}
+	c.cfg.Logger.Error("Delay cascade publish found no route; redeclaring", err, watermill.LogFields{
+		"queue": queue, "exchange": exchange, "routing_key": key})
+	c.forget(queue)
+	if rerr := c.ensure(queue); rerr != nil {
+		return errors.Join(err, fmt.Errorf("cascade: redeclaring the cascade for %q: %w", queue, rerr))
+	}
+	return c.pub.PublishRaw(ctx, exchange, key, p)
+}
+
+func topologyMissing(err error) bool {
+	if errors.Is(err, amqpretry.ErrUnroutable) {
+		return true
+	}
+	var aerr *amqp.Error
+	return errors.As(err, &aerr) && aerr.Code == amqp.NotFound
+}
+
+// headerLimit is the largest header table a delayed copy may have:
+// amqpretry.MaxCopyHeaderBytes less what the broker adds on the way, an
+// x-death entry per level (queue, exchange, routing key, reason, count,
+// time) and the x-first-death-* / x-last-death-* headers.
+func (c *core) headerLimit(queue string) int {
+	keyLen := 2*c.cfg.Levels + len(queue)
+	nameLen := len(c.cfg.LevelName(0))
+	perLevel := 160 + 2*nameLen + keyLen
+	return amqpretry.MaxCopyHeaderBytes - c.cfg.Levels*perLevel - 6*(40+nameLen)
+}
+
+// Delayer implements middleware.Delayer with the delay cascade: a retry
+// copy waits exactly its delay (rounded up to the grain) in the shared level
+// queues instead of a per-queue tier, then goes back to its originating
+// queue. Safe for concurrent use. Make it with NewDelayer; Close it after
+// the router.
+type Delayer struct {
+	c *core
+}
+
+var _ middleware.Delayer = (*Delayer)(nil)
+
+// NewDelayer returns a Delayer for cfg (defaults applied). With
+// cfg.Publisher set it uses that publisher (an amqpretry.Retry's
+// Publisher(), say) and never closes it; with cfg.URI it dials its own. It
+// declares nothing yet: the cascade is declared on the first Schedule, and
+// each destination is bound on its first use. Errors: Validate's, neither
+// Publisher nor URI set, or the dial error.
+func NewDelayer(cfg Config) (*Delayer, error) {
+	c, err := newCore(cfg)
+	if err != nil {
+		return nil, err
+	}
+	return &Delayer{c: c}, nil
+}
+
+// Config returns the Config in use, with its defaults.
+func (d *Delayer) Config() Config { return d.c.cfg }
+
+// Schedule publishes msg to the cascade so that it reaches its originating
+// queue (Config.QueueName(ctx)) after delay, and returns nil once the
+// broker confirmed it (publisher confirms, mandatory; RabbitMQ "Consumer
+// Acknowledgements and Publisher Confirms").
+//
+// The delay used is max(delay, middleware.MinimumDelay(ctx)) (a handler's
+// RetryAfter is a floor), rounded up to the grain. A delay above MaxDelay
+// is clamped to MaxDelay and logged (Info), as amqpretry's tiers clamp to
+// the longest tier: a retry then comes back earlier than asked (MaxDelay is
+// 77.7 days by default). A delay of 0 grains is published straight to the
+// delivery exchange. The first Schedule declares the cascade (Declare), the
+// first for a queue binds it (BindDestination); if a publish shows either
+// missing (unroutable, or 404), it redeclares and tries once more. It does
+// not stop when ctx is cancelled (router shutdown): the publish is bounded
+// by the publisher's ConfirmTimeout instead, so a retry in flight is not
+// lost.
+//
+// Errors: wrapping middleware.ErrCannotDelay for a queue name the cascade
+// cannot route (ErrBadQueueName) or headers too large to survive the
+// x-death entries the levels add; a declare error
+// (*amqpretry.DeclareError); or the publisher's (amqpretry.ErrNacked,
+// ErrConfirmTimeout, ErrChannelClosed, ...), after which the republisher
+// nacks the original.
+func (d *Delayer) Schedule(ctx context.Context, msg *message.Message, delay time.Duration) error {
+	cfg := &d.c.cfg
+	q := cfg.QueueName(ctx)
+	if err := cfg.checkQueue(q); err != nil {
+		return fmt.Errorf("%w: %w", middleware.ErrCannotDelay, err)
+	}
+	if minimum, ok := middleware.MinimumDelay(ctx); ok {
+		delay = max(delay, minimum)
+	}
+	n, ok := cfg.grains(delay)
+	if !ok {
+		cfg.Logger.Info("Requested retry delay exceeds the delay cascade's maximum; using the maximum", watermill.LogFields{
+			"queue": q, "requested": delay.String(), "max_delay": cfg.maxDelay().String()})
+		n = uint64(1)<<uint(cfg.Levels) - 1
+	}
+	return d.c.send(context.WithoutCancel(ctx), msg, n, q)
+}
+
+// Bind declares the cascade (if this Delayer has not yet) and binds queue
+// to it now (always: bindings are idempotent), instead of on the first
+// Schedule for queue. Call it at startup to fail early (a missing queue, a
+// cascade declared with other arguments), and after recreating a queue:
+// the Delayer binds each queue once per process, and a deleted queue loses
+// its binding. Errors: ErrBadQueueName (wrapped), *amqpretry.DeclareError,
+// or the publisher's channel error.
+func (d *Delayer) Bind(queue string) error { return d.c.bind(queue) }
+
+func (c *core) bind(queue string) error {
+	if err := c.cfg.checkQueue(queue); err != nil {
+		return err
+	}
+	return c.ensureBound(queue, true)
+}
+
+// Waiting reports per level how many messages wait (see Config.Waiting), on
+// a channel of the Delayer's publisher.
+func (d *Delayer) Waiting(ctx context.Context) ([]LevelCount, error) {
+	return d.c.waiting(ctx)
+}
+
+func (c *core) waiting(ctx context.Context) ([]LevelCount, error) {
+	ch, err := c.pub.Channel()
+	if err != nil {
+		return nil, err
+	}
+	defer ch.Close()
+	return c.cfg.Waiting(ctx, ch)
+}
+
+// Close closes the publisher if NewDelayer dialled it (Config.URI), waiting
+// for publishes in flight; a Config.Publisher is left open. Close the
+// router first.
+func (d *Delayer) Close() error { return d.c.close() }

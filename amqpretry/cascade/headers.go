@@ -1,0 +1,50 @@
+package cascade
+
+import (
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+)
+
+// headerBytes estimates the size of h encoded as an AMQP field table (a
+// 4-byte length, then per entry a 1-byte name length, the name and the
+// tagged value), as amqp091-go writes it.
+func headerBytes(h amqp.Table) int {
+	n := 4
+	for k, v := range h {
+		n += 1 + len(k) + fieldBytes(v)
+	}
+	return n
+}
+
+// fieldBytes is the encoded size of one tagged field value, tag included.
+func fieldBytes(v any) int {
+	switch v := v.(type) {
+	case nil:
+		return 1
+	case bool, int8, uint8:
+		return 2
+	case int16, uint16:
+		return 3
+	case int32, uint32, float32:
+		return 5
+	case int, int64, uint64, float64, time.Time:
+		return 9
+	case amqp.Decimal:
+		return 6
+	case string:
+		return 5 + len(v)
+	case []byte:
+		return 5 + len(v)
+	case amqp.Table:
+		return 1 + headerBytes(v)
+	case []any:
+		n := 5
+		for _, e := range v {
+			n += fieldBytes(e)
+		}
+		return n
+	default:
+		return 64 // unknown to this estimate: amqp091-go refuses it anyway
+	}
+}
