@@ -34,9 +34,20 @@ type delayResult struct {
 	// the 3s-tier messages published (and failed) before them.
 	HOLOver300ms int     `json:"hol_200ms_over_300ms"`
 	HOLMaxMs     float64 `json:"hol_200ms_max_observed_ms"`
+	// Native: the native delayed retry (RabbitMQ 4.3+), TierMs its Min;
+	// absent (NativeUnavailable set) on older brokers.
+	Native            *delayTier `json:"native,omitempty"`
+	NativeUnavailable string     `json:"native_unavailable,omitempty"`
 }
 
-// scenarioDelay: tiers 200ms, 1s, 3s. Each message fails its first attempt
+func (b *bench) scenarioDelay() error {
+	if err := b.delayTiers(); err != nil {
+		return err
+	}
+	return b.delayNative()
+}
+
+// delayTiers: tiers 200ms, 1s, 3s. Each message fails its first attempt
 // with RetryAfter(tier) (the backoff is a constant 1 ms, so the delay is the
 // tier exactly) and succeeds on its second. Observed delay = handler start
 // of attempt 2 minus the moment attempt 1 returned its error (so it includes
@@ -44,7 +55,7 @@ type delayResult struct {
 // and the delivery). The queue is pre-filled in the order 3s, 1s, 200ms so
 // that the 200ms retries are scheduled after the 3s ones: with one wait
 // queue per tier they must not wait behind them (head-of-line check).
-func (b *bench) scenarioDelay() (err error) {
+func (b *bench) delayTiers() (err error) {
 	e := b.env
 	defer func() {
 		if cerr := e.cleanup(); cerr != nil && err == nil {

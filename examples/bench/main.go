@@ -4,15 +4,29 @@
 //
 //	overhead     bare watermill-amqp router vs the same router with
 //	             retry.Middleware, no failures, prefetch 256 and 1
-//	storm        2,000-message backlog, 10% fail once: this library vs
+//	storm        2,000-message backlog, 10% fail once: this library in its
+//	             three modes (publish path on classic queues, quorum +
+//	             DeadLetterFirstRetry, quorum + NativeDelayedRetry) vs
 //	             Watermill's Retry + PoisonQueue middlewares
-//	retry        rate of scheduled retries vs a raw amqp091 republish-with-
-//	             confirm loop (one confirm at a time, and pipelined)
-//	delay        observed minus intended delay for tiers 200ms, 1s, 3s, and
-//	             a head-of-line check
+//	retry        rate of scheduled retries of each library mode vs a raw
+//	             amqp091 republish-with-confirm loop (one confirm at a time,
+//	             and pipelined, on classic and on quorum queues)
+//	delay        observed minus intended delay for tiers 200ms, 1s, 3s, a
+//	             head-of-line check, and the native delayed retry (1s)
 //	memory       consumer RSS and goroutines with 0 vs 100,000 messages
-//	             waiting in a wait queue
+//	             waiting in a wait queue; broker memory for them, and for
+//	             100,000 held in a quorum queue's native delayed state
 //	concurrency  retry chain throughput with 1, 2, 4, 8 handlers
+//
+// The native delayed retry (amqpretry.Config.NativeDelayedRetry) needs
+// RabbitMQ 4.3+; on an older broker its rows say "n/a (needs RabbitMQ
+// 4.3+)" and the rest runs as usual.
+//
+// Broker figures (queue and node memory) come from rabbitmqctl: the command
+// in $RABBITRETRY_CTL, split on spaces, with rabbitmqctl's arguments appended
+// (e.g. "scripts/brokers.sh ctl dev2 --"; `scripts/brokers.sh env dev2` sets
+// it), else plain rabbitmqctl (the machine's own broker). The management API
+// is reached at $RABBITRETRY_MGMT_URL, else on the AMQP port + 10000.
 //
 // Usage:
 //
@@ -20,6 +34,7 @@
 //	go run ./examples/bench -scenarios overhead -cpuprofile cpu.out
 //	go run ./examples/bench -json out.json -md examples/bench/RESULTS.md
 //	go run ./examples/bench -n overhead=5000,memory=10000
+//	eval "$(scripts/brokers.sh env dev2)"; go run ./examples/bench -uri "$AMQP_URI" -scenarios storm
 //
 // Progress goes to stderr; the table (Markdown) and the JSON go to stdout.
 package main
@@ -64,6 +79,7 @@ type machine struct {
 	GoVersion     string `json:"go"`
 	Memory        string `json:"free_h,omitempty"`
 	RabbitMQ      string `json:"rabbitmqctl_version,omitempty"`
+	Ctl           string `json:"rabbitmqctl_command,omitempty"` // $RABBITRETRY_CTL or rabbitmqctl
 	ServerVersion string `json:"server_version,omitempty"`
 }
 
@@ -87,6 +103,8 @@ type bench struct {
 	runs          int
 	runsP1        int
 	stormHandlers int
+	stormRuns     int
+	stormVariants []string
 	retryHandlers []int
 	summary       summary
 }
@@ -116,10 +134,12 @@ func main() {
 	scenarios := flag.String("scenarios", strings.Join(allScenarios, ","), "comma list of scenarios: "+strings.Join(allScenarios, ","))
 	jsonOut := flag.String("json", "-", "write the JSON summary to this file; - prints it to stdout after the table; empty: none")
 	mdOut := flag.String("md", "", "also write a Markdown report (machine info + table) to this file, e.g. examples/bench/RESULTS.md")
-	sizes := flag.String("n", "", "message counts, comma list of scenario=N (defaults: overhead=20000,storm=2000,retry=5000,delay=200 per tier,memory=100000,concurrency=20000)")
+	sizes := flag.String("n", "", "message counts, comma list of scenario=N (defaults: overhead=20000,storm=2000,retry=5000,delay=200 per tier and for the native retry,memory=100000 in the wait queue and in the native delayed state,concurrency=20000)")
 	runs := flag.Int("runs", 7, "overhead at prefetch 256: runs per variant (alternating bare/retry); the median is reported")
 	runsP1 := flag.Int("runs-p1", 3, "overhead at prefetch 1 (watermill-amqp's default): runs per variant")
-	stormHandlers := flag.Int("storm-handlers", 1, "failure storm: handlers (subscriptions) per variant, the same for both")
+	stormHandlers := flag.Int("storm-handlers", 1, "failure storm: handlers (subscriptions) per variant, the same for all")
+	stormRuns := flag.Int("storm-runs", 5, "failure storm: runs of each rabbitretry variant with and without failures (interleaved); medians are reported. Watermill Retry runs once (its failure run takes minutes)")
+	stormVariants := flag.String("storm-variants", strings.Join(stormVariantNames, ","), "failure storm: comma list of variants to run (rows of the others are left out)")
 	retryHandlers := flag.String("retry-handlers", "1,4", "retry path: handler counts to measure (library and raw one-at-a-time get the same count)")
 	cpuprofile := flag.String("cpuprofile", "", "write a CPU profile of the whole run to this file")
 	fillChildSpec := flag.String("fill-child", "", "internal: run as the memory scenario's publishing child process")
@@ -133,7 +153,14 @@ func main() {
 		return
 	}
 
-	b := &bench{sizes: map[string]int{}, runs: max(*runs, 1), runsP1: max(*runsP1, 1), stormHandlers: max(*stormHandlers, 1)}
+	b := &bench{sizes: map[string]int{}, runs: max(*runs, 1), runsP1: max(*runsP1, 1), stormHandlers: max(*stormHandlers, 1), stormRuns: max(*stormRuns, 1)}
+	for _, v := range strings.Split(*stormVariants, ",") {
+		v = strings.TrimSpace(v)
+		if !slices.Contains(stormVariantNames, v) {
+			fatal(fmt.Errorf("unknown storm variant %q (have %s)", v, strings.Join(stormVariantNames, ",")))
+		}
+		b.stormVariants = append(b.stormVariants, v)
+	}
 	if err := parseSizes(*sizes, b.sizes); err != nil {
 		fatal(err)
 	}
@@ -207,6 +234,9 @@ func main() {
 	if n := e.logger.errors.Load(); n > 0 {
 		logf("watermill logged %d errors (see above)", n)
 	}
+	if n := e.logger.retries.Load(); n > 0 {
+		logf("watermill logged %d handler errors that are retries by nack (DeadLetterFirstRetry, NativeDelayedRetry; not printed)", n)
+	}
 
 	table := markdownTable(b.summary.Table)
 	fmt.Println(table)
@@ -266,7 +296,7 @@ func markdownReport(s summary, table string) string {
 	sb.WriteString("# Benchmark results\n\n")
 	fmt.Fprintf(&sb, "Produced by `go run ./examples/bench` on %s (total %.0f s).\n\n", m.Date, s.DurationS)
 	fmt.Fprintf(&sb, "- CPUs (`nproc`): %d, GOMAXPROCS %d, %s\n", m.NumCPU, m.GOMAXPROCS, m.GoVersion)
-	fmt.Fprintf(&sb, "- RabbitMQ (`rabbitmqctl version`): %s (server reports %s), same host\n", m.RabbitMQ, m.ServerVersion)
+	fmt.Fprintf(&sb, "- RabbitMQ: server reports %s (`%s version`: %s), same host\n", m.ServerVersion, m.Ctl, m.RabbitMQ)
 	if m.Memory != "" {
 		fmt.Fprintf(&sb, "- Memory (`free -h`):\n\n```\n%s\n```\n", strings.TrimRight(m.Memory, "\n"))
 	}
@@ -284,7 +314,8 @@ func machineInfo(e *env) machine {
 		}
 	}
 	m.Memory, _ = command("free", "-h")
-	if out, err := command("rabbitmqctl", "version"); err == nil {
+	m.Ctl = strings.Join(ctlPrefix(), " ")
+	if out, err := ctl("version"); err == nil {
 		lines := strings.Split(strings.TrimSpace(out), "\n")
 		m.RabbitMQ = strings.TrimSpace(lines[len(lines)-1])
 	}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"sync"
 	"time"
 
@@ -22,11 +23,20 @@ import (
 const retryTier = time.Minute
 
 type retryPathRun struct {
-	Mode     string  `json:"mode"` // "rabbitretry", "raw-serial", "raw-pipelined"
+	// Mode: "rabbitretry" (classic, publish path), "rabbitretry-dl" (quorum,
+	// DeadLetterFirstRetry), "rabbitretry-native" (quorum,
+	// NativeDelayedRetry), "raw-serial", "raw-pipelined" (classic queues) or
+	// "raw-pipelined-quorum".
+	Mode     string  `json:"mode"`
 	Handlers int     `json:"handlers"`
 	Messages int     `json:"messages"`
 	Rate     float64 `json:"retries_per_s"`
 	SpanS    float64 `json:"span_s"`
+	// SettledS (rabbitretry-dl): first RetryScheduled to the moment the wait
+	// queue held every dead-lettered message (the broker dead-letters
+	// asynchronously, after the nack); SettledRate = messages / SettledS.
+	SettledS    float64 `json:"broker_settled_s,omitempty"`
+	SettledRate float64 `json:"broker_settled_per_s,omitempty"`
 }
 
 type retryPathResult struct {
@@ -34,9 +44,30 @@ type retryPathResult struct {
 	// Ratios of the library to the comparable raw ceiling (raw-serial with
 	// the same number of consumers), by handler count.
 	Ratios map[string]float64 `json:"ratio_vs_raw_serial_by_handlers"`
-	// RatioVsPipelined is the library (at the most handlers) over the
-	// pipelined raw ceiling (one consumer, up to prefetch confirms in flight).
+	// RatioVsPipelined is the publish-path library (its best handler count)
+	// over the pipelined raw ceiling on classic queues (one consumer, up to
+	// prefetch confirms in flight).
 	RatioVsPipelined float64 `json:"ratio_best_vs_raw_pipelined"`
+	// ModeRatios: each library mode's best rate (over the handler counts)
+	// over the higher of the two raw pipelined ceilings (CeilingQueueType:
+	// classic or quorum queues); absent for a mode the broker lacks.
+	ModeRatios       map[string]float64 `json:"ratio_best_vs_raw_pipelined_by_mode"`
+	CeilingQueueType string             `json:"raw_pipelined_ceiling_queue_type"`
+	// ModeRatiosQuorum: the same over the raw pipelined ceiling on quorum
+	// queues (info: the queue type of the dl and native modes).
+	ModeRatiosQuorum  map[string]float64 `json:"ratio_best_vs_raw_pipelined_quorum_by_mode,omitempty"`
+	NativeUnavailable string             `json:"native_unavailable,omitempty"`
+}
+
+// retryModes are the library's retry paths measured here, with how each
+// is configured for a 1-minute retry that does not come back during the
+// measurement.
+var retryModes = []struct {
+	mode, short, name string
+}{
+	{"rabbitretry", "publish path", "publish path (classic; copy -> 1m wait queue, confirm, ack)"},
+	{"rabbitretry-dl", "DeadLetterFirstRetry", "quorum + DeadLetterFirstRetry (nack; the broker dead-letters into the 1m wait queue)"},
+	{"rabbitretry-native", "NativeDelayedRetry", "quorum + NativeDelayedRetry, Min = Max = 1m (nack with requeue; the queue holds it)"},
 }
 
 // counting observer: RetryScheduled calls, first to last.
@@ -50,26 +81,43 @@ func (o retryObserver) RetryFailed(_ *message.Message, _ int, err error) {
 	logf("retry path: RetryFailed: %v", err)
 }
 
-// retryLib: every message fails its first attempt; the chain publishes the
-// copy to the 1-minute wait queue with a confirm, then acks. Measured: the
-// rate of RetryScheduled from the first to the last.
-func (b *bench) retryLib(n, handlers int) (run retryPathRun, err error) {
+// retryLib: every message fails its first attempt and the library
+// schedules the retry in one of its modes: "rabbitretry" publishes the copy
+// to the 1-minute wait queue with a confirm, then acks; "rabbitretry-dl"
+// (quorum, DeadLetterFirstRetry, the 1-minute wait queue its first tier)
+// nacks and the broker dead-letters the message into the wait queue;
+// "rabbitretry-native" (quorum, NativeDelayedRetry with Min = Max = 1
+// minute) nacks with requeue and the queue holds the message in its delayed
+// state. Either way nothing comes back during the measurement. Measured: the
+// rate of Observer.RetryScheduled from the first to the last (for the nack
+// modes it is called just before the nack is sent).
+func (b *bench) retryLib(mode string, n, handlers int) (run retryPathRun, err error) {
 	e := b.env
 	defer func() {
 		if cerr := e.cleanup(); cerr != nil && err == nil {
 			err = cerr
 		}
 	}()
-	q := e.name("retry", "lib", fmt.Sprintf("h%d", handlers), watermillShort())
+	q := e.name("retry", mode, fmt.Sprintf("h%d", handlers), watermillShort())
 	cfg := wamqp.NewDurableQueueConfig(e.uri)
 	cfg.Consume.Qos.PrefetchCount = 256
 	tr := newTracker(n)
-	retry, err := amqpretry.New(amqpretry.Config{
+	rc := amqpretry.Config{
 		Subscriber: cfg, Naming: e.naming("retry"), Logger: e.logger,
 		Tiers:    []time.Duration{retryTier},
 		Backoff:  func() backoff.BackOff { return backoff.NewConstantBackOff(retryTier) },
 		Observer: retryObserver{t: tr},
-	})
+	}
+	switch mode {
+	case "rabbitretry":
+	case "rabbitretry-dl":
+		rc.QueueType, rc.DeadLetterFirstRetry = amqpretry.QueueTypeQuorum, true
+	case "rabbitretry-native":
+		rc.QueueType, rc.NativeDelayedRetry = amqpretry.QueueTypeQuorum, &amqpretry.NativeDelayedRetry{Min: retryTier, Max: retryTier}
+	default:
+		return run, fmt.Errorf("unknown retry path mode %q", mode)
+	}
+	retry, err := amqpretry.New(rc)
 	if err != nil {
 		return run, err
 	}
@@ -96,17 +144,46 @@ func (b *bench) retryLib(n, handlers int) (run retryPathRun, err error) {
 	if err != nil {
 		return run, err
 	}
-	werr := tr.wait(time.Duration(n/50+60)*time.Second, "retry path (library)")
+	werr := tr.wait(time.Duration(n/50+60)*time.Second, "retry path ("+mode+")")
+	run = retryPathRun{Mode: mode, Handlers: handlers, Messages: n, Rate: tr.rate(), SpanS: tr.span().Seconds()}
+	if werr == nil && mode == "rabbitretry-dl" {
+		// The broker dead-letters after the nack, asynchronously: how long
+		// until the wait queue holds them all (info).
+		werr = pollQueueLen(e, retry.Topology().WaitQueues(q)[0], n, 60*time.Second)
+		run.SettledS = (time.Since(tr.base) - time.Duration(tr.first.Load())).Seconds()
+		run.SettledRate = float64(n) / run.SettledS
+	}
 	if cerr := rr.close(); cerr != nil && werr == nil {
 		werr = cerr
 	}
 	if werr != nil {
 		return run, werr
 	}
-	if got, err := e.queueLen(retry.Topology().WaitQueues(q)[0]); err == nil && got != n {
-		logf("retry path: wait queue holds %d messages, expected %d", got, n)
+	if mode == "rabbitretry" {
+		if got, err := e.queueLen(retry.Topology().WaitQueues(q)[0]); err == nil && got != n {
+			logf("retry path %s: the wait queue holds %d messages, expected %d", mode, got, n)
+		}
 	}
-	return retryPathRun{Mode: "rabbitretry", Handlers: handlers, Messages: n, Rate: tr.rate(), SpanS: tr.span().Seconds()}, nil
+	// rabbitretry-native: the nacked messages stay in q in the delayed state,
+	// which a passive declare does not count (it counts ready messages).
+	return run, nil
+}
+
+// pollQueueLen returns once queue q holds at least n ready messages.
+func pollQueueLen(e *env, q string, n int, timeout time.Duration) error {
+	for deadline := time.Now().Add(timeout); ; {
+		got, err := e.queueLen(q)
+		if err != nil {
+			return err
+		}
+		if got >= n {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("%s holds only %d of %d messages after %v", q, got, n, timeout)
+		}
+		time.Sleep(5 * time.Millisecond) // polling the queue length
+	}
 }
 
 // retryRaw is the ceiling with amqp091-go alone: consume from a source queue
@@ -121,7 +198,10 @@ func (b *bench) retryLib(n, handlers int) (run retryPathRun, err error) {
 //   - pipelined=true: one consumer; it publishes every delivery at once and a
 //     second goroutine acks each delivery when its confirm arrives, so up to
 //     prefetch (256) confirms are in flight.
-func (b *bench) retryRaw(n, consumers int, pipelined bool) (run retryPathRun, err error) {
+//
+// quorum declares both queues as quorum queues (the queue type of the
+// DeadLetterFirstRetry and native modes), else classic.
+func (b *bench) retryRaw(n, consumers int, pipelined, quorum bool) (run retryPathRun, err error) {
 	e := b.env
 	defer func() {
 		if cerr := e.cleanup(); cerr != nil && err == nil {
@@ -131,6 +211,11 @@ func (b *bench) retryRaw(n, consumers int, pipelined bool) (run retryPathRun, er
 	mode := "raw-serial"
 	if pipelined {
 		mode, consumers = "raw-pipelined", 1
+	}
+	srcArgs, dstArgs := amqp.Table{}, amqp.Table{"x-message-ttl": retryTier.Milliseconds()}
+	if quorum {
+		mode += "-quorum"
+		srcArgs["x-queue-type"], dstArgs["x-queue-type"] = amqpretry.QueueTypeQuorum, amqpretry.QueueTypeQuorum
 	}
 	src := e.name("retry", mode, fmt.Sprintf("h%d", consumers), watermillShort())
 	dst := src + ".wait"
@@ -144,10 +229,10 @@ func (b *bench) retryRaw(n, consumers int, pipelined bool) (run retryPathRun, er
 	if err != nil {
 		return run, err
 	}
-	if _, err := ch.QueueDeclare(src, true, false, false, false, nil); err != nil {
+	if _, err := ch.QueueDeclare(src, true, false, false, false, srcArgs); err != nil {
 		return run, err
 	}
-	if _, err := ch.QueueDeclare(dst, true, false, false, false, amqp.Table{"x-message-ttl": retryTier.Milliseconds()}); err != nil {
+	if _, err := ch.QueueDeclare(dst, true, false, false, false, dstArgs); err != nil {
 		return run, err
 	}
 	_ = ch.Close()
@@ -262,40 +347,127 @@ func (b *bench) retryRaw(n, consumers int, pipelined bool) (run retryPathRun, er
 
 func (b *bench) scenarioRetryPath() error {
 	n := b.size("retry", 5000)
-	res := &retryPathResult{Ratios: map[string]float64{}}
+	res := &retryPathResult{Ratios: map[string]float64{}, ModeRatios: map[string]float64{}, ModeRatiosQuorum: map[string]float64{}}
 	b.summary.RetryPath = res
+	native := b.env.nativeSupported()
+	if !native {
+		res.NativeUnavailable = nativeNA
+	}
 	sc := "3 retry path"
-	b.row(sc, "setup", fmt.Sprintf("%d msgs, each fails once; copy -> 1m wait queue with confirm; prefetch 256", n), "", "")
-	var best retryPathRun
+	b.row(sc, "setup", fmt.Sprintf("%d msgs, each fails once, retry delay 1m (nothing comes back while measured); prefetch 256; rate of RetryScheduled", n), "", "")
+	// The publish path against the comparable raw ceiling: N consumers, one
+	// confirm at a time each.
+	best := map[string]retryPathRun{}
 	for _, h := range b.retryHandlers {
-		lib, err := b.retryLib(n, h)
+		lib, err := b.retryLib("rabbitretry", n, h)
 		if err != nil {
 			return err
 		}
-		raw, err := b.retryRaw(n, h, false)
+		raw, err := b.retryRaw(n, h, false, false)
 		if err != nil {
 			return err
 		}
-		logf("retry path, %d handler(s): library %.0f retries/s, raw one-confirm-at-a-time %.0f/s", h, lib.Rate, raw.Rate)
+		logf("retry path, %d handler(s): library (publish path) %.0f retries/s, raw one-confirm-at-a-time %.0f/s", h, lib.Rate, raw.Rate)
 		res.Runs = append(res.Runs, lib, raw)
 		ratio := lib.Rate / raw.Rate
 		res.Ratios[fmt.Sprint(h)] = ratio
-		b.row(sc, fmt.Sprintf("rabbitretry, %d handler(s)", h), fmtRate(lib.Rate), "", "")
+		b.row(sc, fmt.Sprintf("rabbitretry (publish path), %d handler(s)", h), fmtRate(lib.Rate), "", "")
 		b.row(sc, fmt.Sprintf("raw amqp091, %d consumer(s), one confirm at a time each", h), fmtRate(raw.Rate), "", "")
-		b.row(sc, fmt.Sprintf("ratio rabbitretry / raw one-at-a-time, %d handler(s) (comparable)", h), fmt.Sprintf("%.2f", ratio), ">= 0.5", passMiss(ratio >= 0.5))
-		if lib.Rate > best.Rate {
-			best = lib
+		b.row(sc, fmt.Sprintf("ratio rabbitretry (publish path) / raw one-at-a-time, %d handler(s) (comparable)", h), fmt.Sprintf("%.2f", ratio), ">= 0.5", passMiss(ratio >= 0.5))
+		if lib.Rate > best["rabbitretry"].Rate {
+			best["rabbitretry"] = lib
 		}
 	}
-	pipe, err := b.retryRaw(n, 1, true)
+	// The nack modes, at the same handler counts.
+	rates, settled, settledRates := map[string][]float64{}, map[string][]float64{}, map[string][]float64{}
+	for _, m := range retryModes[1:] {
+		if m.mode == "rabbitretry-native" && !native {
+			continue
+		}
+		for _, h := range b.retryHandlers {
+			lib, err := b.retryLib(m.mode, n, h)
+			if err != nil {
+				return err
+			}
+			logf("retry path, %d handler(s): %s %.0f retries/s", h, m.mode, lib.Rate)
+			res.Runs = append(res.Runs, lib)
+			rates[m.mode] = append(rates[m.mode], lib.Rate)
+			if lib.SettledS > 0 {
+				settled[m.mode] = append(settled[m.mode], lib.SettledS)
+				settledRates[m.mode] = append(settledRates[m.mode], lib.SettledRate)
+			}
+			if lib.Rate > best[m.mode].Rate {
+				best[m.mode] = lib
+			}
+		}
+	}
+	// The raw pipelined ceilings, measured after the library runs.
+	pipe, err := b.retryRaw(n, 1, true, false)
 	if err != nil {
 		return err
 	}
-	logf("retry path: raw pipelined %.0f/s", pipe.Rate)
-	res.Runs = append(res.Runs, pipe)
-	res.RatioVsPipelined = best.Rate / pipe.Rate
-	b.row(sc, "raw amqp091, 1 consumer, pipelined confirms (<= 256 in flight)", fmtRate(pipe.Rate), "", "")
-	b.row(sc, fmt.Sprintf("ratio best rabbitretry (%d handlers) / raw pipelined (not comparable: info)", best.Handlers),
-		fmt.Sprintf("%.2f", res.RatioVsPipelined), "", "")
+	pipeQ, err := b.retryRaw(n, 1, true, true)
+	if err != nil {
+		return err
+	}
+	logf("retry path: raw pipelined %.0f/s (classic), %.0f/s (quorum)", pipe.Rate, pipeQ.Rate)
+	res.Runs = append(res.Runs, pipe, pipeQ)
+	res.RatioVsPipelined = best["rabbitretry"].Rate / pipe.Rate
+	// The goal compares to the higher of the two ceilings.
+	ceiling, ceilingName := pipe, "classic"
+	if pipeQ.Rate > pipe.Rate {
+		ceiling, ceilingName = pipeQ, "quorum"
+	}
+	res.CeilingQueueType = ceilingName
+	b.row(sc, "raw amqp091, 1 consumer, pipelined confirms (<= 256 in flight), classic queues", fmtRate(pipe.Rate), "", "")
+	b.row(sc, "raw amqp091, 1 consumer, pipelined confirms, quorum source and destination (info)", fmtRate(pipeQ.Rate), "", "")
+	hs := fmtInts(b.retryHandlers)
+	other, otherRate := "quorum", pipeQ.Rate
+	if ceilingName == "quorum" {
+		other, otherRate = "classic", pipe.Rate
+	}
+	for _, m := range retryModes {
+		goalName := fmt.Sprintf("rabbitretry %s: best / raw pipelined ceiling (%s queues, the higher of the two)", m.short, ceilingName)
+		if m.mode == "rabbitretry-native" && !native {
+			b.row(sc, fmt.Sprintf("rabbitretry %s: %s handler(s)", m.name, hs), nativeNA, "", "")
+			b.row(sc, goalName, nativeNA, ">= 0.5", "n/a")
+			continue
+		}
+		bm := best[m.mode]
+		if m.mode != "rabbitretry" {
+			v := fmtRatesUnit(rates[m.mode])
+			if len(settled[m.mode]) > 0 {
+				v += fmt.Sprintf(" (broker side: the wait queue held them all %s s after the first nack: %s)",
+					strings.ReplaceAll(fmtSecs(settled[m.mode]), ", ", " / "), fmtRatesUnit(settledRates[m.mode]))
+			}
+			b.row(sc, fmt.Sprintf("rabbitretry %s: %s handler(s)", m.name, hs), v, "", "")
+		}
+		ratio := bm.Rate / ceiling.Rate
+		res.ModeRatios[m.mode] = ratio
+		res.ModeRatiosQuorum[m.mode] = bm.Rate / pipeQ.Rate
+		b.row(sc, goalName, fmt.Sprintf("%.2f (%s at %d handler(s); vs %s ceiling %.2f)", ratio, fmtRate(bm.Rate), bm.Handlers, other, bm.Rate/otherRate),
+			">= 0.5", passMiss(ratio >= 0.5))
+	}
 	return nil
+}
+
+func fmtSecs(xs []float64) string {
+	parts := make([]string, len(xs))
+	for i, x := range xs {
+		parts[i] = fmt.Sprintf("%.2f", x)
+	}
+	return strings.Join(parts, ", ")
+}
+
+func fmtInts(xs []int) string {
+	parts := make([]string, len(xs))
+	for i, x := range xs {
+		parts[i] = fmt.Sprint(x)
+	}
+	return strings.Join(parts, " / ")
+}
+
+// fmtRatesUnit is "1234 / 5678 msg/s".
+func fmtRatesUnit(xs []float64) string {
+	return strings.ReplaceAll(fmtRates(xs), ", ", " / ") + " msg/s"
 }

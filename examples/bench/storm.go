@@ -19,7 +19,7 @@ import (
 var errTransient = errors.New("downstream busy (transient)")
 
 type stormRun struct {
-	Variant  string `json:"variant"` // "rabbitretry" or "watermill-retry"
+	Variant  string `json:"variant"` // "rabbitretry", "rabbitretry-dl", "rabbitretry-native" or "watermill-retry"
 	Failures bool   `json:"failures"`
 	Messages int    `json:"messages"`
 	Failing  int    `json:"failing"`
@@ -41,20 +41,40 @@ type stormRun struct {
 
 type stormResult struct {
 	Runs []stormRun `json:"runs"`
-	// LibDrainRatio = rabbitretry drain rate with failures / without.
+	// LibDrainRatio = rabbitretry drain rate with failures / without (the
+	// medians over the runs of each).
 	LibDrainRatio float64 `json:"rabbitretry_drain_ratio"`
 	WMDrainRatio  float64 `json:"watermill_drain_ratio"`
 	// P99Ratio = Watermill Retry healthy p99 / rabbitretry healthy p99.
 	P99Ratio float64 `json:"healthy_p99_ratio_watermill_over_rabbitretry"`
 	// DLDrainRatio is the drain ratio of quorum queues with DeadLetterFirstRetry.
 	DLDrainRatio float64 `json:"rabbitretry_dead_letter_first_drain_ratio"`
+	// NativeDrainRatio is the drain ratio of quorum queues with
+	// NativeDelayedRetry; absent (NativeUnavailable set) below RabbitMQ 4.3.
+	NativeDrainRatio  *float64 `json:"rabbitretry_native_drain_ratio,omitempty"`
+	NativeUnavailable string   `json:"native_unavailable,omitempty"`
 }
+
+// stormNative is the native delayed retry of the "rabbitretry-native" storm
+// variant: every first retry waits Min = 1 s in the queue, like the other
+// variants' 1 s first tier. Max is 2 s, not 1 s: the default backoff's first
+// delay is 1 s ±50% jitter (up to 1.5 s), and a computed delay above Max
+// would take the wait-queue path instead; Max only caps the broker's hold
+// of a message whose consumer crashed (x-delivery-count), so every retry of
+// the storm waits Min.
+var stormNative = amqpretry.NativeDelayedRetry{Min: time.Second, Max: 2 * time.Second}
 
 // stormOnce fills a fresh queue with n messages, every 10th of which (when
 // failures is set) fails transiently on its first attempt, and drains it
 // with either this library (retries wait in the broker, 1 s first tier) or
 // Watermill's in-process Retry{MaxRetries: 3, InitialInterval: 1s} +
-// PoisonQueue. Same subscriber config (prefetch, handlers) for both.
+// PoisonQueue. Same subscriber config (prefetch, handlers) for all. The
+// library runs in three modes: "rabbitretry" (classic queues, every retry a
+// confirmed publish to a wait queue), "rabbitretry-dl" (quorum queues,
+// DeadLetterFirstRetry: a first-tier retry is a nack the broker
+// dead-letters into the 1 s wait queue) and "rabbitretry-native" (quorum
+// queues, NativeDelayedRetry, RabbitMQ 4.3+: a retry is a nack with requeue
+// and the queue itself holds the message for 1 s).
 func (b *bench) stormOnce(variant string, failures bool, n, handlers int) (run stormRun, err error) {
 	e := b.env
 	defer func() {
@@ -85,6 +105,17 @@ func (b *bench) stormOnce(variant string, failures bool, n, handlers int) (run s
 		// nacks that the broker dead-letters into the first wait queue.
 		retry, err := amqpretry.New(amqpretry.Config{Subscriber: cfg, Naming: e.naming("storm"), Logger: e.logger,
 			QueueType: amqpretry.QueueTypeQuorum, DeadLetterFirstRetry: true})
+		if err != nil {
+			return run, err
+		}
+		defer func() { _ = retry.Close() }()
+		e.trackRetry(retry, q)
+		cfg = retry.SubscriberConfig()
+		mws = append(mws, retry.Middleware)
+	case "rabbitretry-native":
+		nd := stormNative
+		retry, err := amqpretry.New(amqpretry.Config{Subscriber: cfg, Naming: e.naming("storm"), Logger: e.logger,
+			QueueType: amqpretry.QueueTypeQuorum, NativeDelayedRetry: &nd})
 		if err != nil {
 			return run, err
 		}
@@ -181,55 +212,138 @@ func (b *bench) stormOnce(variant string, failures bool, n, handlers int) (run s
 
 func ms(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
 
+// stormVariantNames are the storm variants, in run order (-storm-variants).
+var stormVariantNames = []string{"rabbitretry", "rabbitretry-dl", "rabbitretry-native", "watermill-retry"}
+
 func (b *bench) scenarioStorm() error {
 	n := b.size("storm", 2000)
 	res := &stormResult{}
 	b.summary.Storm = res
-	get := map[string]stormRun{}
-	for _, c := range []struct {
-		variant  string
-		failures bool
-	}{{"rabbitretry", false}, {"rabbitretry", true}, {"rabbitretry-dl", false}, {"rabbitretry-dl", true},
-		{"watermill-retry", false}, {"watermill-retry", true}} {
-		if c.variant == "watermill-retry" && c.failures {
-			logf("storm: Watermill Retry with failures takes about %d s (1 s in-handler sleep per failing message, %d handler(s))",
-				(n+9)/10/max(b.stormHandlers, 1), b.stormHandlers)
-		}
-		r, err := b.stormOnce(c.variant, c.failures, n, b.stormHandlers)
-		if err != nil {
-			return err
-		}
-		logf("storm %s failures=%v: drain %.2fs (%.0f msg/s), complete %.2fs, healthy p50 %.0f ms p99 %.0f ms",
-			r.Variant, r.Failures, r.DrainS, r.DrainRate, r.CompleteS, r.HealthyP50Ms, r.HealthyP99Ms)
-		res.Runs = append(res.Runs, r)
-		get[c.variant+strconv.FormatBool(c.failures)] = r
+	runs := map[string][]stormRun{} // variant + failures -> runs
+	native := b.env.nativeSupported()
+	if !native {
+		res.NativeUnavailable = nativeNA
+		logf("storm: rabbitretry-native skipped: %s, the broker is %s", nativeNA, b.summary.Machine.ServerVersion)
 	}
-	lf, l0 := get["rabbitretrytrue"], get["rabbitretryfalse"]
-	wf, w0 := get["watermill-retrytrue"], get["watermill-retryfalse"]
-	res.LibDrainRatio = lf.DrainRate / l0.DrainRate
-	res.WMDrainRatio = wf.DrainRate / w0.DrainRate
-	res.P99Ratio = wf.HealthyP99Ms / lf.HealthyP99Ms
+	var variants []string
+	for _, v := range b.stormVariants {
+		if v != "rabbitretry-native" || native {
+			variants = append(variants, v)
+		}
+	}
+	// Rounds: every library variant with and without failures once per
+	// round, in an order that flips every round, so that other load on the
+	// machine (the drains take 0.05-0.3 s) spreads over all of them.
+	// Watermill Retry runs in the first round only.
+	for r := range b.stormRuns {
+		for _, variant := range variants {
+			if variant == "watermill-retry" && r > 0 {
+				continue
+			}
+			order := []bool{false, true}
+			if r%2 == 1 {
+				order = []bool{true, false}
+			}
+			for _, failures := range order {
+				if variant == "watermill-retry" && failures {
+					logf("storm: Watermill Retry with failures takes about %d s (1 s in-handler sleep per failing message, %d handler(s))",
+						(n+9)/10/max(b.stormHandlers, 1), b.stormHandlers)
+				}
+				run, err := b.stormOnce(variant, failures, n, b.stormHandlers)
+				if err != nil {
+					return err
+				}
+				logf("storm round %d %s failures=%v: drain %.3fs (%.0f msg/s), complete %.2fs, healthy p50 %.0f ms p99 %.0f ms",
+					r+1, run.Variant, run.Failures, run.DrainS, run.DrainRate, run.CompleteS, run.HealthyP50Ms, run.HealthyP99Ms)
+				res.Runs = append(res.Runs, run)
+				k := variant + strconv.FormatBool(failures)
+				runs[k] = append(runs[k], run)
+			}
+		}
+	}
+	has := func(v string) bool { return slices.Contains(b.stormVariants, v) }
 	sc := "2 failure storm"
-	desc := fmt.Sprintf("%d msgs, %d fail once, %d handler(s), prefetch 256", n, lf.Failing, b.stormHandlers)
-	b.row(sc, "setup", desc, "", "")
-	b.row(sc, "rabbitretry: backlog drain (first attempts) / complete", fmt.Sprintf("%.2f s (%s) / %.2f s", lf.DrainS, fmtRate(lf.DrainRate), lf.CompleteS), "", "")
-	b.row(sc, "rabbitretry: no-failure drain", fmt.Sprintf("%.2f s (%s)", l0.DrainS, fmtRate(l0.DrainRate)), "", "")
-	b.row(sc, "rabbitretry: drain rate with failures / without", fmt.Sprintf("%.2f", res.LibDrainRatio), ">= 0.8", passMiss(res.LibDrainRatio >= 0.8))
-	df, d0 := get["rabbitretry-dltrue"], get["rabbitretry-dlfalse"]
-	res.DLDrainRatio = df.DrainRate / d0.DrainRate
-	b.row(sc, "rabbitretry, quorum + DeadLetterFirstRetry: backlog drain / complete", fmt.Sprintf("%.2f s (%s) / %.2f s", df.DrainS, fmtRate(df.DrainRate), df.CompleteS), "", "")
-	b.row(sc, "rabbitretry, quorum + DeadLetterFirstRetry: no-failure drain", fmt.Sprintf("%.2f s (%s)", d0.DrainS, fmtRate(d0.DrainRate)), "", "")
-	b.row(sc, "rabbitretry, quorum + DeadLetterFirstRetry: drain rate with failures / without", fmt.Sprintf("%.2f", res.DLDrainRatio), ">= 0.8", passMiss(res.DLDrainRatio >= 0.8))
-	b.row(sc, "healthy latency p50 / p99: quorum + DeadLetterFirstRetry", fmt.Sprintf("%.0f / %.0f ms", df.HealthyP50Ms, df.HealthyP99Ms), "", "")
-	b.row(sc, "Watermill Retry: backlog drain / complete", fmt.Sprintf("%.2f s (%s) / %.2f s", wf.DrainS, fmtRate(wf.DrainRate), wf.CompleteS), "", "")
-	b.row(sc, "Watermill Retry: no-failure drain", fmt.Sprintf("%.2f s (%s)", w0.DrainS, fmtRate(w0.DrainRate)), "", "")
-	b.row(sc, "Watermill Retry: drain rate with failures / without", fmt.Sprintf("%.3f", res.WMDrainRatio), "", "")
-	b.row(sc, "healthy latency p50 / p99: rabbitretry", fmt.Sprintf("%.0f / %.0f ms", lf.HealthyP50Ms, lf.HealthyP99Ms), "", "")
-	b.row(sc, "healthy latency p50 / p99: Watermill Retry", fmt.Sprintf("%.0f / %.0f ms", wf.HealthyP50Ms, wf.HealthyP99Ms), "", "")
-	b.row(sc, "healthy p99 Watermill / rabbitretry", fmt.Sprintf("%.1fx", res.P99Ratio), ">= 100x", passMiss(res.P99Ratio >= 100))
-	b.row(sc, "healthy latency p50 / p99 without failures: rabbitretry / Watermill", fmt.Sprintf("%.0f / %.0f ms ; %.0f / %.0f ms",
-		l0.HealthyP50Ms, l0.HealthyP99Ms, w0.HealthyP50Ms, w0.HealthyP99Ms), "", "")
+	b.row(sc, "setup", fmt.Sprintf("%d msgs, %d fail once, %d handler(s), prefetch 256; rabbitretry variants: median of %d runs each (Watermill: 1 run)",
+		n, (n+9)/10, b.stormHandlers, b.stormRuns), "", "")
+	// libRows are the rows of one library mode: drain with failures and
+	// without (same queue type), their ratio (goal), healthy latency; each
+	// figure the median over the runs.
+	libRows := func(variant, name, latencyName string) float64 {
+		f, z := medianRun(runs[variant+"true"]), medianRun(runs[variant+"false"])
+		ratio := f.DrainRate / z.DrainRate
+		b.row(sc, name+": backlog drain (first attempts) / complete", fmt.Sprintf("%.3f s (%s) / %.2f s", f.DrainS, fmtRate(f.DrainRate), f.CompleteS), "", "")
+		b.row(sc, name+": no-failure drain", fmt.Sprintf("%.3f s (%s)", z.DrainS, fmtRate(z.DrainRate)), "", "")
+		b.row(sc, fmt.Sprintf("%s: drain rate with failures / without (runs %s / %s)", name, fmtRates(drainRates(runs[variant+"true"])), fmtRates(drainRates(runs[variant+"false"]))),
+			fmt.Sprintf("%.2f", ratio), ">= 0.8", passMiss(ratio >= 0.8))
+		b.row(sc, "healthy latency p50 / p99: "+latencyName, fmt.Sprintf("%.0f / %.0f ms", f.HealthyP50Ms, f.HealthyP99Ms), "", "")
+		return ratio
+	}
+	if has("rabbitretry") {
+		res.LibDrainRatio = libRows("rabbitretry", "rabbitretry (classic, publish path)", "rabbitretry (classic, publish path)")
+	}
+	if has("rabbitretry-dl") {
+		res.DLDrainRatio = libRows("rabbitretry-dl", "rabbitretry, quorum + DeadLetterFirstRetry", "quorum + DeadLetterFirstRetry")
+	}
+	if has("rabbitretry-native") {
+		nm := fmt.Sprintf("rabbitretry, quorum + NativeDelayedRetry (Min %v, Max %v)", stormNative.Min, stormNative.Max)
+		if native {
+			ratio := libRows("rabbitretry-native", nm, "quorum + NativeDelayedRetry")
+			res.NativeDrainRatio = &ratio
+		} else {
+			b.row(sc, nm+": backlog drain (first attempts) / complete", nativeNA, "", "")
+			b.row(sc, nm+": no-failure drain", nativeNA, "", "")
+			b.row(sc, nm+": drain rate with failures / without", nativeNA, ">= 0.8", "n/a")
+			b.row(sc, "healthy latency p50 / p99: quorum + NativeDelayedRetry", nativeNA, "", "")
+		}
+	}
+	if has("watermill-retry") {
+		wf, w0 := runs["watermill-retrytrue"][0], runs["watermill-retryfalse"][0]
+		res.WMDrainRatio = wf.DrainRate / w0.DrainRate
+		b.row(sc, "Watermill Retry: backlog drain / complete", fmt.Sprintf("%.2f s (%s) / %.2f s", wf.DrainS, fmtRate(wf.DrainRate), wf.CompleteS), "", "")
+		b.row(sc, "Watermill Retry: no-failure drain", fmt.Sprintf("%.3f s (%s)", w0.DrainS, fmtRate(w0.DrainRate)), "", "")
+		b.row(sc, "Watermill Retry: drain rate with failures / without", fmt.Sprintf("%.3f", res.WMDrainRatio), "", "")
+		b.row(sc, "healthy latency p50 / p99: Watermill Retry", fmt.Sprintf("%.0f / %.0f ms", wf.HealthyP50Ms, wf.HealthyP99Ms), "", "")
+		if has("rabbitretry") {
+			lf, l0 := medianRun(runs["rabbitretrytrue"]), medianRun(runs["rabbitretryfalse"])
+			res.P99Ratio = wf.HealthyP99Ms / lf.HealthyP99Ms
+			b.row(sc, "healthy p99 Watermill / rabbitretry (classic)", fmt.Sprintf("%.1fx", res.P99Ratio), ">= 100x", passMiss(res.P99Ratio >= 100))
+			b.row(sc, "healthy latency p50 / p99 without failures: rabbitretry (classic) / Watermill", fmt.Sprintf("%.0f / %.0f ms ; %.0f / %.0f ms",
+				l0.HealthyP50Ms, l0.HealthyP99Ms, w0.HealthyP50Ms, w0.HealthyP99Ms), "", "")
+		}
+	}
 	return nil
+}
+
+// medianRun is a run whose every figure is the median of that figure over
+// runs (DrainRate the median rate, not n / median DrainS).
+func medianRun(runs []stormRun) stormRun {
+	if len(runs) == 0 {
+		return stormRun{}
+	}
+	pick := func(f func(stormRun) float64) float64 {
+		xs := make([]float64, len(runs))
+		for i, r := range runs {
+			xs[i] = f(r)
+		}
+		return median(xs)
+	}
+	m := runs[0]
+	m.DrainS = pick(func(r stormRun) float64 { return r.DrainS })
+	m.DrainRate = pick(func(r stormRun) float64 { return r.DrainRate })
+	m.CompleteS = pick(func(r stormRun) float64 { return r.CompleteS })
+	m.HealthyP50Ms = pick(func(r stormRun) float64 { return r.HealthyP50Ms })
+	m.HealthyP99Ms = pick(func(r stormRun) float64 { return r.HealthyP99Ms })
+	m.HealthyMaxMs = pick(func(r stormRun) float64 { return r.HealthyMaxMs })
+	m.FillS = pick(func(r stormRun) float64 { return r.FillS })
+	return m
+}
+
+func drainRates(runs []stormRun) []float64 {
+	xs := make([]float64, len(runs))
+	for i, r := range runs {
+		xs[i] = r.DrainRate
+	}
+	return xs
 }
 
 func newTrackerAt(base time.Time, target int) *tracker {
