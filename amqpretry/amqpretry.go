@@ -69,6 +69,8 @@ type Config struct {
 	// (see Topology.TierFor). Default: the delays of attempts 1..MaxAttempts-1
 	// under Backoff without jitter (for an *backoff.ExponentialBackOff policy;
 	// otherwise one sample each), rounded to milliseconds and deduplicated.
+	// Not used with DelayerFactory (no wait queue is declared; setting Tiers
+	// then is an error).
 	Tiers []time.Duration
 	// Naming of exchanges and queues. Defaults in Naming.
 	Naming Naming
@@ -105,6 +107,20 @@ type Config struct {
 	// RabbitMQ 4.3+ (New refuses it otherwise); excludes
 	// DeadLetterFirstRetry. Default nil (off).
 	NativeDelayedRetry *NativeDelayedRetry
+	// DelayerFactory, when set, replaces the wait queues by another delay
+	// mechanism for every retry with a positive delay, e.g. the delay
+	// cascade (cascade.DelayerFactory), which delivers after the exact
+	// delay (to its grain) instead of rounding it to a tier. New calls it
+	// once, after connecting the retry publisher (see DelayerFactory,
+	// CustomDelayer). Copies with no delay (the fallback's and the
+	// RedeliveryGuard's) still go back to their queue through the loop-back
+	// exchange. No wait queue is declared, Tiers must be empty (Topology
+	// has no tiers: TierFor returns 0), and DeadLetterFirstRetry and
+	// NativeDelayedRetry, which hand retries to the broker without the
+	// Delayer, are refused by Validate. Wait queues declared by an earlier
+	// deploy with tiers are left alone (Topology.Inspect reports them as
+	// orphans; TidyOrphans deletes them once empty). Default nil (tiers).
+	DelayerFactory DelayerFactory
 	// AdoptQueue, when set, adopts existing originating queues: their queue
 	// arguments are left alone (passive declare) and what the retry mode
 	// needs from them is set by a policy, applied through the management
@@ -149,7 +165,7 @@ func (c *Config) setDefaults() {
 	if c.Backoff == nil {
 		c.Backoff = middleware.DefaultBackoff
 	}
-	if len(c.Tiers) == 0 && c.MaxAttempts >= 1 && c.MaxAttempts <= middleware.MaxAttemptsCap {
+	if len(c.Tiers) == 0 && c.DelayerFactory == nil && c.MaxAttempts >= 1 && c.MaxAttempts <= middleware.MaxAttemptsCap {
 		c.Tiers = DefaultTiers(c.Backoff, c.MaxAttempts)
 	}
 	c.Naming.setDefaults()
@@ -193,6 +209,16 @@ func (c Config) Validate() error {
 		}
 		if d%time.Millisecond != 0 {
 			return fmt.Errorf("amqpretry.Config.Tiers[%d] = %v is not a whole number of milliseconds (x-message-ttl is in ms)", i, d)
+		}
+	}
+	if c.DelayerFactory != nil {
+		switch {
+		case len(c.Tiers) > 0:
+			return errors.New("amqpretry.Config.Tiers is set together with DelayerFactory, which replaces the wait queues: leave Tiers empty")
+		case c.DeadLetterFirstRetry:
+			return errors.New("amqpretry.Config.DeadLetterFirstRetry cannot be combined with DelayerFactory: it dead-letters the first retry into the first wait queue, which DelayerFactory replaces")
+		case c.NativeDelayedRetry != nil:
+			return errors.New("amqpretry.Config.NativeDelayedRetry cannot be combined with DelayerFactory: each would delay short retries its own way")
 		}
 	}
 	if c.DeadLetterFirstRetry && c.QueueType != QueueTypeQuorum {
@@ -260,19 +286,24 @@ func DefaultTiers(policy func() backoff.BackOff, maxAttempts int) []time.Duratio
 // Retry is what New returns: everything needed to plug retries into a
 // watermill-amqp subscriber and router.
 type Retry struct {
-	chain      *router.Chain
-	topology   *Topology
-	marshaler  Marshaler
-	publisher  *ConfirmPublisher
-	delayer    *Delayer
-	subscriber wamqp.Config
-	queueName  func(ctx context.Context) string
+	chain     *router.Chain
+	topology  *Topology
+	marshaler Marshaler
+	publisher *ConfirmPublisher
+	delayer   *Delayer
+	// customClose: the DelayerFactory's CustomDelayer.Close, if any.
+	customClose func() error
+	subscriber  wamqp.Config
+	queueName   func(ctx context.Context) string
 }
 
 // New validates cfg, connects the retry publisher (publisher confirms) and
 // assembles the chain: attempt counter, poison forwarder, delayed
-// republisher, classifier. It returns Config.Validate's error, or a
-// connection error. Close it after the router.
+// republisher, classifier. With Config.DelayerFactory it calls the
+// factory once the publisher is connected and schedules positive-delay
+// retries with its Delayer. It returns Config.Validate's error, a
+// connection error, or the factory's error (wrapped). Close it after the
+// router.
 func New(cfg Config) (*Retry, error) {
 	cfg.setDefaults()
 	if err := cfg.Validate(); err != nil {
@@ -334,8 +365,19 @@ func New(cfg Config) (*Retry, error) {
 	}
 	delayer := &Delayer{publisher: pub, topology: topo, marshaler: marshaler, queueName: cfg.QueueName, logger: cfg.Logger,
 		deadLetterFirst: cfg.DeadLetterFirstRetry, native: cfg.NativeDelayedRetry}
+	var chainDelayer middleware.Delayer = delayer
+	var custom CustomDelayer
+	if cfg.DelayerFactory != nil {
+		custom, err = buildCustomDelayer(cfg.DelayerFactory, DelayerDeps{
+			Publisher: pub, Marshaler: marshaler, QueueName: cfg.QueueName, Logger: cfg.Logger}, topo)
+		if err != nil {
+			_ = pub.Close()
+			return nil, fmt.Errorf("amqpretry: Config.DelayerFactory: %w", err)
+		}
+		chainDelayer = splitDelayer{loopBack: delayer, custom: custom.Delayer}
+	}
 	chain, err := router.New(router.Config{
-		Delayer:         delayer,
+		Delayer:         chainDelayer,
 		PoisonPublisher: &poisonPublisher{publisher: pub, topology: topo, marshaler: marshaler, logger: cfg.Logger},
 		PoisonTopic:     func(ctx context.Context) string { return topo.PoisonQueue(cfg.QueueName(ctx)) },
 		MaxAttempts:     cfg.MaxAttempts,
@@ -354,6 +396,9 @@ func New(cfg Config) (*Retry, error) {
 		RedeliveriesCounted: cfg.NativeDelayedRetry != nil,
 	})
 	if err != nil {
+		if custom.Close != nil {
+			_ = custom.Close()
+		}
 		_ = pub.Close()
 		return nil, err
 	}
@@ -370,7 +415,7 @@ func New(cfg Config) (*Retry, error) {
 		sub.Queue.Durable = true
 	}
 	return &Retry{chain: chain, topology: topo, marshaler: marshaler, publisher: pub, delayer: delayer,
-		subscriber: sub, queueName: cfg.QueueName}, nil
+		customClose: custom.Close, subscriber: sub, queueName: cfg.QueueName}, nil
 }
 
 // Middleware is the retry chain; pass it to (*message.Router).AddMiddleware
@@ -441,9 +486,16 @@ func (r *Retry) DeleteQueues(queue string) error {
 	return nil
 }
 
-// Close closes the retry publisher, waiting for publishes in flight. Close
-// the router first.
-func (r *Retry) Close() error { return r.publisher.Close() }
+// Close closes the Config.DelayerFactory's delayer (CustomDelayer.Close), if
+// any, then the retry publisher, waiting for publishes in flight, and
+// returns their errors joined. Close the router first.
+func (r *Retry) Close() error {
+	var cerr error
+	if r.customClose != nil {
+		cerr = r.customClose()
+	}
+	return errors.Join(cerr, r.publisher.Close())
+}
 
 // Delayer implements middleware.Delayer on RabbitMQ: it publishes the copy to
 // the wait queue of the tier TierFor(delay) of the message's originating

@@ -84,7 +84,9 @@ type Marshaler struct {
 	// "<Q>.wait.<tier>". With a custom Config.Naming, set it to the Retry's
 	// Topology (Retry.Topology()); otherwise copies that come back through a
 	// renamed loop-back exchange record that exchange and Q as their origin
-	// instead of keeping the origin recorded on the first failure.
+	// instead of keeping the origin recorded on the first failure. The same
+	// holds with Config.DelayerFactory (e.g. the delay cascade): only the
+	// Retry's Topology knows how to recognise its copies.
 	Topology *Topology
 }
 
@@ -420,19 +422,31 @@ func (m Marshaler) restoreTypedHeaders(md message.Metadata, h amqp.Table) {
 //     key Q), or
 //   - through the default exchange with routing key Q, its most recent
 //     x-death entry being reason "expired" in one of Q's wait queues (a wait
-//     queue dead-letters through the default exchange to Q),
+//     queue dead-letters through the default exchange to Q), or
+//   - through a Config.DelayerFactory's mechanism: the Topology's
+//     CustomDelayer.DeliveredQueue recognises the delivery's exchange and
+//     routing key and names Q (the delay cascade: a level exchange or its
+//     delivery exchange, and a cascade key ending in Q),
 //
-// and, in both cases, its x-death has no entry for Q itself: a message
+// and, in every case, its x-death has no entry for Q itself: a message
 // dead-lettered out of Q (a nack with DeadLetterFirstRetry, a delivery limit,
 // an overflow) since it was last published is the same message its last
 // publisher sent, maybe a producer, not a copy the library wrote. Q is
-// d.RoutingKey: both routes deliver to the queue named by the routing key. A
+// d.RoutingKey on the first two routes, which deliver to the queue named by
+// the routing key, and the queue DeliveredQueue names on the third. A
 // message published straight to a business exchange never qualifies. (Anyone
-// allowed to publish to the loop-back exchange, or to Q through the default
-// exchange, can still set the origin exchange and routing key, never the
-// origin queue: restrict those with RabbitMQ permissions.)
+// allowed to publish to the loop-back exchange, a cascade exchange, or to Q
+// through the default exchange, can still set the origin exchange and
+// routing key, never the origin queue: restrict those with RabbitMQ
+// permissions.)
 func (m Marshaler) retryPathDelivery(d *amqp.Delivery, deaths []middleware.DeathRecord) bool {
 	q := d.RoutingKey
+	custom := false
+	if m.Topology != nil && m.Topology.deliveredQueue != nil {
+		if cq, ok := m.Topology.deliveredQueue(d.Exchange, d.RoutingKey); ok {
+			q, custom = cq, true
+		}
+	}
 	if q == "" {
 		return false
 	}
@@ -440,6 +454,9 @@ func (m Marshaler) retryPathDelivery(d *amqp.Delivery, deaths []middleware.Death
 		if r.Queue == q {
 			return false
 		}
+	}
+	if custom {
+		return true
 	}
 	loopBack := "rabbitretry.loopback"
 	if m.Topology != nil {

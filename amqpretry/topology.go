@@ -166,6 +166,11 @@ type Topology struct {
 	// policy; open gives the side channel the passive declare runs on.
 	adopt *adopter
 	open  func() (*amqp.Channel, error)
+	// bindQueue and deliveredQueue come from Config.DelayerFactory's
+	// CustomDelayer (nil without one): bindQueue runs at the end of
+	// DeclareRetry, deliveredQueue lets the Marshaler recognise its copies.
+	bindQueue      func(ch *amqp.Channel, queue string) error
+	deliveredQueue func(exchange, routingKey string) (queue string, ok bool)
 
 	mu       sync.Mutex
 	declared map[string]declaredQueue // originating queue -> how BuildTopology declared it
@@ -181,7 +186,8 @@ func newTopology(naming Naming, tiers []time.Duration, queueType string, deadLet
 		declared: map[string]declaredQueue{}}
 }
 
-// Tiers returns the delay tiers, ascending.
+// Tiers returns the delay tiers, ascending; none when Config.DelayerFactory
+// replaces the wait queues.
 func (t *Topology) Tiers() []time.Duration { return slices.Clone(t.tiers) }
 
 // Naming returns the names in use.
@@ -193,7 +199,11 @@ func (t *Topology) Naming() Naming { return t.naming }
 // sqrt(b/a) (1.41 for doubling tiers), and jittered delays spread over
 // neighbouring tiers instead of piling into the next one up. A delay below
 // the shortest tier gets the shortest; above the longest, the longest.
+// With no tiers (Config.DelayerFactory) it returns 0.
 func (t *Topology) TierFor(d time.Duration) time.Duration {
+	if len(t.tiers) == 0 {
+		return 0
+	}
 	i, found := slices.BinarySearch(t.tiers, d)
 	switch {
 	case found:
@@ -214,7 +224,11 @@ func (t *Topology) TierFor(d time.Duration) time.Duration {
 // (a handler's RetryAfter): the message never comes back earlier than asked.
 // ok is false when d exceeds the longest tier; the longest tier is returned
 // then, and the message comes back earlier than asked (add a longer tier).
+// With no tiers (Config.DelayerFactory) it returns 0, false.
 func (t *Topology) TierAtLeast(d time.Duration) (tier time.Duration, ok bool) {
+	if len(t.tiers) == 0 {
+		return 0, false
+	}
 	i, _ := slices.BinarySearch(t.tiers, d)
 	if i == len(t.tiers) {
 		return t.tiers[len(t.tiers)-1], false
@@ -426,7 +440,9 @@ func (t *Topology) queueExists(queue string) (bool, error) {
 }
 
 // DeclareRetry declares Q's side of the retry topology (loop-back binding,
-// wait exchange and queues, poison exchange and queue), not Q itself. All
+// wait exchange and queues, poison exchange and queue), not Q itself, then
+// runs the Config.DelayerFactory's BindQueue hook for Q, if any (with a
+// DelayerFactory there are no tiers, so no wait queue is declared). All
 // exchanges and queues are durable: RabbitMQ 4.3 refuses non-durable shared
 // queues, and waiting messages must survive a broker restart.
 func (t *Topology) DeclareRetry(ch *amqp.Channel, queue string) error {
@@ -456,6 +472,11 @@ func (t *Topology) DeclareRetry(ch *amqp.Channel, queue string) error {
 	}
 	if err := ch.QueueBind(pq, pq, t.naming.PoisonExchange, false, nil); err != nil {
 		return declareError("binding", pq+" <- "+t.naming.PoisonExchange, err)
+	}
+	if t.bindQueue != nil {
+		if err := t.bindQueue(ch, queue); err != nil {
+			return fmt.Errorf("amqpretry: binding %q to the custom delayer (Config.DelayerFactory): %w", queue, err)
+		}
 	}
 	return nil
 }

@@ -117,9 +117,20 @@
 // amqpretry.MaxCopyHeaderBytes. Its basic.deliver routing key is the
 // cascade key, not the queue name, and its exchange is the one its last
 // routing started from (a level exchange, or the delivery exchange):
-// Config.DeliveredQueue recognises both. amqpretry's Marshaler does not yet
-// count a delivery from the cascade as a retry-path delivery, so wiring
-// the Delayer into amqpretry.New must teach it DeliveredQueue.
+// Config.DeliveredQueue recognises both.
+//
+// # With amqpretry.New
+//
+// DelayerFactory plugs the cascade into amqpretry.New
+// (amqpretry.Config.DelayerFactory): retries with a positive delay go
+// through the cascade, exact to the grain, and no wait queue is declared;
+// zero-delay copies (fallback, RedeliveryGuard) keep amqpretry's loop-back
+// exchange; the subscriber's topology builder declares the cascade and
+// binds each originating queue on every (re)connect; and the Retry's
+// Marshaler counts a delivery from the cascade (DeliveredQueue) as a
+// retry-path delivery, so the origin metadata of the first failure is
+// kept. New then refuses Tiers, DeadLetterFirstRetry and
+// NativeDelayedRetry.
 //
 // # Operators
 //
