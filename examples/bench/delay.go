@@ -68,24 +68,15 @@ func (b *bench) delayTiers() (err error) {
 	q := e.name("delay", watermillShort())
 	cfg := wamqp.NewDurableQueueConfig(e.uri)
 	cfg.Consume.Qos.PrefetchCount = 256
-	retry, err := amqpretry.New(amqpretry.Config{
+	retry, sub, closeAll, err := e.retryConsumer(amqpretry.Config{
 		Subscriber: cfg, Naming: e.naming("delay"), Logger: e.logger,
 		Tiers:   []time.Duration{200 * time.Millisecond, time.Second, 3 * time.Second},
 		Backoff: func() backoff.BackOff { return backoff.NewConstantBackOff(time.Millisecond) },
-	})
+	}, q)
 	if err != nil {
 		return err
 	}
-	defer func() { _ = retry.Close() }()
-	e.trackRetry(retry, q)
-	sub, err := wamqp.NewSubscriber(retry.SubscriberConfig(), e.logger)
-	if err != nil {
-		return err
-	}
-	defer func() { _ = sub.Close() }()
-	if err := sub.SubscribeInitialize(q); err != nil {
-		return err
-	}
+	defer closeAll()
 	mk := func(i int) amqp.Publishing {
 		return benchPublishing(i, amqp.Table{hdrTierMs: strconv.FormatInt(tiers[i/per].Milliseconds(), 10)})
 	}

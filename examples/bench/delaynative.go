@@ -49,26 +49,17 @@ func (b *bench) delayNative() (err error) {
 	q := e.name("delay", "native", watermillShort())
 	cfg := wamqp.NewDurableQueueConfig(e.uri)
 	cfg.Consume.Qos.PrefetchCount = 256
-	retry, err := amqpretry.New(amqpretry.Config{
+	retry, sub, closeAll, err := e.retryConsumer(amqpretry.Config{
 		Subscriber: cfg, Naming: e.naming("delaynative"), Logger: e.logger,
 		QueueType:          amqpretry.QueueTypeQuorum,
 		NativeDelayedRetry: &amqpretry.NativeDelayedRetry{Min: delayNativeHold, Max: delayNativeHold},
 		Tiers:              []time.Duration{delayNativeHold},
 		Backoff:            func() backoff.BackOff { return backoff.NewConstantBackOff(delayNativeHold) },
-	})
+	}, q)
 	if err != nil {
 		return err
 	}
-	defer func() { _ = retry.Close() }()
-	e.trackRetry(retry, q)
-	sub, err := wamqp.NewSubscriber(retry.SubscriberConfig(), e.logger)
-	if err != nil {
-		return err
-	}
-	defer func() { _ = sub.Close() }()
-	if err := sub.SubscribeInitialize(q); err != nil {
-		return err
-	}
+	defer closeAll()
 	var mu sync.Mutex
 	failedAt := make(map[string]time.Time, n)
 	var observed []time.Duration

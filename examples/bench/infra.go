@@ -97,6 +97,29 @@ func (e *env) trackRetry(r *amqpretry.Retry, q string) {
 	e.trackQueues(r.Topology().WaitQueues(q)...)
 }
 
+// retryConsumer builds a Retry from cfg, tracks q's queues for cleanup, and
+// opens a watermill-amqp subscriber on the Retry's config with q's topology
+// declared. closeAll closes the subscriber, then the Retry.
+func (e *env) retryConsumer(cfg amqpretry.Config, q string) (retry *amqpretry.Retry, sub *wamqp.Subscriber, closeAll func(), err error) {
+	if retry, err = amqpretry.New(cfg); err != nil {
+		return nil, nil, nil, err
+	}
+	e.trackRetry(retry, q)
+	if sub, err = wamqp.NewSubscriber(retry.SubscriberConfig(), e.logger); err != nil {
+		_ = retry.Close()
+		return nil, nil, nil, err
+	}
+	closeAll = func() {
+		_ = sub.Close()
+		_ = retry.Close()
+	}
+	if err = sub.SubscribeInitialize(q); err != nil {
+		closeAll()
+		return nil, nil, nil, err
+	}
+	return retry, sub, closeAll, nil
+}
+
 // cleanup deletes every queue and exchange tracked so far. It refuses to
 // touch names outside the bench prefix.
 func (e *env) cleanup() error {

@@ -99,26 +99,17 @@ func (b *bench) memoryNative() (err error) {
 	cfg := wamqp.NewDurableQueueConfig(e.uri)
 	cfg.Consume.Qos.PrefetchCount = 256
 	tr := newTracker(n)
-	retry, err := amqpretry.New(amqpretry.Config{Subscriber: cfg, Naming: e.naming("memnative"), Logger: e.logger,
+	retry, sub, closeAll, err := e.retryConsumer(amqpretry.Config{Subscriber: cfg, Naming: e.naming("memnative"), Logger: e.logger,
 		QueueType:          amqpretry.QueueTypeQuorum,
 		NativeDelayedRetry: &amqpretry.NativeDelayedRetry{Min: memoryNativeHold, Max: memoryNativeHold},
 		Tiers:              []time.Duration{memoryNativeHold},
 		Backoff:            func() backoff.BackOff { return backoff.NewConstantBackOff(memoryNativeHold) },
 		Observer:           retryObserver{t: tr},
-	})
+	}, q)
 	if err != nil {
 		return err
 	}
-	defer func() { _ = retry.Close() }()
-	e.trackRetry(retry, q)
-	sub, err := wamqp.NewSubscriber(retry.SubscriberConfig(), e.logger)
-	if err != nil {
-		return err
-	}
-	defer func() { _ = sub.Close() }()
-	if err := sub.SubscribeInitialize(q); err != nil {
-		return err
-	}
+	defer closeAll()
 	nr := &memoryNativeResult{Held: n, MinS: memoryNativeHold.Seconds()}
 	res.Native = nr
 	before, nodeOK := readNodeMemory()
