@@ -777,9 +777,16 @@ func (p *producer) sendOnce(uuids []string, ps []amqp.Publishing, pending []int,
 			failed[pending[j]] = true
 		}
 	}
+	// Drain the returns that came; a closed channel (the connection died
+	// mid-wave) closes returns too, and a receive from it must end the loop,
+	// not spin on zero values.
+drain:
 	for {
 		select {
-		case r := <-returns:
+		case r, ok := <-returns:
+			if !ok {
+				break drain
+			}
 			u, _ := r.Headers[wamqp.DefaultMessageUUIDHeaderKey].(string)
 			if i, ok := index[u]; ok {
 				failed[i] = true
@@ -787,10 +794,9 @@ func (p *producer) sendOnce(uuids []string, ps []amqp.Publishing, pending []int,
 			p.mu.Lock()
 			p.returned++
 			p.mu.Unlock()
-			continue
 		default:
+			break drain
 		}
-		break
 	}
 	var out []int
 	for _, i := range pending {
