@@ -20,6 +20,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitretry/rabbitretry/amqpretry"
+	"github.com/rabbitretry/rabbitretry/internal/cliflags"
 	"github.com/rabbitretry/rabbitretry/middleware"
 )
 
@@ -118,7 +119,7 @@ func runContext(ctx context.Context, args []string, stdout, stderr io.Writer) in
 		fmt.Fprint(stderr, usageText)
 		fs.PrintDefaults()
 	}
-	pos, err := parseInterleaved(fs, args)
+	pos, err := cliflags.ParseInterleaved(fs, args)
 	if err != nil {
 		if errors.Is(err, flag.ErrHelp) {
 			return exitOK
@@ -306,25 +307,4 @@ func formatTiers(tiers []time.Duration) string {
 		s[i] = middleware.FormatDelay(d)
 	}
 	return strings.Join(s, ",")
-}
-
-// parseInterleaved parses fs allowing flags after positional arguments
-// ("show --queue q" and "--queue q show"); "--" ends flag parsing.
-func parseInterleaved(fs *flag.FlagSet, args []string) ([]string, error) {
-	var pos []string
-	for {
-		if err := fs.Parse(args); err != nil {
-			return nil, err
-		}
-		consumed := len(args) - fs.NArg()
-		if consumed > 0 && args[consumed-1] == "--" {
-			return append(pos, fs.Args()...), nil
-		}
-		args = fs.Args()
-		if len(args) == 0 {
-			return pos, nil
-		}
-		pos = append(pos, args[0])
-		args = args[1:]
-	}
 }

@@ -19,6 +19,7 @@ import (
 	"unicode"
 	"unicode/utf8"
 
+	"github.com/rabbitretry/rabbitretry/internal/cliflags"
 	"github.com/rabbitretry/rabbitretry/poison/admin"
 )
 
@@ -203,7 +204,7 @@ func runContext(ctx context.Context, args []string, stdout, stderr io.Writer) in
 		fmt.Fprintf(stderr, "Usage: poisonctl %s [flags] %s\n\n%s.\n\nFlags:\n", name, cmd.args, cmd.summary)
 		fs.PrintDefaults()
 	}
-	pos, err := parseInterleaved(fs, rest[1:])
+	pos, err := cliflags.ParseInterleaved(fs, rest[1:])
 	if err != nil {
 		if errors.Is(err, flag.ErrHelp) {
 			return exitOK
@@ -246,27 +247,6 @@ func runContext(ctx context.Context, args []string, stdout, stderr io.Writer) in
 	}
 	defer a.Close()
 	return cmd.run(ctx, a, o, f, pos, stdout, stderr)
-}
-
-// parseInterleaved parses fs allowing flags after positional arguments
-// ("show <uuid> --json"); "--" ends flag parsing.
-func parseInterleaved(fs *flag.FlagSet, args []string) ([]string, error) {
-	var pos []string
-	for {
-		if err := fs.Parse(args); err != nil {
-			return nil, err
-		}
-		consumed := len(args) - fs.NArg()
-		if consumed > 0 && args[consumed-1] == "--" {
-			return append(pos, fs.Args()...), nil
-		}
-		args = fs.Args()
-		if len(args) == 0 {
-			return pos, nil
-		}
-		pos = append(pos, args[0])
-		args = args[1:]
-	}
 }
 
 // filter builds the admin.Filter from the filter flags; errors are usage

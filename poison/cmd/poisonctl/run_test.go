@@ -6,7 +6,6 @@ import (
 	"crypto/rand"
 	"encoding/hex"
 	"encoding/json"
-	"flag"
 	"fmt"
 	"strings"
 	"testing"
@@ -276,15 +275,6 @@ func TestReplayPurgeStats(t *testing.T) {
 	}
 	if fx.depth(t, fx.Poison) != 0 || fx.depth(t, fx.Q) != 3 {
 		t.Fatalf("after replay: poison %d, Q %d", fx.depth(t, fx.Poison), fx.depth(t, fx.Q))
-	}
-}
-
-func TestParseInterleaved(t *testing.T) {
-	fs := flag.NewFlagSet("x", flag.ContinueOnError)
-	j := fs.Bool("json", false, "")
-	pos, err := parseInterleaved(fs, []string{"a", "--json", "b", "--", "--c"})
-	if err != nil || !*j || strings.Join(pos, " ") != "a b --c" {
-		t.Fatalf("pos %q json %v err %v", pos, *j, err)
 	}
 }
 
