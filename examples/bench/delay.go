@@ -128,14 +128,9 @@ func (b *bench) delayTiers() (err error) {
 		}
 		time.Sleep(5 * time.Millisecond) // polling the counter
 	}
-	const chunk = 10 // 200 messages over ~1 s
-	for off := long; off < n; off += chunk {
-		m := min(chunk, n-off)
-		if _, err := e.fillQueue(q, m, func(i int) amqp.Publishing { return mk(off + i) }); err != nil {
-			_ = rr.close()
-			return err
-		}
-		time.Sleep(50 * time.Millisecond) // pacing the publisher, not synchronisation
+	if err := e.fillPaced(q, long, n-long, mk); err != nil {
+		_ = rr.close()
+		return err
 	}
 	werr := tr.wait(60*time.Second, "delay accuracy")
 	if cerr := rr.close(); cerr != nil && werr == nil {

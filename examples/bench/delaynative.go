@@ -89,14 +89,9 @@ func (b *bench) delayNative() (err error) {
 	if err != nil {
 		return err
 	}
-	const chunk = 10 // 200 messages over ~1 s
-	for off := 0; off < n; off += chunk {
-		m := min(chunk, n-off)
-		if _, err := e.fillQueue(q, m, func(i int) amqp.Publishing { return benchPublishing(off+i, nil) }); err != nil {
-			_ = rr.close()
-			return err
-		}
-		time.Sleep(50 * time.Millisecond) // pacing the publisher, not synchronisation
+	if err := e.fillPaced(q, 0, n, func(i int) amqp.Publishing { return benchPublishing(i, nil) }); err != nil {
+		_ = rr.close()
+		return err
 	}
 	werr := tr.wait(60*time.Second, "delay accuracy (native)")
 	if cerr := rr.close(); cerr != nil && werr == nil {

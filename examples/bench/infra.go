@@ -97,6 +97,21 @@ func (e *env) trackRetry(r *amqpretry.Retry, q string) {
 	e.trackQueues(r.Topology().WaitQueues(q)...)
 }
 
+// fillPaced publishes n messages (mk(from), ..., mk(from+n-1)) to q, 10 at
+// a time every 50 ms (200 messages over ~1 s), so the scenario measures
+// its retry path and not a queue of first attempts the bench itself built.
+func (e *env) fillPaced(q string, from, n int, mk func(i int) amqp.Publishing) error {
+	const chunk = 10
+	for off := from; off < from+n; off += chunk {
+		m := min(chunk, from+n-off)
+		if _, err := e.fillQueue(q, m, func(i int) amqp.Publishing { return mk(off + i) }); err != nil {
+			return err
+		}
+		time.Sleep(50 * time.Millisecond) // pacing the publisher, not synchronisation
+	}
+	return nil
+}
+
 // retryConsumer builds a Retry from cfg, tracks q's queues for cleanup, and
 // opens a watermill-amqp subscriber on the Retry's config with q's topology
 // declared. closeAll closes the subscriber, then the Retry.
