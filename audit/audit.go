@@ -1,0 +1,185 @@
+// Package audit records every business message's story, its arrival on a
+// business exchange and each attempt the retry chain made at it, into a
+// store (PostgreSQL: package audit/pgstore) where operators can find it and
+// resend it.
+//
+// Two kinds of record, tied together by the message id (the Watermill
+// message UUID, which every retry and poison copy keeps):
+//
+//   - Arrival: one per message published to an audited business exchange.
+//     An audit queue bound to those exchanges receives one copy of each
+//     publish; retry copies come back through the loop-back exchange, which
+//     is not bound to it, so they are not recorded again (Consumer).
+//   - Attempt: one per attempt the retry chain made (or decided without
+//     running the handler): its number, queue, start time, duration,
+//     outcome, delay and tier of a scheduled retry, error class and
+//     (redacted) error text (Recorder).
+//
+// Never in the way, never lossy: the Recorder hands attempt records to a
+// background publisher (confirmed publishes to the audit exchange), so a
+// handler never waits on PostgreSQL; the Consumer writes batches to the
+// Store and acks them only after the transaction commits, so while
+// PostgreSQL is down records wait durably in RabbitMQ's audit queues, and
+// a batch that is redelivered is written again without duplicates (Store
+// writes are idempotent on the record IDs).
+package audit
+
+import (
+	"context"
+	"encoding/json"
+	"time"
+)
+
+// Outcome is how an attempt ended.
+type Outcome string
+
+// The outcomes of an attempt.
+const (
+	// OutcomeSuccess: the handler returned nil; the message was acked.
+	OutcomeSuccess Outcome = "success"
+	// OutcomeRetry: a retry copy was scheduled (held by the Delayer, or
+	// handed to the broker's dead-lettering or native delayed retry); Delay
+	// and Tier say when it comes back.
+	OutcomeRetry Outcome = "retry"
+	// OutcomePoisoned: confirmed into the poison queue; ErrorClass says why.
+	OutcomePoisoned Outcome = "poisoned"
+	// OutcomeDropped: acked and discarded on a Drop classification.
+	OutcomeDropped Outcome = "dropped"
+	// OutcomeNacked: no retry or poison copy could be held (the broker
+	// refused or timed out); the message went back to its queue (fallback
+	// copy or nack with requeue) and will be delivered again.
+	OutcomeNacked Outcome = "nacked"
+	// OutcomeRequeued: the handler did not run (a redelivered message the
+	// RedeliveryGuard copied back to its queue).
+	OutcomeRequeued Outcome = "requeued"
+)
+
+// Arrival records one message published to an audited business exchange,
+// as the audit queue received it.
+type Arrival struct {
+	// ID is the record's idempotency key: a hex SHA-256 over the exchange,
+	// routing key, message id, AMQP timestamp, headers and body, so a
+	// redelivery of the same audit-queue message maps to the same record.
+	ID string `json:"id"`
+	// MessageID is the Watermill message UUID (the UUID header, else the
+	// AMQP message-id property); empty if the message had neither.
+	MessageID string `json:"message_id"`
+	// CorrelationID is the AMQP correlation-id property.
+	CorrelationID string `json:"correlation_id,omitempty"`
+	// Exchange and RoutingKey are where it was published.
+	Exchange   string `json:"exchange"`
+	RoutingKey string `json:"routing_key"`
+	// PublishedAt is the AMQP timestamp property, zero if unset.
+	PublishedAt time.Time `json:"published_at,omitzero"`
+	// ArrivedAt is when the audit consumer received it.
+	ArrivedAt time.Time `json:"arrived_at"`
+	// Headers are the AMQP headers, as JSON values (tables as objects,
+	// byte arrays base64, times RFC 3339).
+	Headers map[string]any `json:"headers,omitempty"`
+	// Properties are the other AMQP properties that were set (content-type,
+	// content-encoding, delivery-mode, priority, reply-to, expiration, type,
+	// user-id, app-id), by their AMQP names.
+	Properties map[string]string `json:"properties,omitempty"`
+	// Body is the body, byte-exact, cut to the consumer's BodyLimit.
+	Body []byte `json:"body"`
+	// BodySize is the body's full size in bytes.
+	BodySize int `json:"body_size"`
+	// BodyTruncated is true when Body was cut (len(Body) < BodySize).
+	BodyTruncated bool `json:"body_truncated,omitempty"`
+}
+
+// Attempt records one attempt at a message by the retry chain.
+type Attempt struct {
+	// ID is the record's idempotency key, a random UUID made when the
+	// attempt ended.
+	ID string `json:"id"`
+	// MessageID is the Watermill message UUID.
+	MessageID string `json:"message_id"`
+	// CorrelationID is the AMQP correlation-id property, if any.
+	CorrelationID string `json:"correlation_id,omitempty"`
+	// Queue is the originating queue the attempt consumed from.
+	Queue string `json:"queue"`
+	// Attempt is the attempt number, 1 on the first delivery.
+	Attempt int `json:"attempt"`
+	// StartedAt is when the attempt entered the chain.
+	StartedAt time.Time `json:"started_at"`
+	// Duration is how long the handler ran (zero if it did not run).
+	Duration time.Duration `json:"duration_ns"`
+	// Outcome is how the attempt ended.
+	Outcome Outcome `json:"outcome"`
+	// Delay is the retry delay of an OutcomeRetry, Tier the wait queue's
+	// delay it went to (zero without tiers: the exact-delay cascade or
+	// native retry).
+	Delay time.Duration `json:"delay_ns,omitempty"`
+	Tier  time.Duration `json:"tier_ns,omitempty"`
+	// ErrorClass is the classifier's class ("transient", "permanent",
+	// "malformed", "retry-after", "exhausted", ...), empty on success.
+	ErrorClass string `json:"error_class,omitempty"`
+	// Error is the handler's error, rendered by the chain's ErrorText
+	// (redacted, cut to 1 KiB by default); for OutcomeNacked, also why no
+	// copy could be held.
+	Error string `json:"error,omitempty"`
+}
+
+// Message is one message's story as the store returns it: its arrival (nil
+// if it arrived before auditing began, or not through an audited exchange)
+// and its attempts, oldest first.
+type Message struct {
+	MessageID string    `json:"message_id"`
+	Arrival   *Arrival  `json:"arrival,omitempty"`
+	Attempts  []Attempt `json:"attempts"`
+}
+
+// Filter selects messages in Search and Resend. Zero fields do not filter;
+// all set fields must match.
+type Filter struct {
+	// MessageID and CorrelationID match exactly.
+	MessageID     string `json:"message_id,omitempty"`
+	CorrelationID string `json:"correlation_id,omitempty"`
+	// From and To bound the arrival time (or, without an arrival, the first
+	// attempt's start): From <= t < To.
+	From time.Time `json:"from,omitzero"`
+	To   time.Time `json:"to,omitzero"`
+	// Queue matches an attempt's queue; Exchange and RoutingKey the
+	// arrival's.
+	Queue      string `json:"queue,omitempty"`
+	Exchange   string `json:"exchange,omitempty"`
+	RoutingKey string `json:"routing_key,omitempty"`
+	// Outcome and ErrorClass match any attempt's; LastOutcome the latest
+	// attempt's.
+	Outcome     Outcome `json:"outcome,omitempty"`
+	LastOutcome Outcome `json:"last_outcome,omitempty"`
+	ErrorClass  string  `json:"error_class,omitempty"`
+	// ErrorContains matches attempts whose error text contains it
+	// (case-insensitive).
+	ErrorContains string `json:"error_contains,omitempty"`
+	// Headers match arrivals whose headers contain every key with the given
+	// JSON value (jsonb containment: {"tenant":"acme"}).
+	Headers map[string]any `json:"headers,omitempty"`
+	// Limit caps the number of messages returned (default 100, max 10,000);
+	// After pages: messages whose (time, message id) sort after it.
+	Limit int    `json:"limit,omitempty"`
+	After string `json:"after,omitempty"`
+}
+
+// Store persists and finds records. Implemented by pgstore.Store.
+type Store interface {
+	// Write stores the records in one transaction. It is idempotent on
+	// Arrival.ID and Attempt.ID: writing a record again changes nothing.
+	// It returns only once the records are durable (committed).
+	Write(ctx context.Context, arrivals []Arrival, attempts []Attempt) error
+	// Search returns the messages matching f, newest first, each with its
+	// arrival and attempts.
+	Search(ctx context.Context, f Filter) ([]Message, error)
+}
+
+// MarshalAttempt and UnmarshalAttempt are the wire form of an Attempt
+// record on the audit exchange (JSON, content-type application/json).
+func MarshalAttempt(a Attempt) ([]byte, error) { return json.Marshal(a) }
+
+// UnmarshalAttempt decodes MarshalAttempt's output.
+func UnmarshalAttempt(b []byte) (Attempt, error) {
+	var a Attempt
+	err := json.Unmarshal(b, &a)
+	return a, err
+}
