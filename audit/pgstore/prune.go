@@ -1,0 +1,109 @@
+package pgstore
+
+import (
+	"context"
+	"fmt"
+	"time"
+)
+
+// PruneResult counts what PruneDetail deleted.
+type PruneResult struct {
+	// Arrivals and Attempts are the records deleted; Messages the message
+	// rows left with no record.
+	Arrivals, Attempts, Messages int64
+	// Statements is the number of DELETE statements run (each its own
+	// short transaction of at most batch rows).
+	Statements int
+}
+
+// Prune deletes the arrivals that arrived before olderThan and the attempts
+// that started before it, batch rows per DELETE (DefaultPruneBatch when
+// batch <= 0), each statement its own transaction, looping until none is
+// left, so neither table is locked for long and writers keep going. It
+// returns the number of records (arrivals + attempts) deleted; see
+// PruneDetail for the split. A message whose arrival is pruned but whose
+// later attempts are not keeps its attempts (Search then shows it without
+// arrival). Errors: the database's, after which the batches already
+// deleted stay deleted and Prune can simply be run again.
+func (s *Store) Prune(ctx context.Context, olderThan time.Time, batch int) (int64, error) {
+	r, err := s.PruneDetail(ctx, olderThan, batch)
+	return r.Arrivals + r.Attempts, err
+}
+
+// PruneDetail is Prune returning the counts per table.
+func (s *Store) PruneDetail(ctx context.Context, olderThan time.Time, batch int) (PruneResult, error) {
+	var r PruneResult
+	if batch <= 0 {
+		batch = DefaultPruneBatch
+	}
+	loop := func(what, sql string, n *int64) error {
+		for {
+			tag, err := s.pool.Exec(ctx, sql, olderThan, batch)
+			if err != nil {
+				return fmt.Errorf("pgstore: prune %s: %w", what, err)
+			}
+			r.Statements++
+			*n += tag.RowsAffected()
+			if tag.RowsAffected() < int64(batch) {
+				return nil
+			}
+		}
+	}
+	if err := loop("arrivals", `DELETE FROM `+s.q.arrivals+` WHERE id IN (SELECT id FROM `+s.q.arrivals+
+		` WHERE arrived_at < $1 LIMIT $2)`, &r.Arrivals); err != nil {
+		return r, err
+	}
+	if err := loop("attempts", `DELETE FROM `+s.q.attempts+` WHERE id IN (SELECT id FROM `+s.q.attempts+
+		` WHERE started_at < $1 LIMIT $2)`, &r.Attempts); err != nil {
+		return r, err
+	}
+	err := loop("messages", `DELETE FROM `+s.q.messages+` WHERE message_id IN (SELECT m.message_id FROM `+s.q.messages+` m
+		WHERE m.message_time < $1
+		  AND NOT EXISTS (SELECT 1 FROM `+s.q.arrivals+` a WHERE a.message_id = m.message_id)
+		  AND NOT EXISTS (SELECT 1 FROM `+s.q.attempts+` t WHERE t.message_id = m.message_id)
+		LIMIT $2)`, &r.Messages)
+	return r, err
+}
+
+// Stats summarises the store, for operators (auditctl).
+type Stats struct {
+	// Arrivals, Attempts and Messages are row counts.
+	Arrivals, Attempts, Messages int64
+	// OldestArrival and NewestArrival bound arrived_at, OldestAttempt and
+	// NewestAttempt started_at (zero when the table is empty).
+	OldestArrival, NewestArrival time.Time
+	OldestAttempt, NewestAttempt time.Time
+	// SchemaVersion is the latest applied migration.
+	SchemaVersion int
+	// TrigramIndex reports whether ErrorContains has its pg_trgm index.
+	TrigramIndex bool
+}
+
+// Stats counts the rows (exact count(*): a full scan of each table) and
+// finds the oldest and newest records (index lookups). Errors: the
+// database's.
+func (s *Store) Stats(ctx context.Context) (Stats, error) {
+	var st Stats
+	var oa, na, ot, nt *time.Time
+	err := s.pool.QueryRow(ctx, `SELECT
+		(SELECT count(*) FROM `+s.q.arrivals+`), (SELECT count(*) FROM `+s.q.attempts+`), (SELECT count(*) FROM `+s.q.messages+`),
+		(SELECT min(arrived_at) FROM `+s.q.arrivals+`), (SELECT max(arrived_at) FROM `+s.q.arrivals+`),
+		(SELECT min(started_at) FROM `+s.q.attempts+`), (SELECT max(started_at) FROM `+s.q.attempts+`),
+		to_regclass($1) IS NOT NULL`, qualify(s.schema, "attempts_error_trgm_idx")).
+		Scan(&st.Arrivals, &st.Attempts, &st.Messages, &oa, &na, &ot, &nt, &st.TrigramIndex)
+	if err != nil {
+		return st, fmt.Errorf("pgstore: stats: %w", err)
+	}
+	for _, p := range []struct {
+		src *time.Time
+		dst *time.Time
+	}{{oa, &st.OldestArrival}, {na, &st.NewestArrival}, {ot, &st.OldestAttempt}, {nt, &st.NewestAttempt}} {
+		if p.src != nil {
+			*p.dst = *p.src
+		}
+	}
+	if st.SchemaVersion, err = SchemaVersion(ctx, s.pool, s.schema); err != nil {
+		return st, err
+	}
+	return st, nil
+}

@@ -1,0 +1,57 @@
+package pgstore
+
+import (
+	"strings"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// qualify quotes schema.table.
+func qualify(schema, table string) string { return pgx.Identifier{schema, table}.Sanitize() }
+
+// queries are the store's statements with its schema filled in (quoted
+// identifiers only; every value is a bind parameter).
+type queries struct {
+	arrivals, attempts, messages string
+
+	insertArrivals, insertAttempts, upsertMessages string
+	arrivalsOf, attemptsOf                         string
+}
+
+const arrivalCols = `id, message_id, correlation_id, exchange, routing_key, published_at, arrived_at, headers, properties, body, body_size, body_truncated`
+const attemptCols = `id, message_id, correlation_id, queue, attempt, started_at, duration_us, outcome, delay_ms, tier_ms, error_class, error`
+
+func buildQueries(schema string) queries {
+	q := queries{
+		arrivals: qualify(schema, "arrivals"),
+		attempts: qualify(schema, "attempts"),
+		messages: qualify(schema, "messages"),
+	}
+	r := strings.NewReplacer("{arrivals}", q.arrivals, "{attempts}", q.attempts, "{messages}", q.messages)
+	q.insertArrivals = r.Replace(`INSERT INTO {arrivals} (` + arrivalCols + `)
+SELECT id, mid, cid, ex, rk, pub, arr, h::jsonb, p::jsonb, body, size, trunc
+FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::timestamptz[], $7::timestamptz[],
+            $8::text[], $9::text[], $10::bytea[], $11::int[], $12::bool[])
+     AS r(id, mid, cid, ex, rk, pub, arr, h, p, body, size, trunc)
+ON CONFLICT (id) DO NOTHING`)
+	q.insertAttempts = r.Replace(`INSERT INTO {attempts} (` + attemptCols + `)
+SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::int[], $6::timestamptz[], $7::bigint[],
+                     $8::text[], $9::bigint[], $10::bigint[], $11::text[], $12::text[])
+ON CONFLICT (id) DO NOTHING`)
+	newer := `(EXCLUDED.last_attempt IS NOT NULL AND (m.last_attempt IS NULL OR
+	(EXCLUDED.last_attempt, EXCLUDED.last_started_at, EXCLUDED.last_attempt_id) > (m.last_attempt, m.last_started_at, m.last_attempt_id)))`
+	q.upsertMessages = r.Replace(`INSERT INTO {messages} AS m (message_id, first_arrival_at, first_started_at, last_attempt, last_started_at, last_attempt_id, last_outcome)
+SELECT * FROM unnest($1::text[], $2::timestamptz[], $3::timestamptz[], $4::int[], $5::timestamptz[], $6::text[], $7::text[])
+ON CONFLICT (message_id) DO UPDATE SET
+	first_arrival_at = LEAST(m.first_arrival_at, EXCLUDED.first_arrival_at),
+	first_started_at = LEAST(m.first_started_at, EXCLUDED.first_started_at),
+	last_attempt    = CASE WHEN ` + newer + ` THEN EXCLUDED.last_attempt    ELSE m.last_attempt    END,
+	last_started_at = CASE WHEN ` + newer + ` THEN EXCLUDED.last_started_at ELSE m.last_started_at END,
+	last_attempt_id = CASE WHEN ` + newer + ` THEN EXCLUDED.last_attempt_id ELSE m.last_attempt_id END,
+	last_outcome    = CASE WHEN ` + newer + ` THEN EXCLUDED.last_outcome    ELSE m.last_outcome    END`)
+	q.arrivalsOf = r.Replace(`SELECT DISTINCT ON (message_id) ` + arrivalCols + ` FROM {arrivals}
+WHERE message_id = ANY($1) ORDER BY message_id, arrived_at, id`)
+	q.attemptsOf = r.Replace(`SELECT ` + attemptCols + ` FROM {attempts}
+WHERE message_id = ANY($1) ORDER BY message_id, started_at, attempt, id`)
+	return q
+}

@@ -1,0 +1,321 @@
+package pgstore
+
+import (
+	"context"
+	"encoding/base64"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgtype"
+
+	"github.com/rabbitretry/rabbitretry/audit"
+)
+
+// Search returns the messages matching f, newest first by message time
+// (the first arrival's arrived_at, else the first attempt's started_at;
+// ties by message id, descending), each with its first arrival (nil if
+// none is stored) and its attempts oldest first (by started_at, then
+// attempt number).
+//
+// Filter semantics: MessageID matches exactly; CorrelationID an arrival's
+// or an attempt's; From <= message time < To; Exchange, RoutingKey and
+// Headers (jsonb containment, headers @> f.Headers) must hold for one same
+// arrival; Queue, Outcome, ErrorClass and ErrorContains (case-insensitive
+// substring, ILIKE with %, _ and \ escaped) for one same attempt;
+// LastOutcome is the outcome of the message's latest attempt (highest
+// attempt number, then latest start). Limit is DefaultLimit when 0;
+// After is a cursor from NextCursor, Cursor or SearchPage: only messages
+// that sort after it are returned, so paging with the last message's
+// cursor returns every message once.
+//
+// Errors: Filter.Limit negative or above MaxLimit, Filter.From not before
+// Filter.To, an After that is not a cursor, Headers JSON cannot encode
+// (each naming the field); the database's.
+func (s *Store) Search(ctx context.Context, f audit.Filter) ([]audit.Message, error) {
+	msgs, _, err := s.SearchPage(ctx, f)
+	return msgs, err
+}
+
+// SearchPage is Search that also returns the cursor of the next page:
+// pass it as Filter.After. It is "" when this page is the last one (fewer
+// than the limit).
+func (s *Store) SearchPage(ctx context.Context, f audit.Filter) ([]audit.Message, string, error) {
+	sql, args, limit, err := s.searchSQL(f)
+	if err != nil {
+		return nil, "", err
+	}
+	rows, err := s.pool.Query(ctx, sql, args...)
+	if err != nil {
+		return nil, "", fmt.Errorf("pgstore: search: %w", err)
+	}
+	type key struct {
+		id string
+		t  time.Time
+	}
+	keys, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (key, error) {
+		var k key
+		err := r.Scan(&k.id, &k.t)
+		return k, err
+	})
+	if err != nil {
+		return nil, "", fmt.Errorf("pgstore: search: %w", err)
+	}
+	ids := make([]string, len(keys))
+	for i, k := range keys {
+		ids[i] = k.id
+	}
+	msgs, err := s.load(ctx, ids)
+	if err != nil {
+		return nil, "", err
+	}
+	next := ""
+	if len(keys) == limit {
+		last := keys[len(keys)-1]
+		next = encodeCursor(last.t, last.id)
+	}
+	return msgs, next, nil
+}
+
+// Get returns the message with this id, with its first arrival and all its
+// attempts; false if the store has no record of it.
+func (s *Store) Get(ctx context.Context, messageID string) (audit.Message, bool, error) {
+	msgs, err := s.load(ctx, []string{messageID})
+	if err != nil {
+		return audit.Message{}, false, err
+	}
+	m := msgs[0]
+	return m, m.Arrival != nil || len(m.Attempts) > 0, nil
+}
+
+// load returns one Message per id, in the order of ids.
+func (s *Store) load(ctx context.Context, ids []string) ([]audit.Message, error) {
+	out := make([]audit.Message, len(ids))
+	pos := make(map[string]int, len(ids))
+	for i, id := range ids {
+		out[i] = audit.Message{MessageID: id, Attempts: []audit.Attempt{}}
+		pos[id] = i
+	}
+	if len(ids) == 0 {
+		return out, nil
+	}
+	rows, err := s.pool.Query(ctx, s.q.arrivalsOf, ids)
+	if err != nil {
+		return nil, fmt.Errorf("pgstore: load arrivals: %w", err)
+	}
+	arrs, err := pgx.CollectRows(rows, scanArrival)
+	if err != nil {
+		return nil, fmt.Errorf("pgstore: load arrivals: %w", err)
+	}
+	for i := range arrs {
+		out[pos[arrs[i].MessageID]].Arrival = &arrs[i]
+	}
+	rows, err = s.pool.Query(ctx, s.q.attemptsOf, ids)
+	if err != nil {
+		return nil, fmt.Errorf("pgstore: load attempts: %w", err)
+	}
+	atts, err := pgx.CollectRows(rows, scanAttempt)
+	if err != nil {
+		return nil, fmt.Errorf("pgstore: load attempts: %w", err)
+	}
+	for _, a := range atts {
+		i := pos[a.MessageID]
+		out[i].Attempts = append(out[i].Attempts, a)
+	}
+	return out, nil
+}
+
+func scanArrival(r pgx.CollectableRow) (audit.Arrival, error) {
+	var (
+		a           audit.Arrival
+		pub         pgtype.Timestamptz
+		hdrs, props []byte
+		size        int32
+	)
+	if err := r.Scan(&a.ID, &a.MessageID, &a.CorrelationID, &a.Exchange, &a.RoutingKey, &pub, &a.ArrivedAt,
+		&hdrs, &props, &a.Body, &size, &a.BodyTruncated); err != nil {
+		return a, err
+	}
+	if pub.Valid {
+		a.PublishedAt = pub.Time
+	}
+	a.BodySize = int(size)
+	if a.Body == nil {
+		a.Body = []byte{}
+	}
+	if len(hdrs) > 0 && string(hdrs) != "{}" {
+		if err := json.Unmarshal(hdrs, &a.Headers); err != nil {
+			return a, fmt.Errorf("arrival %s headers: %w", a.ID, err)
+		}
+	}
+	if len(props) > 0 && string(props) != "{}" {
+		if err := json.Unmarshal(props, &a.Properties); err != nil {
+			return a, fmt.Errorf("arrival %s properties: %w", a.ID, err)
+		}
+	}
+	return a, nil
+}
+
+func scanAttempt(r pgx.CollectableRow) (audit.Attempt, error) {
+	var (
+		a                audit.Attempt
+		num              int32
+		dur, delay, tier int64
+		outcome          string
+	)
+	if err := r.Scan(&a.ID, &a.MessageID, &a.CorrelationID, &a.Queue, &num, &a.StartedAt, &dur, &outcome,
+		&delay, &tier, &a.ErrorClass, &a.Error); err != nil {
+		return a, err
+	}
+	a.Attempt = int(num)
+	a.Duration = time.Duration(dur) * time.Microsecond
+	a.Delay = time.Duration(delay) * time.Millisecond
+	a.Tier = time.Duration(tier) * time.Millisecond
+	a.Outcome = audit.Outcome(outcome)
+	return a, nil
+}
+
+type sqlArgs struct{ args []any }
+
+func (a *sqlArgs) add(v any) string {
+	a.args = append(a.args, v)
+	return "$" + strconv.Itoa(len(a.args))
+}
+
+// likeEscape escapes the LIKE wildcards of s (backslash is ILIKE's default
+// escape character).
+func likeEscape(s string) string {
+	return strings.NewReplacer(`\`, `\\`, `%`, `\%`, `_`, `\_`).Replace(s)
+}
+
+// searchSQL builds the page query: message ids and times, newest first.
+// Values are bind parameters only.
+func (s *Store) searchSQL(f audit.Filter) (string, []any, int, error) {
+	limit := f.Limit
+	switch {
+	case limit < 0 || limit > MaxLimit:
+		return "", nil, 0, fmt.Errorf("pgstore: Filter.Limit %d: want 0 (default %d) to %d", f.Limit, DefaultLimit, MaxLimit)
+	case limit == 0:
+		limit = DefaultLimit
+	}
+	if !f.From.IsZero() && !f.To.IsZero() && !f.From.Before(f.To) {
+		return "", nil, 0, fmt.Errorf("pgstore: Filter.From %s is not before Filter.To %s", f.From.Format(time.RFC3339Nano), f.To.Format(time.RFC3339Nano))
+	}
+	var a sqlArgs
+	var conds []string
+	if f.MessageID != "" {
+		conds = append(conds, "m.message_id = "+a.add(f.MessageID))
+	}
+	if f.CorrelationID != "" {
+		p := a.add(f.CorrelationID)
+		conds = append(conds, "m.message_id IN (SELECT message_id FROM "+s.q.arrivals+" WHERE correlation_id = "+p+
+			" UNION SELECT message_id FROM "+s.q.attempts+" WHERE correlation_id = "+p+")")
+	}
+	if !f.From.IsZero() {
+		conds = append(conds, "m.message_time >= "+a.add(f.From))
+	}
+	if !f.To.IsZero() {
+		conds = append(conds, "m.message_time < "+a.add(f.To))
+	}
+	var ac []string
+	if f.Exchange != "" {
+		ac = append(ac, "a.exchange = "+a.add(f.Exchange))
+	}
+	if f.RoutingKey != "" {
+		ac = append(ac, "a.routing_key = "+a.add(f.RoutingKey))
+	}
+	if len(f.Headers) > 0 {
+		h, err := json.Marshal(f.Headers)
+		if err != nil {
+			return "", nil, 0, fmt.Errorf("pgstore: Filter.Headers: %w", err)
+		}
+		ac = append(ac, "a.headers @> "+a.add(string(h))+"::jsonb")
+	}
+	if len(ac) > 0 {
+		conds = append(conds, "m.message_id IN (SELECT a.message_id FROM "+s.q.arrivals+" a WHERE "+strings.Join(ac, " AND ")+")")
+	}
+	var tc []string
+	if f.Queue != "" {
+		tc = append(tc, "t.queue = "+a.add(f.Queue))
+	}
+	if f.Outcome != "" {
+		tc = append(tc, "t.outcome = "+a.add(string(f.Outcome)))
+	}
+	if f.ErrorClass != "" {
+		tc = append(tc, "t.error_class = "+a.add(f.ErrorClass))
+	}
+	if f.ErrorContains != "" {
+		tc = append(tc, "t.error ILIKE "+a.add("%"+likeEscape(f.ErrorContains)+"%"))
+	}
+	if len(tc) > 0 {
+		conds = append(conds, "m.message_id IN (SELECT t.message_id FROM "+s.q.attempts+" t WHERE "+strings.Join(tc, " AND ")+")")
+	}
+	if f.LastOutcome != "" {
+		conds = append(conds, "m.last_outcome = "+a.add(string(f.LastOutcome)))
+	}
+	if f.After != "" {
+		t, id, err := decodeCursor(f.After)
+		if err != nil {
+			return "", nil, 0, err
+		}
+		conds = append(conds, "(m.message_time, m.message_id) < ("+a.add(t)+"::timestamptz, "+a.add(id)+"::text)")
+	}
+	sql := "SELECT m.message_id, m.message_time FROM " + s.q.messages + " m"
+	if len(conds) > 0 {
+		sql += "\nWHERE " + strings.Join(conds, "\n  AND ")
+	}
+	sql += "\nORDER BY m.message_time DESC, m.message_id DESC\nLIMIT " + a.add(limit)
+	return sql, a.args, limit, nil
+}
+
+const cursorPrefix = "c1."
+
+func encodeCursor(t time.Time, id string) string {
+	return cursorPrefix + base64.RawURLEncoding.EncodeToString([]byte(strconv.FormatInt(t.UnixMicro(), 10)+":"+id))
+}
+
+func decodeCursor(c string) (time.Time, string, error) {
+	bad := func() (time.Time, string, error) {
+		return time.Time{}, "", fmt.Errorf("pgstore: Filter.After %q is not a cursor from this store", c)
+	}
+	rest, ok := strings.CutPrefix(c, cursorPrefix)
+	if !ok {
+		return bad()
+	}
+	raw, err := base64.RawURLEncoding.DecodeString(rest)
+	if err != nil {
+		return bad()
+	}
+	us, id, ok := strings.Cut(string(raw), ":")
+	if !ok {
+		return bad()
+	}
+	n, err := strconv.ParseInt(us, 10, 64)
+	if err != nil {
+		return bad()
+	}
+	return time.UnixMicro(n).UTC(), id, nil
+}
+
+// Cursor returns the Filter.After cursor that pages past m: its time is
+// the arrival's ArrivedAt, else the first attempt's StartedAt, as Search
+// sorts. Errors if m has neither.
+func Cursor(m audit.Message) (string, error) {
+	switch {
+	case m.Arrival != nil:
+		return encodeCursor(m.Arrival.ArrivedAt, m.MessageID), nil
+	case len(m.Attempts) > 0:
+		first := m.Attempts[0].StartedAt
+		for _, a := range m.Attempts[1:] {
+			if a.StartedAt.Before(first) {
+				first = a.StartedAt
+			}
+		}
+		return encodeCursor(first, m.MessageID), nil
+	}
+	return "", errors.New("pgstore: Cursor: message has no arrival and no attempts")
+}

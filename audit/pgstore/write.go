@@ -1,0 +1,244 @@
+package pgstore
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"sort"
+	"strings"
+	"time"
+	"unicode/utf8"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgtype"
+
+	"github.com/rabbitretry/rabbitretry/audit"
+)
+
+// Write stores the records in one transaction and returns once it has
+// committed. It is idempotent: arrivals and attempts whose ID is already
+// stored (or repeated within the call) are skipped (INSERT ... ON CONFLICT
+// (id) DO NOTHING), so a batch redelivered by RabbitMQ after a crash
+// between commit and ack is written again without duplicates. The rows go
+// in one round trip: one INSERT ... SELECT FROM unnest(arrays) per table
+// and one upsert of the messages rows, rows sorted by key so concurrent
+// writers cannot deadlock.
+//
+// Errors: a record with an empty ID (nothing is written); the database's
+// (connection lost, serialization): then nothing was committed and the
+// call can be repeated. Content never fails a write: NUL bytes and invalid
+// UTF-8 in text and header values are replaced by U+FFFD, header values
+// JSON cannot encode (NaN, channels) are stored as their fmt.Sprint text.
+func (s *Store) Write(ctx context.Context, arrivals []audit.Arrival, attempts []audit.Attempt) error {
+	if len(arrivals) == 0 && len(attempts) == 0 {
+		return nil
+	}
+	b, err := buildWriteBatch(s.q, arrivals, attempts)
+	if err != nil {
+		return err
+	}
+	err = pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
+		return tx.SendBatch(ctx, b).Close()
+	})
+	if err != nil {
+		return fmt.Errorf("pgstore: write %d arrivals, %d attempts: %w", len(arrivals), len(attempts), err)
+	}
+	return nil
+}
+
+type msgAgg struct {
+	firstArrival, firstStarted pgtype.Timestamptz
+	lastAttempt                *int32
+	lastStarted                pgtype.Timestamptz
+	lastID, lastOutcome        *string
+}
+
+func tstz(t time.Time) pgtype.Timestamptz {
+	if t.IsZero() {
+		return pgtype.Timestamptz{}
+	}
+	return pgtype.Timestamptz{Time: t, Valid: true}
+}
+
+func buildWriteBatch(q queries, arrivals []audit.Arrival, attempts []audit.Attempt) (*pgx.Batch, error) {
+	for i := range arrivals {
+		if arrivals[i].ID == "" {
+			return nil, fmt.Errorf("pgstore: Write: arrivals[%d].ID is empty", i)
+		}
+	}
+	for i := range attempts {
+		if attempts[i].ID == "" {
+			return nil, fmt.Errorf("pgstore: Write: attempts[%d].ID is empty", i)
+		}
+	}
+	msgs := map[string]*msgAgg{}
+	agg := func(id string) *msgAgg {
+		m := msgs[id]
+		if m == nil {
+			m = &msgAgg{}
+			msgs[id] = m
+		}
+		return m
+	}
+	b := &pgx.Batch{}
+
+	if len(arrivals) > 0 {
+		idx := sortedIdx(len(arrivals), func(i int) string { return arrivals[i].ID })
+		n := len(arrivals)
+		var (
+			ids, mids, cids, exs, rks, hdrs, props = make([]string, n), make([]string, n), make([]string, n), make([]string, n), make([]string, n), make([]string, n), make([]string, n)
+			pubs, arrs                             = make([]pgtype.Timestamptz, n), make([]pgtype.Timestamptz, n)
+			bodies                                 = make([][]byte, n)
+			sizes                                  = make([]int32, n)
+			truncs                                 = make([]bool, n)
+		)
+		for k, i := range idx {
+			a := &arrivals[i]
+			ids[k], mids[k], cids[k] = cleanText(a.ID), cleanText(a.MessageID), cleanText(a.CorrelationID)
+			exs[k], rks[k] = cleanText(a.Exchange), cleanText(a.RoutingKey)
+			pubs[k], arrs[k] = tstz(a.PublishedAt), pgtype.Timestamptz{Time: a.ArrivedAt, Valid: true}
+			hdrs[k] = jsonObject(a.Headers)
+			props[k] = jsonObject(a.Properties)
+			bodies[k] = a.Body
+			if bodies[k] == nil {
+				bodies[k] = []byte{}
+			}
+			sizes[k] = int32(min(max(a.BodySize, len(a.Body)), 1<<31-1))
+			truncs[k] = a.BodyTruncated
+			m := agg(mids[k])
+			if !m.firstArrival.Valid || a.ArrivedAt.Before(m.firstArrival.Time) {
+				m.firstArrival = arrs[k]
+			}
+		}
+		b.Queue(q.insertArrivals, ids, mids, cids, exs, rks, pubs, arrs, hdrs, props, bodies, sizes, truncs)
+	}
+
+	if len(attempts) > 0 {
+		idx := sortedIdx(len(attempts), func(i int) string { return attempts[i].ID })
+		n := len(attempts)
+		var (
+			ids, mids, cids, queues, outcomes, classes, errs = make([]string, n), make([]string, n), make([]string, n), make([]string, n), make([]string, n), make([]string, n), make([]string, n)
+			nums                                             = make([]int32, n)
+			starts                                           = make([]pgtype.Timestamptz, n)
+			durs, delays, tiers                              = make([]int64, n), make([]int64, n), make([]int64, n)
+		)
+		for k, i := range idx {
+			a := &attempts[i]
+			ids[k], mids[k], cids[k] = cleanText(a.ID), cleanText(a.MessageID), cleanText(a.CorrelationID)
+			queues[k], outcomes[k] = cleanText(a.Queue), cleanText(string(a.Outcome))
+			classes[k], errs[k] = cleanText(a.ErrorClass), cleanText(a.Error)
+			nums[k] = int32(min(max(a.Attempt, -1<<31), 1<<31-1))
+			starts[k] = pgtype.Timestamptz{Time: a.StartedAt, Valid: true}
+			durs[k], delays[k], tiers[k] = a.Duration.Microseconds(), a.Delay.Milliseconds(), a.Tier.Milliseconds()
+			m := agg(mids[k])
+			if !m.firstStarted.Valid || a.StartedAt.Before(m.firstStarted.Time) {
+				m.firstStarted = starts[k]
+			}
+			if m.lastAttempt == nil || newer(nums[k], a.StartedAt, ids[k], *m.lastAttempt, m.lastStarted.Time, *m.lastID) {
+				m.lastAttempt, m.lastStarted, m.lastID, m.lastOutcome = &nums[k], starts[k], &ids[k], &outcomes[k]
+			}
+		}
+		b.Queue(q.insertAttempts, ids, mids, cids, queues, nums, starts, durs, outcomes, delays, tiers, classes, errs)
+	}
+
+	n := len(msgs)
+	var (
+		mids        = make([]string, 0, n)
+		fa, fs, ls  = make([]pgtype.Timestamptz, n), make([]pgtype.Timestamptz, n), make([]pgtype.Timestamptz, n)
+		la          = make([]*int32, n)
+		lids, louts = make([]*string, n), make([]*string, n)
+	)
+	for id := range msgs {
+		mids = append(mids, id)
+	}
+	sort.Strings(mids)
+	for k, id := range mids {
+		m := msgs[id]
+		fa[k], fs[k], ls[k], la[k], lids[k], louts[k] = m.firstArrival, m.firstStarted, m.lastStarted, m.lastAttempt, m.lastID, m.lastOutcome
+	}
+	b.Queue(q.upsertMessages, mids, fa, fs, la, ls, lids, louts)
+	return b, nil
+}
+
+// newer orders attempts by (attempt number, start, id), the order the
+// messages table's last_* columns follow.
+func newer(n int32, t time.Time, id string, on int32, ot time.Time, oid string) bool {
+	if n != on {
+		return n > on
+	}
+	// Compare at the database's microsecond resolution.
+	tu, otu := t.UnixMicro(), ot.UnixMicro()
+	if tu != otu {
+		return tu > otu
+	}
+	return id > oid
+}
+
+func sortedIdx(n int, key func(int) string) []int {
+	idx := make([]int, n)
+	for i := range idx {
+		idx[i] = i
+	}
+	sort.SliceStable(idx, func(a, b int) bool { return key(idx[a]) < key(idx[b]) })
+	return idx
+}
+
+// cleanText makes s storable in a PostgreSQL text column: invalid UTF-8
+// and NUL bytes become U+FFFD.
+func cleanText(s string) string {
+	if utf8.ValidString(s) && strings.IndexByte(s, 0) < 0 {
+		return s
+	}
+	return strings.ReplaceAll(strings.ToValidUTF8(s, "\uFFFD"), "\x00", "\uFFFD")
+}
+
+// jsonObject renders a map as a JSON object jsonb accepts: never fails
+// (unencodable values become their fmt.Sprint text), no \u0000 escapes.
+func jsonObject[V any](m map[string]V) string {
+	if len(m) == 0 {
+		return "{}"
+	}
+	out, err := json.Marshal(m)
+	if err != nil {
+		safe := make(map[string]any, len(m))
+		for k, v := range m {
+			if _, err := json.Marshal(v); err != nil {
+				safe[k] = fmt.Sprint(v)
+			} else {
+				safe[k] = v
+			}
+		}
+		if out, err = json.Marshal(safe); err != nil {
+			return "{}"
+		}
+	}
+	if bytes.Contains(out, []byte(`\u0000`)) {
+		var v any
+		if json.Unmarshal(out, &v) == nil {
+			if o, err := json.Marshal(cleanJSON(v)); err == nil {
+				out = o
+			}
+		}
+	}
+	return string(out)
+}
+
+func cleanJSON(v any) any {
+	switch x := v.(type) {
+	case string:
+		return cleanText(x)
+	case map[string]any:
+		o := make(map[string]any, len(x))
+		for k, e := range x {
+			o[cleanText(k)] = cleanJSON(e)
+		}
+		return o
+	case []any:
+		for i := range x {
+			x[i] = cleanJSON(x[i])
+		}
+		return x
+	}
+	return v
+}
