@@ -1,0 +1,157 @@
+// Package audittest provides an in-memory audit.Store for tests: writes
+// are idempotent on the record IDs, like pgstore's, and it counts
+// rewrites, so a test can tell a redelivered record (harmless) from a
+// record written twice under two IDs (a duplicate).
+package audittest
+
+import (
+	"context"
+	"errors"
+	"slices"
+	"sort"
+	"sync"
+
+	"github.com/rabbitretry/rabbitretry/audit"
+)
+
+// ErrDown is returned by Write and Search while the store is Down.
+var ErrDown = errors.New("audittest: store down")
+
+// MemoryStore is an in-memory audit.Store. Safe for concurrent use.
+type MemoryStore struct {
+	mu       sync.Mutex
+	down     bool
+	arrivals map[string]audit.Arrival
+	attempts map[string]audit.Attempt
+	rewrites int // records written again under an ID already stored
+	writes   int // successful Write calls
+	failed   int // Write calls refused while down
+}
+
+var _ audit.Store = (*MemoryStore)(nil)
+
+// NewMemoryStore returns an empty, up store.
+func NewMemoryStore() *MemoryStore {
+	return &MemoryStore{arrivals: map[string]audit.Arrival{}, attempts: map[string]audit.Attempt{}}
+}
+
+// SetDown makes Write and Search fail with ErrDown (true) or work again.
+func (s *MemoryStore) SetDown(down bool) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.down = down
+}
+
+// Write stores the records all or nothing; a record whose ID is stored
+// already is counted in Rewrites and changes nothing.
+func (s *MemoryStore) Write(ctx context.Context, arrivals []audit.Arrival, attempts []audit.Attempt) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.down {
+		s.failed++
+		return ErrDown
+	}
+	s.writes++
+	for _, a := range arrivals {
+		if _, ok := s.arrivals[a.ID]; ok {
+			s.rewrites++
+			continue
+		}
+		a.Body = slices.Clone(a.Body)
+		s.arrivals[a.ID] = a
+	}
+	for _, a := range attempts {
+		if _, ok := s.attempts[a.ID]; ok {
+			s.rewrites++
+			continue
+		}
+		s.attempts[a.ID] = a
+	}
+	return nil
+}
+
+// Search supports Filter.MessageID only (and no filter: every message);
+// messages come in message-id order, attempts by attempt number then
+// start time.
+func (s *MemoryStore) Search(ctx context.Context, f audit.Filter) ([]audit.Message, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.down {
+		return nil, ErrDown
+	}
+	byID := s.messagesLocked()
+	var out []audit.Message
+	for id, m := range byID {
+		if f.MessageID == "" || f.MessageID == id {
+			out = append(out, *m)
+		}
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].MessageID < out[j].MessageID })
+	return out, nil
+}
+
+func (s *MemoryStore) messagesLocked() map[string]*audit.Message {
+	byID := map[string]*audit.Message{}
+	get := func(id string) *audit.Message {
+		m := byID[id]
+		if m == nil {
+			m = &audit.Message{MessageID: id}
+			byID[id] = m
+		}
+		return m
+	}
+	for _, a := range s.arrivals {
+		m := get(a.MessageID)
+		a := a
+		m.Arrival = &a
+	}
+	for _, a := range s.attempts {
+		m := get(a.MessageID)
+		m.Attempts = append(m.Attempts, a)
+	}
+	for _, m := range byID {
+		sort.Slice(m.Attempts, func(i, j int) bool {
+			if m.Attempts[i].Attempt != m.Attempts[j].Attempt {
+				return m.Attempts[i].Attempt < m.Attempts[j].Attempt
+			}
+			return m.Attempts[i].StartedAt.Before(m.Attempts[j].StartedAt)
+		})
+	}
+	return byID
+}
+
+// Arrivals returns the stored arrivals per message id (a message with
+// more than one arrival record has more than one entry).
+func (s *MemoryStore) Arrivals() map[string][]audit.Arrival {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	out := map[string][]audit.Arrival{}
+	for _, a := range s.arrivals {
+		out[a.MessageID] = append(out[a.MessageID], a)
+	}
+	return out
+}
+
+// Attempts returns the stored attempts per message id, ordered like Search.
+func (s *MemoryStore) Attempts() map[string][]audit.Attempt {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	out := map[string][]audit.Attempt{}
+	for id, m := range s.messagesLocked() {
+		if len(m.Attempts) > 0 {
+			out[id] = m.Attempts
+		}
+	}
+	return out
+}
+
+// Counts returns the numbers of stored arrivals and attempts, rewrites
+// (idempotent re-writes), successful Write calls and refused ones.
+func (s *MemoryStore) Counts() (arrivals, attempts, rewrites, writes, failed int) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return len(s.arrivals), len(s.attempts), s.rewrites, s.writes, s.failed
+}

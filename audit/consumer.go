@@ -1,0 +1,601 @@
+package audit
+
+import (
+	"bytes"
+	"context"
+	"crypto/sha256"
+	"encoding/binary"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"strconv"
+	"sync/atomic"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/cenkalti/backoff/v4"
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/rabbitretry/rabbitretry/amqpretry"
+)
+
+// Consumer defaults.
+const (
+	// DefaultBatchSize is the default number of records per Store.Write.
+	DefaultBatchSize = 500
+	// DefaultBatchWait is the default longest wait for a batch to fill.
+	DefaultBatchWait = 200 * time.Millisecond
+	// DefaultBodyLimit is the default number of body bytes kept per arrival.
+	DefaultBodyLimit = 256 << 10
+	// DefaultUUIDHeader is watermill-amqp's header of the message UUID.
+	DefaultUUIDHeader = "_watermill_message_uuid"
+)
+
+// Binding is one audited business exchange.
+type Binding struct {
+	// Exchange is the business exchange; it must exist (the Consumer checks
+	// it passively and never declares it). Required.
+	Exchange string
+	// RoutingKey binds the arrivals queue. Default "#": every message of a
+	// topic exchange (a fanout exchange ignores it; for a direct exchange
+	// name the key, and add one Binding per key).
+	RoutingKey string
+	// Args are the binding arguments (a headers exchange's x-match etc.).
+	Args amqp.Table
+}
+
+// ConsumerConfig configures a Consumer. Zero values take the defaults
+// documented per field.
+type ConsumerConfig struct {
+	// URI is the AMQP URI of the broker. Required.
+	URI string
+	// Store receives the records. Required.
+	Store Store
+	// Exchanges are the audited business exchanges: the arrivals queue is
+	// bound to each. May be empty (then only attempt records are consumed).
+	Exchanges []Binding
+	// BatchSize is the most records per Store.Write. Default 500; the
+	// prefetch (basic.qos) of each of the two channels is 2×BatchSize.
+	BatchSize int
+	// BatchWait is how long a batch may wait to fill before it is written.
+	// Default 200 ms.
+	BatchWait time.Duration
+	// BodyLimit is how many body bytes an Arrival keeps (Body is cut,
+	// BodySize and BodyTruncated say so). Default 256 KiB; must be >= 0
+	// (negative: keep no body).
+	BodyLimit int
+	// QueueType of the audit queues: QueueTypeQuorum (default) or
+	// QueueTypeClassic.
+	QueueType string
+	// Naming names the audit exchange and queues; the Recorder must use the
+	// same. Default Default*.
+	Naming Naming
+	// UUIDHeader is the header holding the Watermill message UUID (the
+	// Marshaler's). Default DefaultUUIDHeader; without it, the AMQP
+	// message-id property is the message id.
+	UUIDHeader string
+	// WriteBackoff paces retries of a failed Store.Write (PostgreSQL down):
+	// the batch stays unacked in RabbitMQ and is written again, forever
+	// until Run's context ends. Default: exponential from 100 ms, factor 2,
+	// capped at 30 s.
+	WriteBackoff func() backoff.BackOff
+	// ReconnectBackoff paces reconnecting after the connection or a channel
+	// was lost. Default: exponential from 100 ms, factor 2, capped at 10 s.
+	ReconnectBackoff func() backoff.BackOff
+	// Logger logs outages and malformed records. Default NopLogger.
+	Logger watermill.LoggerAdapter
+}
+
+func expBackoff(initial, maxInterval time.Duration) func() backoff.BackOff {
+	return func() backoff.BackOff {
+		b := backoff.NewExponentialBackOff()
+		b.InitialInterval = initial
+		b.MaxInterval = maxInterval
+		b.MaxElapsedTime = 0
+		b.Reset()
+		return b
+	}
+}
+
+func (c *ConsumerConfig) setDefaults() {
+	c.Naming = c.Naming.WithDefaults()
+	if c.BatchSize == 0 {
+		c.BatchSize = DefaultBatchSize
+	}
+	if c.BatchWait == 0 {
+		c.BatchWait = DefaultBatchWait
+	}
+	if c.BodyLimit == 0 {
+		c.BodyLimit = DefaultBodyLimit
+	}
+	if c.QueueType == "" {
+		c.QueueType = QueueTypeQuorum
+	}
+	if c.UUIDHeader == "" {
+		c.UUIDHeader = DefaultUUIDHeader
+	}
+	if c.WriteBackoff == nil {
+		c.WriteBackoff = expBackoff(100*time.Millisecond, 30*time.Second)
+	}
+	if c.ReconnectBackoff == nil {
+		c.ReconnectBackoff = expBackoff(100*time.Millisecond, 10*time.Second)
+	}
+	if c.Logger == nil {
+		c.Logger = watermill.NopLogger{}
+	}
+	for i := range c.Exchanges {
+		if c.Exchanges[i].RoutingKey == "" {
+			c.Exchanges[i].RoutingKey = "#"
+		}
+	}
+}
+
+// Validate reports the first bad field. NewConsumer calls it after filling
+// in defaults.
+func (c ConsumerConfig) Validate() error {
+	if c.URI == "" {
+		return errors.New("audit: ConsumerConfig.URI is empty")
+	}
+	if _, err := amqp.ParseURI(c.URI); err != nil {
+		return fmt.Errorf("audit: ConsumerConfig.URI is invalid: %w", err)
+	}
+	if c.Store == nil {
+		return errors.New("audit: ConsumerConfig.Store is nil")
+	}
+	for i, b := range c.Exchanges {
+		if b.Exchange == "" {
+			return fmt.Errorf("audit: ConsumerConfig.Exchanges[%d].Exchange is empty (the default exchange cannot be bound)", i)
+		}
+	}
+	if c.BatchSize < 1 || c.BatchSize > 32_000 {
+		return fmt.Errorf("audit: ConsumerConfig.BatchSize %d is outside 1..32000", c.BatchSize)
+	}
+	if c.BatchWait < 0 {
+		return fmt.Errorf("audit: ConsumerConfig.BatchWait %v is negative", c.BatchWait)
+	}
+	if err := checkQueueType("ConsumerConfig", c.QueueType); err != nil {
+		return err
+	}
+	return c.Naming.validate("ConsumerConfig")
+}
+
+// ConsumerStats are the Consumer's counters.
+type ConsumerStats struct {
+	// Arrivals and Attempts are the records written (Write returned nil;
+	// a redelivered record written again counts again).
+	Arrivals, Attempts uint64
+	// Batches is the number of successful Store.Write calls.
+	Batches uint64
+	// WriteFailures counts failed Store.Write calls (each retried).
+	WriteFailures uint64
+	// Malformed counts attempt records that could not be decoded (logged
+	// and acked).
+	Malformed uint64
+	// Reconnects counts sessions that ended with a lost connection or
+	// channel.
+	Reconnects uint64
+	// LastWriteLatency is how long the last successful Store.Write took.
+	LastWriteLatency time.Duration
+}
+
+// Consumer moves audit records from RabbitMQ into a Store: arrivals (one
+// copy of each message published to the audited business exchanges, via
+// the arrivals queue) and attempt records (published by the Recorder to
+// the attempts queue).
+//
+// Delivery guarantee: records are acked only after Store.Write returned nil
+// (the transaction committed), per channel with one ack with multiple=true
+// of the batch's highest delivery tag ("Consumer Acknowledgements and
+// Publisher Confirms"). While Write fails (PostgreSQL down) the batch stays
+// unacked and is retried with backoff; the queues hold everything behind
+// it durably. If the connection is lost or the process dies, the broker
+// requeues the unacked deliveries and they are written again: Store.Write
+// is idempotent on the record IDs, so nothing is duplicated or lost.
+type Consumer struct {
+	cfg ConsumerConfig
+
+	arrivals, attempts, batches, failures, malformed, reconnects atomic.Uint64
+	lastLatency                                                  atomic.Int64
+}
+
+// NewConsumer validates cfg (after filling in defaults) and returns a
+// Consumer; nothing is connected until Declare or Run.
+func NewConsumer(cfg ConsumerConfig) (*Consumer, error) {
+	cfg.Exchanges = append([]Binding(nil), cfg.Exchanges...)
+	cfg.setDefaults()
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	return &Consumer{cfg: cfg}, nil
+}
+
+// Stats returns the counters.
+func (c *Consumer) Stats() ConsumerStats {
+	return ConsumerStats{
+		Arrivals: c.arrivals.Load(), Attempts: c.attempts.Load(), Batches: c.batches.Load(),
+		WriteFailures: c.failures.Load(), Malformed: c.malformed.Load(), Reconnects: c.reconnects.Load(),
+		LastWriteLatency: time.Duration(c.lastLatency.Load()),
+	}
+}
+
+// ErrExchangeMissing is returned (wrapped, naming the exchange) by Declare
+// and Run when an audited business exchange does not exist.
+var ErrExchangeMissing = errors.New("audit: business exchange does not exist")
+
+func (c *Consumer) dial() (*amqp.Connection, error) {
+	props := amqp.NewConnectionProperties()
+	props.SetClientConnectionName("rabbitretry-audit-consumer")
+	return amqp.DialConfig(c.cfg.URI, amqp.Config{Properties: props, Dial: amqp.DefaultDial(10 * time.Second), Heartbeat: 10 * time.Second})
+}
+
+// Declare connects, checks that every audited exchange exists
+// (exchange.declare passive), declares the arrivals queue with its bindings
+// and the attempts queue and audit exchange (DeclareAttempts), then
+// disconnects. Run does the same on each (re)connect; call Declare first
+// when messages must be audited from the moment they are published. It
+// returns ErrExchangeMissing (wrapped), the broker's 406 for a queue that
+// exists with another type, or the connection error.
+func (c *Consumer) Declare() error {
+	conn, err := c.dial()
+	if err != nil {
+		return fmt.Errorf("audit: connecting: %w", err)
+	}
+	defer conn.Close()
+	return c.declare(conn)
+}
+
+func (c *Consumer) declare(conn *amqp.Connection) error {
+	for _, b := range c.cfg.Exchanges {
+		ch, err := conn.Channel()
+		if err != nil {
+			return err
+		}
+		err = ch.ExchangeDeclarePassive(b.Exchange, amqp.ExchangeTopic, true, false, false, false, nil)
+		var ae *amqp.Error
+		if errors.As(err, &ae) && ae.Code == amqp.NotFound {
+			return fmt.Errorf("%w: %q (declare it, or fix ConsumerConfig.Exchanges)", ErrExchangeMissing, b.Exchange)
+		} else if err != nil {
+			return fmt.Errorf("audit: checking exchange %q: %w", b.Exchange, err)
+		}
+		_ = ch.Close()
+	}
+	ch, err := conn.Channel()
+	if err != nil {
+		return err
+	}
+	defer ch.Close()
+	if err := declareQueue(ch, c.cfg.Naming.ArrivalsQueue, c.cfg.QueueType); err != nil {
+		return err
+	}
+	for _, b := range c.cfg.Exchanges {
+		if err := ch.QueueBind(c.cfg.Naming.ArrivalsQueue, b.RoutingKey, b.Exchange, false, b.Args); err != nil {
+			return fmt.Errorf("audit: binding %q to exchange %q with key %q: %w", c.cfg.Naming.ArrivalsQueue, b.Exchange, b.RoutingKey, err)
+		}
+	}
+	return DeclareAttempts(ch, c.cfg.Naming, c.cfg.QueueType)
+}
+
+// errFatal marks a session error that reconnecting cannot fix.
+type errFatal struct{ error }
+
+func (e errFatal) Unwrap() error { return e.error }
+
+// Run consumes until ctx ends, then returns nil (the unacked batch in
+// flight is requeued by the broker). It reconnects with ReconnectBackoff
+// after a lost connection or channel (the batch in memory is dropped; the
+// broker redelivers it). It returns at once, with the error, for what
+// reconnecting cannot fix: a missing business exchange
+// (ErrExchangeMissing) or an audit queue that exists with other arguments.
+func (c *Consumer) Run(ctx context.Context) error {
+	var bo backoff.BackOff
+	for {
+		err := c.session(ctx)
+		if ctx.Err() != nil {
+			return nil
+		}
+		var fatal errFatal
+		if errors.As(err, &fatal) {
+			return fatal.error
+		}
+		c.reconnects.Add(1)
+		if bo == nil {
+			bo = c.cfg.ReconnectBackoff()
+		}
+		wait := bo.NextBackOff()
+		if wait == backoff.Stop {
+			wait = 10 * time.Second
+		}
+		c.cfg.Logger.Error("Audit consumer session ended; reconnecting", err, watermill.LogFields{"retry_in": wait.String()})
+		t := time.NewTimer(wait)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return nil
+		case <-t.C:
+		}
+		if err == nil {
+			bo.Reset()
+		}
+	}
+}
+
+// batch is what one Store.Write carries, with the highest delivery tag of
+// each channel it acks.
+type batch struct {
+	arrivals         []Arrival
+	attempts         []Attempt
+	arrTag, attTag   uint64
+	records, pending int // records; deliveries (incl. malformed)
+}
+
+func (c *Consumer) session(ctx context.Context) error {
+	conn, err := c.dial()
+	if err != nil {
+		return fmt.Errorf("audit: connecting: %w", err)
+	}
+	defer conn.Close()
+	if err := c.declare(conn); err != nil {
+		var ae *amqp.Error
+		if errors.Is(err, ErrExchangeMissing) || (errors.As(err, &ae) && ae.Code == amqp.PreconditionFailed) {
+			return errFatal{err}
+		}
+		return err
+	}
+	open := func(queue string) (*amqp.Channel, <-chan amqp.Delivery, error) {
+		ch, err := conn.Channel()
+		if err != nil {
+			return nil, nil, err
+		}
+		if err := ch.Qos(2*c.cfg.BatchSize, 0, false); err != nil {
+			return nil, nil, err
+		}
+		d, err := ch.Consume(queue, "", false, false, false, false, nil)
+		if err != nil {
+			return nil, nil, fmt.Errorf("audit: consuming %q: %w", queue, err)
+		}
+		return ch, d, nil
+	}
+	arrCh, arrD, err := open(c.cfg.Naming.ArrivalsQueue)
+	if err != nil {
+		return err
+	}
+	attCh, attD, err := open(c.cfg.Naming.AttemptsQueue)
+	if err != nil {
+		return err
+	}
+	closed := conn.NotifyClose(make(chan *amqp.Error, 1))
+	c.cfg.Logger.Info("Audit consumer connected", watermill.LogFields{
+		"arrivals_queue": c.cfg.Naming.ArrivalsQueue, "attempts_queue": c.cfg.Naming.AttemptsQueue,
+	})
+
+	var b batch
+	var timer *time.Timer
+	var timerC <-chan time.Time
+	flush := func() error {
+		if timer != nil {
+			timer.Stop()
+			timer, timerC = nil, nil
+		}
+		if b.pending == 0 {
+			return nil
+		}
+		if b.records > 0 {
+			if err := c.write(ctx, conn, b.arrivals, b.attempts); err != nil {
+				return err
+			}
+		}
+		if b.arrTag > 0 {
+			if err := arrCh.Ack(b.arrTag, true); err != nil {
+				return fmt.Errorf("audit: acking arrivals: %w", err)
+			}
+		}
+		if b.attTag > 0 {
+			if err := attCh.Ack(b.attTag, true); err != nil {
+				return fmt.Errorf("audit: acking attempt records: %w", err)
+			}
+		}
+		b = batch{} // fresh slices: the Store may keep what it was given
+		return nil
+	}
+	add := func() error {
+		if b.pending == 1 && timer == nil {
+			timer = time.NewTimer(c.cfg.BatchWait)
+			timerC = timer.C
+		}
+		if b.records >= c.cfg.BatchSize {
+			return flush()
+		}
+		return nil
+	}
+	for {
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case err := <-closed:
+			return fmt.Errorf("audit: connection closed: %v", err)
+		case <-timerC:
+			timer, timerC = nil, nil
+			if err := flush(); err != nil {
+				return err
+			}
+		case d, ok := <-arrD:
+			if !ok {
+				return errors.New("audit: arrivals consumer cancelled or channel closed")
+			}
+			b.arrivals = append(b.arrivals, c.arrival(d))
+			b.arrTag, b.records, b.pending = d.DeliveryTag, b.records+1, b.pending+1
+			if err := add(); err != nil {
+				return err
+			}
+		case d, ok := <-attD:
+			if !ok {
+				return errors.New("audit: attempts consumer cancelled or channel closed")
+			}
+			a, err := UnmarshalAttempt(d.Body)
+			if err == nil && (a.ID == "" || a.MessageID == "") {
+				err = errors.New("record without id or message_id")
+			}
+			b.attTag, b.pending = d.DeliveryTag, b.pending+1
+			if err != nil {
+				c.malformed.Add(1)
+				c.cfg.Logger.Error("Malformed attempt record; acking it", err, watermill.LogFields{
+					"message_id": d.MessageId, "body": truncate(string(d.Body), 200),
+				})
+			} else {
+				b.attempts = append(b.attempts, a)
+				b.records++
+			}
+			if err := add(); err != nil {
+				return err
+			}
+		}
+	}
+}
+
+// write calls Store.Write until it returns nil; an error only if ctx ends
+// or the connection is lost meanwhile (then the batch is dropped from
+// memory and the broker redelivers it).
+func (c *Consumer) write(ctx context.Context, conn *amqp.Connection, arr []Arrival, att []Attempt) error {
+	var bo backoff.BackOff
+	var since time.Time
+	for {
+		start := time.Now()
+		err := c.cfg.Store.Write(ctx, arr, att)
+		if err == nil {
+			c.lastLatency.Store(int64(time.Since(start)))
+			c.batches.Add(1)
+			c.arrivals.Add(uint64(len(arr)))
+			c.attempts.Add(uint64(len(att)))
+			if bo != nil {
+				c.cfg.Logger.Info("Audit store writable again", watermill.LogFields{"outage": time.Since(since).String()})
+			}
+			return nil
+		}
+		c.failures.Add(1)
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+		if bo == nil {
+			bo, since = c.cfg.WriteBackoff(), start
+		}
+		wait := bo.NextBackOff()
+		if wait == backoff.Stop {
+			wait = 30 * time.Second
+		}
+		c.cfg.Logger.Error("Audit store write failed; records stay unacked in RabbitMQ, retrying", err, watermill.LogFields{
+			"arrivals": len(arr), "attempts": len(att), "retry_in": wait.String(), "outage": time.Since(since).String(),
+		})
+		t := time.NewTimer(wait)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return ctx.Err()
+		case <-t.C:
+		}
+		if conn.IsClosed() {
+			return errors.New("audit: connection lost while the store was down; the broker redelivers the batch")
+		}
+	}
+}
+
+func truncate(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	return s[:n] + "…"
+}
+
+// deliveryOnlyHeaders describe the audit queue's delivery, not the publish:
+// left out of Arrival.Headers and of its ID (a redelivery must map to the
+// same record).
+var deliveryOnlyHeaders = map[string]bool{"x-delivery-count": true, "x-acquired-count": true}
+
+// arrival converts a delivery of the arrivals queue.
+func (c *Consumer) arrival(d amqp.Delivery) Arrival {
+	return ArrivalFromDelivery(d, c.cfg.UUIDHeader, c.cfg.BodyLimit, time.Now())
+}
+
+// ArrivalFromDelivery converts a delivery of the arrivals queue into an
+// Arrival, arrived at now: the message id is the uuidHeader header (else
+// the message-id property); headers become JSON values
+// (amqpretry.HeadersToJSON; a header that cannot be converted is recorded
+// under "rabbitretry-headers-error"), without the queue's x-delivery-count
+// and x-acquired-count; the body is cut to bodyLimit bytes. ID is the hex
+// SHA-256 over exchange, routing key, message id, timestamp, headers
+// (canonical JSON: keys sorted) and the whole body, so a redelivery gives
+// the same ID.
+func ArrivalFromDelivery(d amqp.Delivery, uuidHeader string, bodyLimit int, now time.Time) Arrival {
+	a := Arrival{
+		CorrelationID: d.CorrelationId, Exchange: d.Exchange, RoutingKey: d.RoutingKey,
+		ArrivedAt: now.UTC(), BodySize: len(d.Body),
+	}
+	if s, ok := d.Headers[uuidHeader].(string); ok && s != "" {
+		a.MessageID = s
+	} else {
+		a.MessageID = d.MessageId
+	}
+	if !d.Timestamp.IsZero() {
+		a.PublishedAt = d.Timestamp.UTC()
+	}
+	var hdrs amqp.Table
+	if len(d.Headers) > 0 {
+		hdrs = make(amqp.Table, len(d.Headers))
+		for k, v := range d.Headers {
+			if !deliveryOnlyHeaders[k] {
+				hdrs[k] = v
+			}
+		}
+	}
+	h, err := amqpretry.HeadersToJSON(hdrs)
+	if err != nil {
+		h = map[string]any{"rabbitretry-headers-error": err.Error()}
+	}
+	if len(h) > 0 {
+		a.Headers = h
+	}
+	props := map[string]string{}
+	set := func(k, v string) {
+		if v != "" {
+			props[k] = v
+		}
+	}
+	set("content-type", d.ContentType)
+	set("content-encoding", d.ContentEncoding)
+	if d.DeliveryMode != 0 {
+		set("delivery-mode", strconv.Itoa(int(d.DeliveryMode)))
+	}
+	if d.Priority != 0 {
+		set("priority", strconv.Itoa(int(d.Priority)))
+	}
+	set("reply-to", d.ReplyTo)
+	set("expiration", d.Expiration)
+	set("type", d.Type)
+	set("user-id", d.UserId)
+	set("app-id", d.AppId)
+	if len(props) > 0 {
+		a.Properties = props
+	}
+	a.Body = d.Body
+	if bodyLimit < 0 {
+		bodyLimit = 0
+	}
+	if len(a.Body) > bodyLimit {
+		a.Body, a.BodyTruncated = bytes.Clone(a.Body[:bodyLimit]), true
+	}
+	if a.Body == nil {
+		a.Body = []byte{}
+	}
+	hh, _ := json.Marshal(a.Headers) // maps marshal with sorted keys
+	sum := sha256.New()
+	var ts [8]byte
+	binary.BigEndian.PutUint64(ts[:], uint64(d.Timestamp.Unix()))
+	for _, f := range [][]byte{[]byte(d.Exchange), []byte(d.RoutingKey), []byte(a.MessageID), ts[:], hh, d.Body} {
+		var n [8]byte
+		binary.BigEndian.PutUint64(n[:], uint64(len(f)))
+		sum.Write(n[:])
+		sum.Write(f)
+	}
+	a.ID = hex.EncodeToString(sum.Sum(nil))
+	return a
+}
