@@ -93,3 +93,9 @@ func counts(t testing.TB, s *Store) (arr, att, msg int64) {
 	}
 	return st.Arrivals, st.Attempts, st.Messages
 }
+
+// Filter0 is the empty filter.
+func Filter0() audit.Filter { return audit.Filter{} }
+
+// PGDSNForTest is testkit.HavePG.
+func PGDSNForTest(t testing.TB) string { return testkit.HavePG(t) }

@@ -1,0 +1,145 @@
+package pgstore
+
+import (
+	"context"
+	"strings"
+	"sync"
+	"testing"
+)
+
+func TestMigrationsEmbedded(t *testing.T) {
+	migs, err := Migrations()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(migs) == 0 || migs[0].Version != 1 || migs[0].Name != "0001_init.sql" {
+		t.Fatalf("migrations = %+v, want 0001_init.sql first", migs)
+	}
+}
+
+// Migrate twice: the second run applies nothing and changes nothing.
+func TestMigrateIdempotent(t *testing.T) {
+	pool := testPool(t)
+	schema := testSchema(t, pool)
+	ctx := context.Background()
+	v, err := SchemaVersion(ctx, pool, schema)
+	if err != nil || v != 0 {
+		t.Fatalf("SchemaVersion before = %d, %v; want 0", v, err)
+	}
+	applied, err := Migrate(ctx, pool, schema)
+	if err != nil {
+		t.Fatal(err)
+	}
+	migs, _ := Migrations()
+	if len(applied) != len(migs) {
+		t.Fatalf("first Migrate applied %v, want all %d", applied, len(migs))
+	}
+	applied, err = Migrate(ctx, pool, schema)
+	if err != nil || len(applied) != 0 {
+		t.Fatalf("second Migrate applied %v, %v; want none", applied, err)
+	}
+	var rows int
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM `+qualify(schema, MigrationsTable)).Scan(&rows); err != nil {
+		t.Fatal(err)
+	}
+	if rows != len(migs) {
+		t.Fatalf("%s has %d rows, want %d", MigrationsTable, rows, len(migs))
+	}
+	if v, _ := SchemaVersion(ctx, pool, schema); v != migs[len(migs)-1].Version {
+		t.Fatalf("SchemaVersion = %d, want %d", v, migs[len(migs)-1].Version)
+	}
+}
+
+// Several processes (here goroutines with their own connections) migrating
+// the same fresh schema at once: every migration is applied exactly once,
+// none of them fails.
+func TestMigrateConcurrent(t *testing.T) {
+	pool := testPool(t)
+	schema := testSchema(t, pool)
+	ctx := context.Background()
+	const n = 4
+	var wg sync.WaitGroup
+	results := make([][]int, n)
+	errs := make([]error, n)
+	for i := range n {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			results[i], errs[i] = Migrate(ctx, pool, schema)
+		}()
+	}
+	wg.Wait()
+	total := 0
+	for i := range n {
+		if errs[i] != nil {
+			t.Fatalf("Migrate %d: %v", i, errs[i])
+		}
+		total += len(results[i])
+	}
+	migs, _ := Migrations()
+	if total != len(migs) {
+		t.Fatalf("migrations applied %d times in all (%v), want %d", total, results, len(migs))
+	}
+	// The schema works.
+	s, err := New(ctx, Config{Pool: pool, Schema: schema, SkipMigrate: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.Search(ctx, Filter0()); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func TestNewSkipMigrateRefusesOldSchema(t *testing.T) {
+	pool := testPool(t)
+	schema := testSchema(t, pool)
+	_, err := New(context.Background(), Config{Pool: pool, Schema: schema, SkipMigrate: true})
+	if err == nil || !strings.Contains(err.Error(), "at migration 0") {
+		t.Fatalf("New(SkipMigrate) on an empty schema: %v, want 'at migration 0'", err)
+	}
+}
+
+func TestConfigValidate(t *testing.T) {
+	pool := testPool(t)
+	for _, c := range []struct {
+		cfg  Config
+		want string
+	}{
+		{Config{}, "Config.DSN or Config.Pool is required"},
+		{Config{DSN: "postgres://x@127.0.0.1/db", Pool: pool}, "not both"},
+		{Config{DSN: "postgres://x@127.0.0.1:notaport/db"}, "Config.DSN"},
+		{Config{Pool: pool, Schema: "bad-name"}, "Config.Schema"},
+		{Config{Pool: pool, Schema: `x"; DROP TABLE y; --`}, "Config.Schema"},
+		{Config{Pool: pool, Schema: strings.Repeat("a", 64)}, "Config.Schema"},
+		{Config{Pool: pool, ConnectTimeout: -1}, "Config.ConnectTimeout"},
+	} {
+		err := c.cfg.Validate()
+		if err == nil || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("Validate(%+v) = %v, want an error naming %q", c.cfg, err, c.want)
+		}
+		if _, err := New(context.Background(), c.cfg); err == nil {
+			t.Errorf("New(%+v) succeeded", c.cfg)
+		}
+	}
+	if err := (Config{Pool: pool}).Validate(); err != nil {
+		t.Errorf("Validate(valid) = %v", err)
+	}
+}
+
+// New on a DSN owns its pool: Close closes it.
+func TestNewDSN(t *testing.T) {
+	pool := testPool(t)
+	schema := testSchema(t, pool)
+	s, err := New(context.Background(), Config{DSN: PGDSNForTest(t), Schema: schema})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if s.Schema() != schema {
+		t.Fatalf("Schema() = %q", s.Schema())
+	}
+	s.Close()
+	if err := s.Pool().Ping(context.Background()); err == nil {
+		t.Fatal("pool still usable after Close")
+	}
+	s.Close() // twice is fine
+}
