@@ -1,0 +1,638 @@
+package audit
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"math"
+	"reflect"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v2/pkg/amqp"
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/rabbitretry/rabbitretry/amqpretry"
+)
+
+// DefaultLoopBackExchange is the default ResenderConfig.LoopBackExchange,
+// the loop-back exchange amqpretry declares (amqpretry.Naming): a direct
+// exchange to which every originating queue Q is bound with routing key Q.
+const DefaultLoopBackExchange = "rabbitretry.loopback"
+
+// ResentKey is the header every resent copy carries: the time of the
+// resend, RFC 3339 in UTC.
+const ResentKey = "rabbitretry-resent"
+
+// DefaultResenderConnectionName is the client-provided connection name
+// (RabbitMQ "Connections" guide) of the Resender's publisher connection.
+const DefaultResenderConnectionName = "rabbitretry-audit-resend"
+
+// Resend limits.
+const (
+	// DefaultResendLimit is the number of messages Resend considers when
+	// ResendOptions.Limit is 0.
+	DefaultResendLimit = 1000
+	// MaxResendLimit is the largest ResendOptions.Limit.
+	MaxResendLimit = 100000
+)
+
+// resendPageSize is the Search page size Resend reads with.
+const resendPageSize = 1000
+
+// ResendMode says where Resend publishes a message.
+type ResendMode string
+
+// The two resend modes. They differ in who gets the message again.
+const (
+	// ResendToQueue sends the message to ONE queue only: published to the
+	// loop-back exchange with routing key = the queue (the queue of the
+	// message's latest attempt, or ResendOptions.Queue), so exactly that
+	// queue receives it, whatever else is bound to the original exchange.
+	// The queue must be an originating queue of the retry topology (bound
+	// to the loop-back exchange with its own name), else the broker returns
+	// the message and Resend reports it as failed.
+	ResendToQueue ResendMode = "to-queue"
+	// ResendToExchange publishes the message again to its original
+	// exchange with its original routing key: EVERY queue bound to it
+	// receives it again (all consumers, and the audit's arrivals queue, so
+	// the resent copy is recorded as a new arrival).
+	ResendToExchange ResendMode = "to-exchange"
+)
+
+// Errors returned by Resend (test with errors.Is).
+var (
+	// ErrEmptyFilter: Resend was given a Filter that selects everything
+	// (no field set except Limit/After) without ResendOptions.AllowAll.
+	ErrEmptyFilter = errors.New("audit: resend: the filter selects every message; narrow it or set ResendOptions.AllowAll")
+	// ErrExchangeNotFound: the loop-back exchange (ResendToQueue) does not
+	// exist on the broker; nothing was published.
+	ErrExchangeNotFound = errors.New("audit: resend: exchange not found")
+	// ErrResenderClosed: the Resender was closed.
+	ErrResenderClosed = errors.New("audit: resender closed")
+)
+
+// ResenderConfig configures a Resender. Zero fields take the defaults
+// documented on each.
+type ResenderConfig struct {
+	// URI is the AMQP URI of the broker to publish to, e.g.
+	// "amqp://guest:guest@127.0.0.1:5672/". Required. The Resender connects
+	// only on the first real (not DryRun) Resend.
+	URI string
+	// Store is where the messages are found. Required.
+	Store Store
+	// LoopBackExchange is the retry topology's loop-back exchange
+	// (ResendToQueue). Default DefaultLoopBackExchange, the same default as
+	// amqpretry.Naming.LoopBackExchange.
+	LoopBackExchange string
+	// UUIDHeaderKey is the header holding the Watermill message UUID.
+	// Default "_watermill_message_uuid" (watermill-amqp's default).
+	UUIDHeaderKey string
+	// ConfirmTimeout bounds the wait for each publisher confirm (default
+	// 30 s, amqpretry.PublisherConfig.ConfirmTimeout).
+	ConfirmTimeout time.Duration
+	// ConnectionName is the client-provided connection name. Default
+	// DefaultResenderConnectionName.
+	ConnectionName string
+	// Logger gets connection events. Default watermill.NopLogger{}.
+	Logger watermill.LoggerAdapter
+}
+
+func (c *ResenderConfig) setDefaults() {
+	if c.LoopBackExchange == "" {
+		c.LoopBackExchange = DefaultLoopBackExchange
+	}
+	if c.UUIDHeaderKey == "" {
+		c.UUIDHeaderKey = wamqp.DefaultMessageUUIDHeaderKey
+	}
+	if c.ConnectionName == "" {
+		c.ConnectionName = DefaultResenderConnectionName
+	}
+	if c.Logger == nil {
+		c.Logger = watermill.NopLogger{}
+	}
+}
+
+// Validate reports the first invalid field (after defaults are filled in):
+// URI missing or not an AMQP URI, Store nil, ConfirmTimeout negative, a
+// name longer than 255 bytes.
+func (c ResenderConfig) Validate() error {
+	c.setDefaults()
+	switch {
+	case c.URI == "":
+		return errors.New("audit: ResenderConfig.URI is required")
+	case c.Store == nil || (reflect.ValueOf(c.Store).Kind() == reflect.Pointer && reflect.ValueOf(c.Store).IsNil()):
+		return errors.New("audit: ResenderConfig.Store is required")
+	case c.ConfirmTimeout < 0:
+		return fmt.Errorf("audit: ResenderConfig.ConfirmTimeout %v is negative", c.ConfirmTimeout)
+	case len(c.LoopBackExchange) > 255:
+		return errors.New("audit: ResenderConfig.LoopBackExchange is longer than 255 bytes")
+	}
+	if _, err := amqp.ParseURI(c.URI); err != nil {
+		return fmt.Errorf("audit: ResenderConfig.URI: %w", err)
+	}
+	return nil
+}
+
+// ResendOptions says how Resend sends.
+type ResendOptions struct {
+	// Mode is ResendToQueue or ResendToExchange. Required.
+	Mode ResendMode `json:"mode"`
+	// Queue, with ResendToQueue, sends every message to this queue instead
+	// of the queue of its latest attempt (needed for messages without
+	// attempt records). Not allowed with ResendToExchange.
+	Queue string `json:"queue,omitempty"`
+	// DryRun reports what would be sent without connecting or publishing.
+	DryRun bool `json:"dry_run,omitempty"`
+	// Limit caps the messages considered (sent, skipped or failed), newest
+	// first as Search returns them. Default DefaultResendLimit, at most
+	// MaxResendLimit; Filter.Limit is ignored (Filter.After starts the
+	// walk). ResendReport.Next continues after the last one.
+	Limit int `json:"limit,omitempty"`
+	// AllowAll must be true for a Filter that selects every message.
+	AllowAll bool `json:"allow_all,omitempty"`
+}
+
+// Status of one message in a ResendReport.
+const (
+	StatusSent      = "sent"       // published and confirmed by the broker
+	StatusWouldSend = "would-send" // DryRun: would be published
+	StatusFailed    = "failed"     // returned, nacked, or the publish failed
+	StatusSkipped   = "skipped"    // not sendable (no body, truncated body, no queue)
+)
+
+// ResendResult is what Resend did with one message.
+type ResendResult struct {
+	MessageID string `json:"message_id"`
+	// Exchange and RoutingKey are where it was (or would be) published;
+	// Queue is the target queue of ResendToQueue.
+	Exchange   string `json:"exchange"`
+	RoutingKey string `json:"routing_key"`
+	Queue      string `json:"queue,omitempty"`
+	// Status is one of StatusSent, StatusWouldSend, StatusFailed,
+	// StatusSkipped; Error says why for failed and skipped.
+	Status string `json:"status"`
+	Error  string `json:"error,omitempty"`
+}
+
+// ResendReport is Resend's account: Matched = Sent + Failed + Skipped (in
+// DryRun, Sent counts the messages that would be sent).
+type ResendReport struct {
+	Mode    ResendMode     `json:"mode"`
+	DryRun  bool           `json:"dry_run"`
+	Matched int            `json:"matched"`
+	Sent    int            `json:"sent"`
+	Failed  int            `json:"failed"`
+	Skipped int            `json:"skipped"`
+	Results []ResendResult `json:"results"`
+	// Next, when not empty, is the Filter.After cursor of the messages the
+	// Limit left out (only with a store that pages: SearchPage).
+	Next string `json:"next,omitempty"`
+}
+
+// Resender publishes audited messages again from their arrival records.
+// It is safe for concurrent use.
+type Resender struct {
+	cfg ResenderConfig
+
+	mu     sync.Mutex
+	pub    *amqpretry.ConfirmPublisher
+	closed bool
+}
+
+// NewResender validates cfg and returns a Resender; it does not connect.
+func NewResender(cfg ResenderConfig) (*Resender, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	cfg.setDefaults()
+	return &Resender{cfg: cfg}, nil
+}
+
+// Close closes the publisher connection, if one was opened.
+func (r *Resender) Close() error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.closed = true
+	if r.pub != nil {
+		err := r.pub.Close()
+		r.pub = nil
+		return err
+	}
+	return nil
+}
+
+func (r *Resender) publisher() (*amqpretry.ConfirmPublisher, error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.closed {
+		return nil, ErrResenderClosed
+	}
+	if r.pub == nil {
+		p, err := amqpretry.NewConfirmPublisher(amqpretry.PublisherConfig{
+			URI:            r.cfg.URI,
+			ConnectionName: r.cfg.ConnectionName,
+			ConfirmTimeout: r.cfg.ConfirmTimeout,
+			Channels:       1,
+			Logger:         r.cfg.Logger,
+		})
+		if err != nil {
+			return nil, fmt.Errorf("audit: resend: connecting: %w", err)
+		}
+		r.pub = p
+	}
+	return r.pub, nil
+}
+
+// IsEmptyFilter reports whether f selects every message (only Limit and
+// After set, or nothing).
+func IsEmptyFilter(f Filter) bool {
+	f.Limit, f.After = 0, ""
+	if len(f.Headers) == 0 {
+		f.Headers = nil
+	}
+	return reflect.ValueOf(f).IsZero()
+}
+
+// Validate checks opts: a known Mode, Queue only with ResendToQueue,
+// Limit within 0..MaxResendLimit.
+func (o ResendOptions) Validate() error {
+	switch o.Mode {
+	case ResendToQueue, ResendToExchange:
+	case "":
+		return fmt.Errorf("audit: ResendOptions.Mode is required (%q or %q)", ResendToQueue, ResendToExchange)
+	default:
+		return fmt.Errorf("audit: ResendOptions.Mode %q: want %q or %q", o.Mode, ResendToQueue, ResendToExchange)
+	}
+	switch {
+	case o.Queue != "" && o.Mode != ResendToQueue:
+		return fmt.Errorf("audit: ResendOptions.Queue is only for mode %q", ResendToQueue)
+	case len(o.Queue) > 255:
+		return errors.New("audit: ResendOptions.Queue is longer than 255 bytes")
+	case o.Limit < 0 || o.Limit > MaxResendLimit:
+		return fmt.Errorf("audit: ResendOptions.Limit %d: want 0..%d", o.Limit, MaxResendLimit)
+	}
+	return nil
+}
+
+// pager is the optional Store capability Resend pages with
+// (pgstore.Store.SearchPage).
+type pager interface {
+	SearchPage(ctx context.Context, f Filter) ([]Message, string, error)
+}
+
+// Resend publishes again the messages f selects, from their arrival
+// records (body byte-exact, headers and properties as they arrived), in
+// the mode opts.Mode; see ResendToQueue and ResendToExchange.
+//
+// The copy carries the arrival's headers minus every "rabbitretry-*" key
+// and the broker's x-death / x-first-death-* / x-last-death-* /
+// x-delivery-count / x-acquired-count (so the retry chain starts again at
+// attempt 1), plus ResentKey = the resend time (RFC 3339, UTC); the message
+// UUID header (or, without one, message-id = the message id), the
+// correlation-id, timestamp and the other properties of the arrival, except
+// user-id (RabbitMQ refuses a user-id that is not the connection's user:
+// "Validated User-ID"). Header values come back from their JSON form:
+// strings, booleans, integers (int64), other numbers (float64), nested
+// tables and arrays; times and byte arrays recorded as strings stay
+// strings.
+//
+// Every publish is mandatory and waits for its publisher confirm
+// (amqpretry.ConfirmPublisher; RabbitMQ "Publishers" and "Consumer
+// Acknowledgements and Publisher Confirms"): a message the broker returns
+// (no queue bound for it: amqpretry.ErrUnroutable), nacks, or refuses for
+// a missing exchange is reported as failed in its ResendResult and Resend
+// goes on. Messages without an arrival record, with a truncated body, or
+// (ResendToQueue) without a queue are skipped with the reason.
+//
+// Resend refuses a filter that selects everything (ErrEmptyFilter) unless
+// opts.AllowAll. DryRun reports what would be sent without connecting.
+//
+// Errors (with the partial report): ErrEmptyFilter, a ResendOptions
+// Validate error; the Store's; ErrExchangeNotFound (loop-back exchange
+// missing, nothing sent); a connection, confirm-timeout or channel error
+// (amqpretry.ErrConfirmTimeout, ErrChannelClosed, ...), which stops Resend:
+// the message being published then is reported failed and may or may not
+// have been delivered; ctx.Err(); ErrResenderClosed.
+func (r *Resender) Resend(ctx context.Context, f Filter, opts ResendOptions) (ResendReport, error) {
+	rep := ResendReport{Mode: opts.Mode, DryRun: opts.DryRun, Results: []ResendResult{}}
+	if err := opts.Validate(); err != nil {
+		return rep, err
+	}
+	if IsEmptyFilter(f) && !opts.AllowAll {
+		return rep, ErrEmptyFilter
+	}
+	limit := opts.Limit
+	if limit == 0 {
+		limit = DefaultResendLimit
+	}
+	msgs, next, err := r.collect(ctx, f, limit)
+	if err != nil {
+		return rep, err
+	}
+	rep.Next = next
+
+	var pub *amqpretry.ConfirmPublisher
+	if !opts.DryRun {
+		if pub, err = r.publisher(); err != nil {
+			return rep, err
+		}
+		if opts.Mode == ResendToQueue {
+			if err := checkExchange(pub, r.cfg.LoopBackExchange); err != nil {
+				return rep, err
+			}
+		}
+	}
+	exchangeOK := map[string]error{}
+	now := time.Now().UTC()
+	for _, m := range msgs {
+		if err := ctx.Err(); err != nil {
+			return rep, err
+		}
+		rep.Matched++
+		res, p, ok := r.plan(m, opts, now)
+		if !ok {
+			rep.Skipped++
+			rep.Results = append(rep.Results, res)
+			continue
+		}
+		if opts.DryRun {
+			res.Status = StatusWouldSend
+			rep.Sent++
+			rep.Results = append(rep.Results, res)
+			continue
+		}
+		if opts.Mode == ResendToExchange && res.Exchange != "" {
+			exErr, seen := exchangeOK[res.Exchange]
+			if !seen {
+				exErr = checkExchange(pub, res.Exchange)
+				exchangeOK[res.Exchange] = exErr
+			}
+			if exErr != nil {
+				res.Status, res.Error = StatusFailed, exErr.Error()
+				rep.Failed++
+				rep.Results = append(rep.Results, res)
+				continue
+			}
+		}
+		err := pub.PublishRaw(ctx, res.Exchange, res.RoutingKey, p)
+		if err == nil {
+			res.Status = StatusSent
+			rep.Sent++
+			rep.Results = append(rep.Results, res)
+			continue
+		}
+		res.Status, res.Error = StatusFailed, err.Error()
+		rep.Failed++
+		rep.Results = append(rep.Results, res)
+		if !perMessage(err) {
+			// The rest were not tried: not counted as matched.
+			return rep, fmt.Errorf("audit: resend stopped at message %s: %w", m.MessageID, err)
+		}
+	}
+	return rep, nil
+}
+
+// collect reads up to limit messages matching f, paging when the store can.
+func (r *Resender) collect(ctx context.Context, f Filter, limit int) ([]Message, string, error) {
+	pg, canPage := r.cfg.Store.(pager)
+	if !canPage {
+		f.Limit = min(limit, 10000)
+		msgs, err := r.cfg.Store.Search(ctx, f)
+		if err != nil {
+			return nil, "", fmt.Errorf("audit: resend: search: %w", err)
+		}
+		if len(msgs) > limit {
+			msgs = msgs[:limit]
+		}
+		return msgs, "", nil
+	}
+	var out []Message
+	for len(out) < limit {
+		f.Limit = min(resendPageSize, limit-len(out))
+		page, next, err := pg.SearchPage(ctx, f)
+		if err != nil {
+			return nil, "", fmt.Errorf("audit: resend: search: %w", err)
+		}
+		out = append(out, page...)
+		if next == "" {
+			return out, "", nil
+		}
+		f.After = next
+	}
+	// Limit reached: is there more?
+	f.Limit = 1
+	more, _, err := pg.SearchPage(ctx, f)
+	if err != nil {
+		return nil, "", fmt.Errorf("audit: resend: search: %w", err)
+	}
+	if len(more) == 0 {
+		return out, "", nil
+	}
+	return out, f.After, nil
+}
+
+// perMessage: errors caused by the message or its destination, after
+// which Resend goes on with the next message.
+func perMessage(err error) bool {
+	if errors.Is(err, amqpretry.ErrUnroutable) || errors.Is(err, amqpretry.ErrNacked) {
+		return true
+	}
+	var ae *amqp.Error
+	return errors.As(err, &ae) && ae.Code == amqp.NotFound
+}
+
+// checkExchange passively declares exchange on a fresh channel
+// (exchange.declare passive=true: 404 NOT_FOUND closes that channel only).
+func checkExchange(pub *amqpretry.ConfirmPublisher, exchange string) error {
+	if exchange == "" {
+		return nil // the default exchange always exists
+	}
+	ch, err := pub.Channel()
+	if err != nil {
+		return fmt.Errorf("audit: resend: opening a channel: %w", err)
+	}
+	defer ch.Close()
+	if err := ch.ExchangeDeclarePassive(exchange, "direct", true, false, false, false, nil); err != nil {
+		var ae *amqp.Error
+		if errors.As(err, &ae) && ae.Code == amqp.NotFound {
+			return fmt.Errorf("%w: %q", ErrExchangeNotFound, exchange)
+		}
+		return fmt.Errorf("audit: resend: checking exchange %q: %w", exchange, err)
+	}
+	return nil
+}
+
+// latestQueue is the queue of m's latest attempt (highest attempt number,
+// then latest start), "" without attempts.
+func latestQueue(m Message) string {
+	var best *Attempt
+	for i := range m.Attempts {
+		a := &m.Attempts[i]
+		if best == nil || a.Attempt > best.Attempt || (a.Attempt == best.Attempt && a.StartedAt.After(best.StartedAt)) {
+			best = a
+		}
+	}
+	if best == nil {
+		return ""
+	}
+	return best.Queue
+}
+
+// plan builds the result skeleton and the publishing for m; ok=false means
+// skipped (res says why).
+func (r *Resender) plan(m Message, opts ResendOptions, now time.Time) (ResendResult, amqp.Publishing, bool) {
+	res := ResendResult{MessageID: m.MessageID}
+	a := m.Arrival
+	if a != nil {
+		res.Exchange, res.RoutingKey = a.Exchange, a.RoutingKey
+	}
+	if opts.Mode == ResendToQueue {
+		q := opts.Queue
+		if q == "" {
+			q = latestQueue(m)
+		}
+		res.Exchange, res.RoutingKey, res.Queue = r.cfg.LoopBackExchange, q, q
+		if q == "" && a != nil {
+			return skip(res, "no attempt records, so no queue is known: pass a queue (ResendOptions.Queue, --queue)")
+		}
+	}
+	switch {
+	case a == nil:
+		return skip(res, "no arrival record (no body): the message arrived before auditing began or not through an audited exchange")
+	case a.BodyTruncated || len(a.Body) < a.BodySize:
+		return skip(res, fmt.Sprintf("body truncated in the audit (%d of %d bytes stored)", len(a.Body), a.BodySize))
+	}
+	p, err := r.publishing(m, now)
+	if err != nil {
+		return skip(res, err.Error())
+	}
+	return res, p, true
+}
+
+func skip(res ResendResult, why string) (ResendResult, amqp.Publishing, bool) {
+	res.Status, res.Error = StatusSkipped, why
+	return res, amqp.Publishing{}, false
+}
+
+// stripHeader reports whether a header must not be carried to a resent
+// copy: retry state of rabbitretry and of the broker.
+func stripHeader(k string) bool {
+	switch k {
+	case "x-death", "x-delivery-count", "x-acquired-count",
+		"reason_poisoned", "topic_poisoned", "handler_poisoned", "subscriber_poisoned":
+		return true
+	}
+	return strings.HasPrefix(k, "rabbitretry-") ||
+		strings.HasPrefix(k, "x-first-death-") || strings.HasPrefix(k, "x-last-death-")
+}
+
+// publishing rebuilds the AMQP message of m's arrival.
+func (r *Resender) publishing(m Message, now time.Time) (amqp.Publishing, error) {
+	a := m.Arrival
+	h := amqp.Table{}
+	for k, v := range a.Headers {
+		if stripHeader(k) {
+			continue
+		}
+		av, err := amqpValue(v, 0)
+		if err != nil {
+			return amqp.Publishing{}, fmt.Errorf("header %q: %v", k, err)
+		}
+		h[k] = av
+	}
+	h[ResentKey] = now.Format(time.RFC3339)
+	p := amqp.Publishing{
+		Headers:       h,
+		CorrelationId: a.CorrelationID,
+		Timestamp:     a.PublishedAt,
+		Body:          a.Body,
+	}
+	if _, ok := h[r.cfg.UUIDHeaderKey]; !ok && m.MessageID != "" {
+		p.MessageId = m.MessageID
+	}
+	if p.CorrelationId == "" {
+		p.CorrelationId = a.Properties["correlation-id"]
+	}
+	for k, v := range a.Properties {
+		switch k {
+		case "content-type":
+			p.ContentType = v
+		case "content-encoding":
+			p.ContentEncoding = v
+		case "reply-to":
+			p.ReplyTo = v
+		case "expiration":
+			p.Expiration = v
+		case "type":
+			p.Type = v
+		case "app-id":
+			p.AppId = v
+		case "message-id":
+			if p.MessageId == "" {
+				p.MessageId = v
+			}
+		case "delivery-mode", "priority":
+			n, err := strconv.ParseUint(v, 10, 8)
+			if err != nil {
+				return amqp.Publishing{}, fmt.Errorf("property %s %q is not a number 0..255", k, v)
+			}
+			if k == "priority" {
+				p.Priority = uint8(n)
+			} else {
+				p.DeliveryMode = uint8(n)
+			}
+		}
+	}
+	return p, nil
+}
+
+// amqpValue converts a header value from its JSON form to an AMQP field.
+func amqpValue(v any, depth int) (any, error) {
+	if depth > 32 {
+		return nil, errors.New("nested too deeply")
+	}
+	switch x := v.(type) {
+	case nil, bool, string, int64, int32, int16, int8, int, float32, []byte, time.Time:
+		return x, nil
+	case float64:
+		if x == math.Trunc(x) && math.Abs(x) < 1<<53 {
+			return int64(x), nil
+		}
+		return x, nil
+	case json.Number:
+		if n, err := x.Int64(); err == nil {
+			return n, nil
+		}
+		f, err := x.Float64()
+		if err != nil {
+			return nil, fmt.Errorf("number %q: %v", x, err)
+		}
+		return f, nil
+	case map[string]any:
+		t := amqp.Table{}
+		for k, e := range x {
+			ev, err := amqpValue(e, depth+1)
+			if err != nil {
+				return nil, err
+			}
+			t[k] = ev
+		}
+		return t, nil
+	case []any:
+		out := make([]any, len(x))
+		for i, e := range x {
+			ev, err := amqpValue(e, depth+1)
+			if err != nil {
+				return nil, err
+			}
+			out[i] = ev
+		}
+		return out, nil
+	}
+	return nil, fmt.Errorf("unsupported value of type %T", v)
+}
