@@ -108,6 +108,13 @@ func (c *core) send(ctx context.Context, msg *message.Message, n uint64, queue s
 	// TTLs applies, "Time-To-Live and Expiration"). Dead-lettering removes
 	// it anyway after the first hop.
 	p.Expiration = ""
+	// The due time, for Census: publish time + the delay in grains. The
+	// Marshaler returned a private copy of the headers.
+	if p.Headers == nil {
+		p.Headers = amqp.Table{}
+	}
+	p.Headers[DueHeader] = formatDue(time.Now().Add(time.Duration(n) * c.cfg.Grain))
+	delete(p.Headers, CensusHeader)
 	if size, limit := headerBytes(p.Headers), c.headerLimit(queue); size > limit {
 		return fmt.Errorf("%w: the delayed copy's headers take about %d bytes, more than the %d that stay deliverable once the broker adds an x-death entry per level",
 			middleware.ErrCannotDelay, size, limit)

@@ -1,0 +1,493 @@
+package cascade
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"maps"
+	"sort"
+	"strconv"
+	"sync"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+)
+
+// CensusOptions tunes Census. The zero value counts every level and moves
+// nothing.
+type CensusOptions struct {
+	// Move maps a destination queue to a new one: every message Census
+	// finds addressed to a key of Move is put back addressed to its value
+	// instead, keeping its remaining delay. The new destinations must
+	// exist; Census binds them (BindDestination) before taking anything
+	// out. A destination may not be moved to itself, and the new name must
+	// be routable (ErrBadQueueName).
+	Move map[string]string
+	// Levels restricts the census to these levels (0 .. Levels-1); nil or
+	// empty means all of them.
+	Levels []int
+	// DryRun counts what Move would move (CensusReport.Moved) but puts
+	// every message back to its own destination. Reading a level queue
+	// still takes each message out and puts it back: a dry run is as
+	// disturbing as a census.
+	DryRun bool
+	// Concurrency is the number of put-back publishes awaiting their
+	// confirms at once. Default 32.
+	Concurrency int
+}
+
+// CensusEntry counts the messages of one destination in one level (or, in
+// CensusReport.Destinations, in all levels: Level is -1).
+type CensusEntry struct {
+	// Level is the level queue the messages were in; -1 for a total.
+	Level int `json:"level"`
+	// Queue is the destination the messages were addressed to when found.
+	Queue string `json:"queue"`
+	// Messages is how many there were.
+	Messages int `json:"messages"`
+	// EarliestDue and LatestDue bound their due times (DueHeader, or the
+	// estimate Census used for messages without one).
+	EarliestDue time.Time `json:"earliest_due"`
+	LatestDue   time.Time `json:"latest_due"`
+	// NoDueHeader counts those without DueHeader (published by an older
+	// version): their due time is an upper bound, see Census.
+	NoDueHeader int `json:"no_due_header,omitempty"`
+	// MovedTo is Move[Queue] when Queue was in CensusOptions.Move.
+	MovedTo string `json:"moved_to,omitempty"`
+}
+
+// CensusReport is what Census found and did.
+type CensusReport struct {
+	// Entries has one entry per level and destination, by level then
+	// queue name.
+	Entries []CensusEntry `json:"entries"`
+	// Destinations totals Entries per destination, by queue name.
+	Destinations []CensusEntry `json:"destinations"`
+	// Taken is the number of messages taken out of the level queues,
+	// Counted those counted in Entries (Taken less Recounted and Foreign),
+	// PutBack those put back (confirmed) and acknowledged: after a
+	// successful census PutBack == Taken.
+	Taken, Counted, PutBack int
+	// Moved is the number of counted messages addressed to a destination of
+	// CensusOptions.Move (put back to the new destination, unless DryRun).
+	Moved int
+	// Recounted is the number of messages this census had already put back
+	// and met again in a lower level (put back again, not counted twice).
+	Recounted int
+	// Foreign is the number of messages in a level queue whose routing key
+	// is not a cascade key of this Config (a cascade declared with other
+	// Levels, or a message published there by hand): put back into the
+	// same level queue unchanged, through the default exchange.
+	Foreign int
+	// Started and Finished bound the census.
+	Started, Finished time.Time
+}
+
+// Census takes every message out of the cascade's level queues, one level
+// at a time from the top, counts them per level and destination (with
+// their earliest and latest due time), and puts each back into the cascade
+// with its remaining delay, to the same destination or to the one
+// opts.Move names. It is the only way to see destinations and due times:
+// both are in each message's routing key and DueHeader, readable only by
+// taking the message. Use Waiting for per-level counts without
+// disturbing anything.
+//
+// How a message is put back: remaining = due − now, rounded up to the
+// grain; it is published (mandatory, with publisher confirms, "Publishers",
+// "Consumer Acknowledgements and Publisher Confirms") to the top level's
+// exchange with the key for that many grains, or straight to the delivery
+// exchange when nothing remains, and the original is acknowledged only
+// after the confirm. So it is at-least-once: if Census or its connection
+// dies between the confirm and the ack, the message is in the cascade twice
+// and its destination gets it twice; nothing is lost. Messages are taken
+// with basic.get, never rejected or requeued: on RabbitMQ 4.x every requeue
+// of a quorum queue message counts against the queue's delivery limit
+// (x-delivery-count, default 20), and a message over the limit would be
+// dead-lettered, i.e. passed to the next level early ("Quorum Queues",
+// poison message handling). Only when Census dies holding messages does
+// the broker return them (once; they are not lost).
+//
+// Timing: a message is exact to the grain plus the time it was held
+// (milliseconds) when it carries DueHeader (the Delayer and Publisher stamp
+// it). One without it (published by a version before DueHeader) is put
+// back with the largest delay it can have left: the lower levels' bits of
+// its key plus the whole TTL of the level it was found in; it arrives up
+// to that level's TTL (2^n grains) late, never early. The put-back copy
+// carries DueHeader from then on.
+//
+// Which messages are counted: Census reads, per level, at most the number
+// of messages the level held when its turn came (passive queue.declare),
+// and stops at the first message it put back itself (CensusHeader = this
+// run's id, which it puts back again uncounted): the queue is FIFO, so it
+// has then gone round. On a quiescent cascade the counts are exact. On a
+// live one they are not a snapshot: a message that moves to a lower level
+// before that level's turn is counted there (once), one that moves to a
+// level already read is not counted; none is lost or counted twice.
+//
+// cfg supplies the connection like NewPublisher (Publisher or URI). It
+// returns the report so far and the first error: Validate's, an invalid
+// option (a level out of range, a bad or circular Move), a declare or bind
+// error (*amqpretry.DeclareError, e.g. 404 for a missing new destination),
+// the publisher's error for a put-back (the message stays in its level
+// queue, returned by the broker when Census closes its channel), or ctx's
+// (Census stops taking messages and waits for the put-backs in flight).
+func Census(ctx context.Context, cfg Config, opts CensusOptions) (CensusReport, error) {
+	rep := CensusReport{Started: time.Now()}
+	c, err := newCore(cfg)
+	if err != nil {
+		return rep, err
+	}
+	defer c.close()
+	cfg = c.cfg
+	levels, err := opts.levels(&cfg)
+	if err != nil {
+		return rep, err
+	}
+	for from, to := range opts.Move {
+		if err := cfg.checkQueue(from); err != nil {
+			return rep, fmt.Errorf("cascade.CensusOptions.Move: from: %w", err)
+		}
+		if err := cfg.checkQueue(to); err != nil {
+			return rep, fmt.Errorf("cascade.CensusOptions.Move: to: %w", err)
+		}
+		if from == to {
+			return rep, fmt.Errorf("cascade.CensusOptions.Move: %q is moved to itself", from)
+		}
+	}
+	if !opts.DryRun {
+		for _, to := range opts.Move {
+			if err := c.bind(to); err != nil {
+				return rep, fmt.Errorf("cascade: binding the new destination %q: %w", to, err)
+			}
+		}
+	}
+	concurrency := opts.Concurrency
+	if concurrency <= 0 {
+		concurrency = 32
+	}
+	run := censusRun{c: c, opts: opts, id: newRunID(), rep: &rep, sem: make(chan struct{}, concurrency),
+		entries: map[levelQueue]*CensusEntry{}}
+	for _, n := range levels {
+		if err = run.level(ctx, n); err != nil {
+			break
+		}
+	}
+	run.finish()
+	rep.Finished = time.Now()
+	return rep, err
+}
+
+// levels returns the levels to read, top first.
+func (o *CensusOptions) levels(cfg *Config) ([]int, error) {
+	var out []int
+	if len(o.Levels) == 0 {
+		for n := cfg.Levels - 1; n >= 0; n-- {
+			out = append(out, n)
+		}
+		return out, nil
+	}
+	seen := map[int]bool{}
+	for _, n := range o.Levels {
+		if n < 0 || n >= cfg.Levels {
+			return nil, fmt.Errorf("cascade.CensusOptions.Levels: level %d is outside [0, %d]", n, cfg.Levels-1)
+		}
+		if !seen[n] {
+			seen[n] = true
+			out = append(out, n)
+		}
+	}
+	sort.Sort(sort.Reverse(sort.IntSlice(out)))
+	return out, nil
+}
+
+type levelQueue struct {
+	level int
+	queue string
+}
+
+type censusRun struct {
+	c    *core
+	opts CensusOptions
+	id   string
+	sem  chan struct{}
+
+	mu      sync.Mutex
+	rep     *CensusReport
+	entries map[levelQueue]*CensusEntry
+	err     error
+}
+
+func newRunID() string {
+	var b [8]byte
+	_, _ = rand.Read(b[:])
+	return hex.EncodeToString(b[:])
+}
+
+// level takes out and puts back the messages of level n.
+func (r *censusRun) level(ctx context.Context, n int) error {
+	cfg := &r.c.cfg
+	ch, err := r.c.pub.Channel()
+	if err != nil {
+		return err
+	}
+	var wg sync.WaitGroup
+	defer func() {
+		wg.Wait() // acks first, then close: a held message is returned only on failure
+		_ = ch.Close()
+	}()
+	q, err := ch.QueueDeclarePassive(cfg.LevelName(n), true, false, false, false, cfg.levelArgs(n))
+	if err != nil {
+		return fmt.Errorf("cascade: inspecting level queue %q: %w", cfg.LevelName(n), err)
+	}
+	for taken := 0; taken < q.Messages; taken++ {
+		if err := ctx.Err(); err != nil {
+			return err
+		}
+		if err := r.failed(); err != nil {
+			return err
+		}
+		d, ok, err := ch.Get(q.Name, false)
+		if err != nil {
+			return fmt.Errorf("cascade: taking a message from %q: %w", q.Name, err)
+		}
+		if !ok {
+			return nil // empty: the rest expired to a lower level meanwhile
+		}
+		own := d.Headers[CensusHeader] == r.id
+		r.sem <- struct{}{}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			defer func() { <-r.sem }()
+			r.putBack(n, d)
+		}()
+		if own {
+			return nil // gone round: what follows was put back by this run, or came later
+		}
+	}
+	return nil
+}
+
+func (r *censusRun) failed() error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.err
+}
+
+// putBack counts d (found in level n) and publishes it back with its
+// remaining delay, then acks it.
+func (r *censusRun) putBack(n int, d amqp.Delivery) {
+	cfg := &r.c.cfg
+	now := time.Now()
+	p := amqp.Publishing{
+		Headers: maps.Clone(d.Headers), ContentType: d.ContentType, ContentEncoding: d.ContentEncoding,
+		DeliveryMode: d.DeliveryMode, Priority: d.Priority, CorrelationId: d.CorrelationId, ReplyTo: d.ReplyTo,
+		MessageId: d.MessageId, Timestamp: d.Timestamp, Type: d.Type, UserId: d.UserId, AppId: d.AppId, Body: d.Body,
+	}
+	if p.Headers == nil {
+		p.Headers = amqp.Table{}
+	}
+	own := p.Headers[CensusHeader] == r.id
+	p.Headers[CensusHeader] = r.id
+
+	var exchange, key string
+	var dest, movedTo string
+	bits, queue, perr := cfg.parseKey(d.RoutingKey)
+	var due time.Time
+	noDue := false
+	if perr != nil {
+		// Not a cascade key: back into the same level queue, unchanged.
+		exchange, key = "", cfg.LevelName(n)
+	} else {
+		dest = queue
+		var ok bool
+		due, ok = parseDue(p.Headers[DueHeader])
+		if !ok {
+			noDue = true
+			low := bits & (uint64(1)<<uint(n) - 1)
+			due = now.Add(time.Duration(low)*cfg.Grain + levelTTL(cfg.Grain, n))
+			p.Headers[DueHeader] = formatDue(due)
+		}
+		target := queue
+		if to, ok := r.opts.Move[queue]; ok {
+			movedTo = to
+			if !r.opts.DryRun {
+				target = to
+			}
+		}
+		grains, _ := cfg.grains(due.Sub(now))
+		if maxN := uint64(1)<<uint(cfg.Levels) - 1; grains > maxN {
+			grains = maxN
+		}
+		key, _ = cfg.routingKey(grains, target) // target was checked
+		exchange = cfg.FirstExchange()
+		if grains == 0 {
+			exchange = cfg.DeliveryExchange()
+		}
+	}
+	err := r.c.pub.PublishRaw(context.WithoutCancel(context.Background()), exchange, key, p)
+	if err == nil {
+		err = d.Ack(false)
+		if err != nil {
+			err = fmt.Errorf("cascade: acknowledging a message put back (it is now in the cascade twice): %w", err)
+		}
+	} else {
+		err = fmt.Errorf("cascade: putting back a message from %q (routing key %q): %w", cfg.LevelName(n), d.RoutingKey, err)
+	}
+
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.rep.Taken++
+	if err != nil {
+		if r.err == nil {
+			r.err = err
+		}
+		return
+	}
+	r.rep.PutBack++
+	switch {
+	case perr != nil:
+		r.rep.Foreign++
+	case own:
+		r.rep.Recounted++
+	default:
+		r.rep.Counted++
+		if movedTo != "" {
+			r.rep.Moved++
+		}
+		e := r.entries[levelQueue{n, dest}]
+		if e == nil {
+			e = &CensusEntry{Level: n, Queue: dest, EarliestDue: due, LatestDue: due, MovedTo: movedTo}
+			r.entries[levelQueue{n, dest}] = e
+		}
+		e.add(due, noDue)
+	}
+}
+
+func (e *CensusEntry) add(due time.Time, noDue bool) {
+	e.Messages++
+	if due.Before(e.EarliestDue) {
+		e.EarliestDue = due
+	}
+	if due.After(e.LatestDue) {
+		e.LatestDue = due
+	}
+	if noDue {
+		e.NoDueHeader++
+	}
+}
+
+// finish fills Entries and Destinations; the put-backs have all returned.
+func (r *censusRun) finish() {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	totals := map[string]*CensusEntry{}
+	for _, e := range r.entries {
+		r.rep.Entries = append(r.rep.Entries, *e)
+		t := totals[e.Queue]
+		if t == nil {
+			t = &CensusEntry{Level: -1, Queue: e.Queue, EarliestDue: e.EarliestDue, LatestDue: e.LatestDue, MovedTo: e.MovedTo}
+			totals[e.Queue] = t
+		}
+		t.Messages += e.Messages
+		t.NoDueHeader += e.NoDueHeader
+		if e.EarliestDue.Before(t.EarliestDue) {
+			t.EarliestDue = e.EarliestDue
+		}
+		if e.LatestDue.After(t.LatestDue) {
+			t.LatestDue = e.LatestDue
+		}
+	}
+	for _, t := range totals {
+		r.rep.Destinations = append(r.rep.Destinations, *t)
+	}
+	sort.Slice(r.rep.Entries, func(i, j int) bool {
+		a, b := r.rep.Entries[i], r.rep.Entries[j]
+		if a.Level != b.Level {
+			return a.Level < b.Level
+		}
+		return a.Queue < b.Queue
+	})
+	sort.Slice(r.rep.Destinations, func(i, j int) bool { return r.rep.Destinations[i].Queue < r.rep.Destinations[j].Queue })
+}
+
+// formatDue writes a DueHeader value: Unix milliseconds, decimal.
+func formatDue(t time.Time) string { return strconv.FormatInt(t.UnixMilli(), 10) }
+
+// parseDue reads a DueHeader value (a decimal string, or an integer if a
+// client wrote one).
+func parseDue(v any) (time.Time, bool) {
+	var ms int64
+	switch v := v.(type) {
+	case string:
+		n, err := strconv.ParseInt(v, 10, 64)
+		if err != nil {
+			return time.Time{}, false
+		}
+		ms = n
+	case int64:
+		ms = v
+	case int32:
+		ms = int64(v)
+	case int:
+		ms = int64(v)
+	default:
+		return time.Time{}, false
+	}
+	return time.UnixMilli(ms), true
+}
+
+// ErrSameQueue is returned by Redirect when from and to are the same queue.
+var ErrSameQueue = errors.New("cascade: redirecting a queue to itself")
+
+// Redirect makes messages addressed to from arrive at to instead, without
+// touching them: it binds to to the delivery exchange with from's key
+// pattern ("*." × Levels + from) and then removes from's own binding
+// (UnbindDestination). Messages keep waiting in their level queues and
+// arrive at to on time; messages published for from later do too. The
+// binding is on the broker, so it holds for every publisher.
+//
+// When to use which, for decommissioning a queue from:
+//
+//   - Redirect: instant (two binding operations), whatever the number of
+//     waiting messages, and nothing is taken out of the cascade. But
+//     anything that binds from again (a Delayer or Publisher still
+//     publishing to from, which binds each destination once per process;
+//     amqpretry.New's topology builder, on every subscriber reconnect)
+//     makes from's messages arrive at both queues. Stop from's services
+//     first; undo with ch.QueueUnbind(to, "*." × Levels + from,
+//     DeliveryExchange(), nil).
+//   - Census with CensusOptions.Move: rewrites each waiting message's
+//     key, so it no longer depends on bindings at all; costs a take-out
+//     and a confirmed publish per message in the cascade (all
+//     destinations' messages are taken out and put back), and messages
+//     published for from afterwards still go to from.
+//
+// Both queues must exist. It returns Validate's error, ErrBadQueueName
+// (wrapped), ErrSameQueue, or an *amqpretry.DeclareError (Kind "binding";
+// 404 NOT_FOUND for a missing queue, which closes ch). If the unbind
+// fails, to is already bound: messages then reach both queues.
+func (c Config) Redirect(ch *amqp.Channel, from, to string) error {
+	c, err := c.resolved()
+	if err != nil {
+		return err
+	}
+	if err := c.checkQueue(from); err != nil {
+		return err
+	}
+	if err := c.checkQueue(to); err != nil {
+		return err
+	}
+	if from == to {
+		return fmt.Errorf("%w: %q", ErrSameQueue, from)
+	}
+	if err := ch.QueueBind(to, c.destinationPattern(from), c.DeliveryExchange(), false, nil); err != nil {
+		return declareError("binding", to, err)
+	}
+	if err := ch.QueueUnbind(from, c.destinationPattern(from), c.DeliveryExchange(), nil); err != nil {
+		return declareError("binding", from, err)
+	}
+	return nil
+}
