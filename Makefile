@@ -13,7 +13,12 @@ all: lint test
 broker:
 	bash scripts/ensure-broker.sh
 
-test: broker
+# PostgreSQL for the audit store tests (RABBITRETRY_PG_DSN, default
+# postgres://postgres@127.0.0.1:5432/test?sslmode=disable).
+postgres:
+	bash scripts/ensure-postgres.sh >/dev/null
+
+test: broker postgres
 	$(GO) vet ./...
 	$(GO) test -race -count=1 -timeout 15m ./...
 
