@@ -369,6 +369,28 @@ func (c *Consumer) session(ctx context.Context) error {
 		"arrivals_queue": c.cfg.Naming.ArrivalsQueue, "attempts_queue": c.cfg.Naming.AttemptsQueue,
 	})
 
+	// One writer goroutine writes and acks batches in order, while the
+	// next batch fills (the prefetch of 2×BatchSize per channel allows
+	// it); a multiple ack never covers a delivery of an unwritten batch.
+	batches := make(chan batch)
+	werr := make(chan error, 1)
+	wctx, wcancel := context.WithCancel(ctx)
+	wdone := make(chan struct{})
+	go func() {
+		defer close(wdone)
+		for b := range batches {
+			if err := c.writeAndAck(wctx, conn, arrCh, attCh, b); err != nil {
+				werr <- err
+				return
+			}
+		}
+	}()
+	defer func() {
+		wcancel()
+		close(batches)
+		<-wdone
+	}()
+
 	var b batch
 	var timer *time.Timer
 	var timerC <-chan time.Time
@@ -380,22 +402,14 @@ func (c *Consumer) session(ctx context.Context) error {
 		if b.pending == 0 {
 			return nil
 		}
-		if b.records > 0 {
-			if err := c.write(ctx, conn, b.arrivals, b.attempts); err != nil {
-				return err
-			}
+		select {
+		case batches <- b:
+		case err := <-werr:
+			return err
+		case <-ctx.Done():
+			return ctx.Err()
 		}
-		if b.arrTag > 0 {
-			if err := arrCh.Ack(b.arrTag, true); err != nil {
-				return fmt.Errorf("audit: acking arrivals: %w", err)
-			}
-		}
-		if b.attTag > 0 {
-			if err := attCh.Ack(b.attTag, true); err != nil {
-				return fmt.Errorf("audit: acking attempt records: %w", err)
-			}
-		}
-		b = batch{} // fresh slices: the Store may keep what it was given
+		b = batch{} // fresh slices: the writer and the Store own the old ones
 		return nil
 	}
 	add := func() error {
@@ -414,6 +428,8 @@ func (c *Consumer) session(ctx context.Context) error {
 			return ctx.Err()
 		case err := <-closed:
 			return fmt.Errorf("audit: connection closed: %v", err)
+		case err := <-werr:
+			return err
 		case <-timerC:
 			timer, timerC = nil, nil
 			if err := flush(); err != nil {
@@ -451,6 +467,27 @@ func (c *Consumer) session(ctx context.Context) error {
 			}
 		}
 	}
+}
+
+// writeAndAck writes b (unless it holds only malformed records) and acks
+// its deliveries.
+func (c *Consumer) writeAndAck(ctx context.Context, conn *amqp.Connection, arrCh, attCh *amqp.Channel, b batch) error {
+	if b.records > 0 {
+		if err := c.write(ctx, conn, b.arrivals, b.attempts); err != nil {
+			return err
+		}
+	}
+	if b.arrTag > 0 {
+		if err := arrCh.Ack(b.arrTag, true); err != nil {
+			return fmt.Errorf("audit: acking arrivals: %w", err)
+		}
+	}
+	if b.attTag > 0 {
+		if err := attCh.Ack(b.attTag, true); err != nil {
+			return fmt.Errorf("audit: acking attempt records: %w", err)
+		}
+	}
+	return nil
 }
 
 // write calls Store.Write until it returns nil; an error only if ctx ends

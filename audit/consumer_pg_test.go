@@ -1,0 +1,162 @@
+package audit_test
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"fmt"
+	"os"
+	"strconv"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/jackc/pgx/v5/pgxpool"
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/rabbitretry/rabbitretry/amqpretry"
+	"github.com/rabbitretry/rabbitretry/audit"
+	"github.com/rabbitretry/rabbitretry/audit/pgstore"
+	"github.com/rabbitretry/rabbitretry/internal/testkit"
+)
+
+// pgStore returns a pgstore.Store on the test PostgreSQL in a schema of
+// its own (dropped at the end), and a check function reading every row
+// back (duplicates included: grouped by message id, not by record id).
+func pgStore(t testing.TB) (*pgstore.Store, func() (map[string][]audit.Arrival, map[string][]audit.Attempt)) {
+	t.Helper()
+	dsn := testkit.HavePG(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	pool, err := pgxpool.New(ctx, dsn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	var b [6]byte
+	_, _ = rand.Read(b[:])
+	schema := "audit_consumer_" + hex.EncodeToString(b[:])
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		if _, err := pool.Exec(ctx, `DROP SCHEMA IF EXISTS `+schema+` CASCADE`); err != nil {
+			t.Errorf("drop schema %s: %v", schema, err)
+		}
+	})
+	s, err := pgstore.New(ctx, pgstore.Config{Pool: pool, Schema: schema})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(s.Close)
+	return s, func() (map[string][]audit.Arrival, map[string][]audit.Attempt) { return readAll(t, pool, schema) }
+}
+
+// readAll reads every arrival and attempt row of schema.
+func readAll(t testing.TB, pool *pgxpool.Pool, schema string) (map[string][]audit.Arrival, map[string][]audit.Attempt) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	arr := map[string][]audit.Arrival{}
+	rows, err := pool.Query(ctx, `SELECT id, message_id, exchange, routing_key, body FROM `+schema+`.arrivals`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for rows.Next() {
+		var a audit.Arrival
+		if err := rows.Scan(&a.ID, &a.MessageID, &a.Exchange, &a.RoutingKey, &a.Body); err != nil {
+			t.Fatal(err)
+		}
+		arr[a.MessageID] = append(arr[a.MessageID], a)
+	}
+	rows.Close()
+	att := map[string][]audit.Attempt{}
+	rows, err = pool.Query(ctx, `SELECT id, message_id, queue, attempt, outcome, delay_ms, tier_ms, error_class
+		FROM `+schema+`.attempts ORDER BY message_id, attempt, started_at`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for rows.Next() {
+		var a audit.Attempt
+		var outcome string
+		var delay, tier int64
+		if err := rows.Scan(&a.ID, &a.MessageID, &a.Queue, &a.Attempt, &outcome, &delay, &tier, &a.ErrorClass); err != nil {
+			t.Fatal(err)
+		}
+		a.Outcome, a.Delay, a.Tier = audit.Outcome(outcome), time.Duration(delay)*time.Millisecond, time.Duration(tier)*time.Millisecond
+		att[a.MessageID] = append(att[a.MessageID], a)
+	}
+	rows.Close()
+	return arr, att
+}
+
+func TestStormEndToEndPostgres(t *testing.T) {
+	e := newBrokerEnv(t)
+	store, check := pgStore(t)
+	runStorm(t, e, store, check, 300, nil)
+}
+
+// TestConsumerThroughputPostgres measures the Consumer into pgstore: the
+// audit queues are filled first (AUDIT_THROUGHPUT_N records, half arrivals
+// of 1 KiB bodies, half attempt records; default 10,000), then drained.
+func TestConsumerThroughputPostgres(t *testing.T) {
+	n := 10_000
+	if v := os.Getenv("AUDIT_THROUGHPUT_N"); v != "" {
+		n, _ = strconv.Atoi(v)
+	}
+	e := newBrokerEnv(t)
+	store, _ := pgStore(t)
+	c, err := audit.NewConsumer(audit.ConsumerConfig{URI: e.uri, Store: store, Naming: e.naming,
+		Exchanges: []audit.Binding{{Exchange: e.exchange, RoutingKey: routingKey}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := c.Declare(); err != nil {
+		t.Fatal(err)
+	}
+	pub, err := amqpretry.NewConfirmPublisher(amqpretry.PublisherConfig{URI: e.uri})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pub.Close()
+	body := make([]byte, 1024)
+	for i := range body {
+		body[i] = 'a' + byte(i%26)
+	}
+	half := n / 2
+	const chunk = 500
+	for sent := 0; sent < half; sent += chunk {
+		var arr, att []amqp.Publishing
+		for i := sent; i < min(sent+chunk, half); i++ {
+			id := watermill.NewUUID()
+			arr = append(arr, amqp.Publishing{Headers: amqp.Table{audit.DefaultUUIDHeader: id, "tenant": "acme"},
+				Body: body, DeliveryMode: amqp.Persistent, Timestamp: time.Now(), ContentType: "application/json"})
+			b, _ := audit.MarshalAttempt(audit.Attempt{ID: watermill.NewUUID(), MessageID: id, Queue: "orders", Attempt: 1,
+				StartedAt: time.Now(), Duration: time.Millisecond, Outcome: audit.OutcomeRetry, Delay: time.Second, Tier: time.Second,
+				ErrorClass: "transient", Error: "inventory service unavailable"})
+			att = append(att, amqp.Publishing{Body: b, DeliveryMode: amqp.Persistent, ContentType: "application/json"})
+		}
+		if err := pub.PublishRawBatch(context.Background(), e.exchange, routingKey, arr); err != nil {
+			t.Fatal(err)
+		}
+		if err := pub.PublishRawBatch(context.Background(), e.naming.Exchange, audit.AttemptRoutingKey, att); err != nil {
+			t.Fatal(err)
+		}
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	start := time.Now()
+	go func() { done <- c.Run(ctx) }()
+	testkit.WaitFor(t, 120*time.Second, fmt.Sprintf("%d records written", 2*half), func() bool {
+		st := c.Stats()
+		return st.Arrivals+st.Attempts >= uint64(2*half)
+	})
+	took := time.Since(start)
+	cancel()
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	st := c.Stats()
+	t.Logf("throughput: %d records (%d arrivals with 1 KiB bodies, %d attempts) into pgstore in %v: %.0f records/s; %d batches (%.0f records/batch), last Write %v",
+		2*half, st.Arrivals, st.Attempts, took.Round(time.Millisecond), float64(2*half)/took.Seconds(), st.Batches,
+		float64(2*half)/float64(st.Batches), st.LastWriteLatency.Round(time.Microsecond))
+}
