@@ -44,6 +44,7 @@ type options struct {
 	maxAttempts                           int
 	waitEx, poisonEx, loopBackEx          string
 	dryRun, json                          bool
+	cascade                               cascadeOptions
 }
 
 func (o *options) flags(fs *flag.FlagSet) {
@@ -52,17 +53,21 @@ func (o *options) flags(fs *flag.FlagSet) {
 	fs.StringVar(&o.mgmtURL, "management-url", "", "management HTTP API base `URL` (default $"+mgmtEnv+", else "+defaultMgmtURL+")")
 	fs.StringVar(&o.tiers, "tiers", "", "configured delay `tiers`, comma-separated durations such as 1s,2s,4s (default: the library's default tiers for --max-attempts)")
 	fs.IntVar(&o.maxAttempts, "max-attempts", 5, "`N`, Config.MaxAttempts the default tiers derive from")
-	fs.StringVar(&o.queueType, "queue-type", amqpretry.QueueTypeClassic, "queue `type`: classic or quorum")
+	fs.StringVar(&o.queueType, "queue-type", "", "queue `type`: classic or quorum (default classic; cascade: quorum, the level queues')")
 	fs.StringVar(&o.waitEx, "wait-exchange", "", "wait `exchange` (default rabbitretry.wait)")
 	fs.StringVar(&o.poisonEx, "poison-exchange", "", "poison `exchange` (default rabbitretry.poison)")
 	fs.StringVar(&o.loopBackEx, "loopback-exchange", "", "loop-back `exchange` (default rabbitretry.loopback)")
-	fs.BoolVar(&o.dryRun, "dry-run", false, "tidy: report what would be deleted; change nothing")
-	fs.BoolVar(&o.json, "json", false, "show: print the report as JSON")
+	fs.BoolVar(&o.dryRun, "dry-run", false, "tidy: report what would be deleted; change nothing. cascade move: count what would move; move nothing")
+	fs.BoolVar(&o.json, "json", false, "show, cascade census: print the report as JSON")
+	o.cascade.flags(fs)
 }
 
 const usageText = `Usage: rabbitretry-topology show|tidy --queue Q [--uri AMQP_URI] [--management-url URL]
            [--tiers 1s,2s,4s | --max-attempts N] [--queue-type classic|quorum]
            [--wait-exchange X] [--poison-exchange X] [--loopback-exchange X] [--dry-run] [--json]
+       rabbitretry-topology cascade waiting|census|move|redirect [--uri AMQP_URI]
+           [--cascade-prefix P] [--grain 100ms] [--levels N] [--queue-type quorum|classic]
+           [--from Q --to Q2] [--level N,...] [--dry-run] [--json]
 
 Show and tidy the retry topology of originating queue Q: Q, its wait queues
 (one per tier), its poison queue, and the orphan wait queues that tiers of
@@ -74,6 +79,19 @@ Commands:
          message counts come from the management API and lag a few seconds
   tidy   delete the empty orphan wait queues (the broker refuses to delete
          one holding messages); list the ones kept and why
+
+The delay cascade (amqpretry/cascade, shared by all queues of a vhost):
+  cascade waiting   messages per level queue (passive declares; disturbs nothing)
+  cascade census    take every waiting message out, count it per destination
+                    and level (with earliest and latest due time), and put it
+                    back with its remaining delay (confirmed, then acked)
+  cascade move      census that puts the messages for --from back for --to
+                    (--dry-run: count only, move nothing)
+  cascade redirect  bind --to with --from's key and unbind --from: waiting
+                    and future messages for --from arrive at --to; stop
+                    --from's services first (they would bind it again)
+The --cascade-prefix, --grain, --levels and --queue-type must be the
+services' (cascade.Config).
 
 The tiers, queue type and names must be the services' (amqpretry.Config).
 Exit status: 0 ok, 1 operation failed, 2 usage error.
@@ -127,15 +145,24 @@ func runContext(ctx context.Context, args []string, stdout, stderr io.Writer) in
 		return exitUsage // the flag package printed the error and usage
 	}
 	if len(pos) == 0 {
-		return usageErr(stderr, "missing command (show or tidy)")
+		return usageErr(stderr, "missing command (show, tidy or cascade)")
 	}
 	name := pos[0]
 	if name == "help" {
 		fs.Usage()
 		return exitOK
 	}
+	if name == "cascade" {
+		return runCascade(ctx, o, pos[1:], stdout, stderr)
+	}
 	if name != "show" && name != "tidy" {
-		return usageErr(stderr, "unknown command %q (want show or tidy)", name)
+		return usageErr(stderr, "unknown command %q (want show, tidy or cascade)", name)
+	}
+	if err := o.cascade.unused(); err != nil {
+		return usageErr(stderr, "%v", err)
+	}
+	if o.queueType == "" {
+		o.queueType = amqpretry.QueueTypeClassic
 	}
 	if len(pos) > 1 {
 		return usageErr(stderr, "%s: unexpected argument %q", name, pos[1])
@@ -144,21 +171,16 @@ func runContext(ctx context.Context, args []string, stdout, stderr io.Writer) in
 		return usageErr(stderr, "%s: --queue is required (the originating queue, e.g. orders)", name)
 	}
 	if o.dryRun && name != "tidy" {
-		return usageErr(stderr, "--dry-run applies to tidy only")
+		return usageErr(stderr, "--dry-run applies to tidy and cascade move only")
 	}
 	if o.json && name != "show" {
-		return usageErr(stderr, "--json applies to show only")
+		return usageErr(stderr, "--json applies to show and cascade census only")
 	}
 	tiers, err := parseTiers(o.tiers)
 	if err != nil {
 		return usageErr(stderr, "--tiers: %v", err)
 	}
-	if o.uri == "" {
-		o.uri = os.Getenv("AMQP_URI")
-	}
-	if o.uri == "" {
-		o.uri = defaultURI
-	}
+	o.defaultURI()
 	if o.mgmtURL == "" {
 		o.mgmtURL = os.Getenv(mgmtEnv)
 	}
@@ -201,6 +223,16 @@ func runContext(ctx context.Context, args []string, stdout, stderr io.Writer) in
 		return show(ctx, r, o, au.Vhost, sec, stdout, stderr)
 	}
 	return tidy(ctx, r, o, au.Vhost, sec, stdout, stderr)
+}
+
+// defaultURI fills in --uri: $AMQP_URI, else defaultURI.
+func (o *options) defaultURI() {
+	if o.uri == "" {
+		o.uri = os.Getenv("AMQP_URI")
+	}
+	if o.uri == "" {
+		o.uri = defaultURI
+	}
 }
 
 // parseTiers parses "1s,2s,4s"; empty is nil (the default tiers).

@@ -37,8 +37,8 @@ func TestUsageErrors(t *testing.T) {
 		{[]string{"show", "--queue", "q", "--tiers", "1500us"}, "not a whole number of milliseconds"},
 		{[]string{"show", "--queue", "q", "--queue-type", "stream"}, "QueueType"},
 		{[]string{"show", "--queue", "q", "--max-attempts", "0"}, "MaxAttempts"},
-		{[]string{"show", "--queue", "q", "--dry-run"}, "--dry-run applies to tidy only"},
-		{[]string{"tidy", "--queue", "q", "--json"}, "--json applies to show only"},
+		{[]string{"show", "--queue", "q", "--dry-run"}, "--dry-run applies to tidy and cascade move only"},
+		{[]string{"tidy", "--queue", "q", "--json"}, "--json applies to show and cascade census only"},
 		{[]string{"show", "--queue", "q", "--management-url", "ftp://u:s3cret@h/"}, "--management-url"},
 		{[]string{"show", "--queue", "q", "--uri", "http://u:s3cret@h/"}, "--uri"},
 		{[]string{"show", "--no-such-flag"}, "flag provided but not defined"},
@@ -51,7 +51,7 @@ func TestUsageErrors(t *testing.T) {
 			t.Errorf("%q: password printed: %s", c.args, errOut)
 		}
 	}
-	if code, _, errOut := runArgs("-h"); code != exitOK || !strings.Contains(errOut, "Usage: rabbitretry-topology show|tidy") ||
+	if code, _, errOut := runArgs("-h"); code != exitOK || !strings.Contains(errOut, "Usage: rabbitretry-topology show|tidy") || !strings.Contains(errOut, "cascade waiting|census|move|redirect") ||
 		strings.Contains(errOut, "guest:guest@127") {
 		t.Errorf("-h: exit %d, %s", code, errOut)
 	}
