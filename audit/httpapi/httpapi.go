@@ -1,0 +1,436 @@
+// Package httpapi serves the message audit (package audit) over HTTP as
+// JSON: search, one message's story, store statistics and, only when
+// explicitly enabled and authorised, resend.
+//
+// Routes (net/http pattern routing, Go 1.22+):
+//
+//	GET  /v1/messages?<filter>   {"messages": [...], "next": "<cursor>"}
+//	GET  /v1/messages/{id}       one audit.Message (404 if unknown)
+//	GET  /v1/stats               Config.Stats's value (404 without it)
+//	POST /v1/resend              audit.ResendReport; 404 unless
+//	                             Config.EnableResend, 401 without
+//	                             "Authorization: Bearer <token>", 403
+//	                             with a wrong token
+//
+// Filter parameters of /v1/messages (all optional, all must match; see
+// audit.Filter): message_id, correlation_id, from, to (RFC 3339), queue,
+// exchange, routing_key, outcome, last_outcome, error_class,
+// error_contains, header=key=value (repeatable; the value is parsed as JSON
+// when it is JSON, else taken as a string: header=tenant=acme,
+// header=priority=5), limit (1..10000, default 100), after (the "next"
+// cursor of the previous page). An unknown parameter or a bad value is a
+// 400 with {"error": "..."} naming it: a typo never widens a search.
+//
+// Message bodies are base64 in the JSON (encoding/json's form of []byte);
+// durations are integer nanoseconds (audit.Attempt's *_ns fields).
+//
+// POST /v1/resend takes {"filter": audit.Filter, "mode": "to-queue" |
+// "to-exchange", "queue": "...", "dry_run": true, "limit": n, "allow_all":
+// false} (unknown fields are a 400) and runs audit.Resender.Resend, which
+// refuses an empty filter without allow_all. A resend that started runs to
+// its end even if the client goes away (bounded by Config.ResendTimeout),
+// and is logged with its totals.
+package httpapi
+
+import (
+	"context"
+	"crypto/sha256"
+	"crypto/subtle"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"net/url"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+
+	"github.com/rabbitretry/rabbitretry/audit"
+)
+
+// Search limits, as pgstore's.
+const (
+	DefaultLimit = 100
+	MaxLimit     = 10000
+)
+
+// DefaultResendTimeout bounds one POST /v1/resend.
+const DefaultResendTimeout = 5 * time.Minute
+
+// maxBodyBytes bounds a POST body.
+const maxBodyBytes = 1 << 20
+
+// Store is what the API reads: an audit.Store that pages and finds one
+// message. Implemented by *pgstore.Store.
+type Store interface {
+	audit.Store
+	// SearchPage is Search that also returns the cursor of the next page
+	// ("" on the last page).
+	SearchPage(ctx context.Context, f audit.Filter) ([]audit.Message, string, error)
+	// Get returns one message's story; false if unknown.
+	Get(ctx context.Context, messageID string) (audit.Message, bool, error)
+}
+
+// Resender resends; implemented by *audit.Resender.
+type Resender interface {
+	Resend(ctx context.Context, f audit.Filter, opts audit.ResendOptions) (audit.ResendReport, error)
+}
+
+// Config configures the API handler.
+type Config struct {
+	// Store is searched. Required.
+	Store Store
+	// Stats, when set, answers GET /v1/stats with its value as JSON (e.g.
+	// pgstore.Store.Stats); without it the route is a 404.
+	Stats func(ctx context.Context) (any, error)
+	// EnableResend registers POST /v1/resend. Default false: the API is
+	// read-only and the route is a 404.
+	EnableResend bool
+	// ResendToken is the bearer token POST /v1/resend requires
+	// ("Authorization: Bearer <token>"), compared in constant time.
+	// Required (at least 16 bytes) with EnableResend.
+	ResendToken string
+	// Resender performs resends. Required with EnableResend.
+	Resender Resender
+	// ResendTimeout bounds one resend (default DefaultResendTimeout).
+	ResendTimeout time.Duration
+	// Logger logs resends and internal errors. Default watermill.NopLogger.
+	Logger watermill.LoggerAdapter
+}
+
+func (c *Config) setDefaults() {
+	if c.ResendTimeout == 0 {
+		c.ResendTimeout = DefaultResendTimeout
+	}
+	if c.Logger == nil {
+		c.Logger = watermill.NopLogger{}
+	}
+}
+
+// Validate reports the first invalid field: Store nil; with EnableResend,
+// ResendToken shorter than 16 bytes or Resender nil; ResendTimeout
+// negative.
+func (c Config) Validate() error {
+	c.setDefaults()
+	switch {
+	case c.Store == nil:
+		return errors.New("httpapi: Config.Store is required")
+	case c.EnableResend && c.ResendToken == "":
+		return errors.New("httpapi: Config.ResendToken is required with Config.EnableResend (resend must never be open to anyone who can reach the port)")
+	case c.EnableResend && len(c.ResendToken) < 16:
+		return errors.New("httpapi: Config.ResendToken is shorter than 16 bytes")
+	case c.EnableResend && c.Resender == nil:
+		return errors.New("httpapi: Config.Resender is required with Config.EnableResend")
+	case c.ResendTimeout < 0:
+		return fmt.Errorf("httpapi: Config.ResendTimeout %v is negative", c.ResendTimeout)
+	}
+	return nil
+}
+
+type api struct {
+	cfg       Config
+	tokenHash [32]byte
+}
+
+// New validates cfg and returns the API handler.
+func New(cfg Config) (http.Handler, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	cfg.setDefaults()
+	a := &api{cfg: cfg, tokenHash: sha256.Sum256([]byte(cfg.ResendToken))}
+	mux := http.NewServeMux()
+	mux.HandleFunc("GET /v1/messages", a.search)
+	mux.HandleFunc("GET /v1/messages/{id}", a.get)
+	if cfg.Stats != nil {
+		mux.HandleFunc("GET /v1/stats", a.stats)
+	}
+	if cfg.EnableResend {
+		mux.HandleFunc("POST /v1/resend", a.resend)
+	}
+	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
+		writeError(w, http.StatusNotFound, "no such route: "+r.Method+" "+r.URL.Path)
+	})
+	return mux, nil
+}
+
+type errorBody struct {
+	Error string `json:"error"`
+}
+
+func writeJSON(w http.ResponseWriter, code int, v any) {
+	w.Header().Set("Content-Type", "application/json")
+	w.Header().Set("Cache-Control", "no-store")
+	w.WriteHeader(code)
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", "  ")
+	_ = enc.Encode(v)
+}
+
+func writeError(w http.ResponseWriter, code int, msg string) {
+	writeJSON(w, code, errorBody{Error: msg})
+}
+
+func (a *api) internal(w http.ResponseWriter, what string, err error) {
+	a.cfg.Logger.Error("audit API: "+what, err, nil)
+	writeError(w, http.StatusInternalServerError, what+": "+err.Error())
+}
+
+// SearchResponse is the body of GET /v1/messages.
+type SearchResponse struct {
+	Messages []audit.Message `json:"messages"`
+	// Next is the after= cursor of the next page, "" on the last page.
+	Next string `json:"next,omitempty"`
+}
+
+func (a *api) search(w http.ResponseWriter, r *http.Request) {
+	f, err := ParseFilter(r.URL.Query())
+	if err != nil {
+		writeError(w, http.StatusBadRequest, err.Error())
+		return
+	}
+	msgs, next, err := a.cfg.Store.SearchPage(r.Context(), f)
+	if err != nil {
+		a.internal(w, "search", err)
+		return
+	}
+	if msgs == nil {
+		msgs = []audit.Message{}
+	}
+	writeJSON(w, http.StatusOK, SearchResponse{Messages: msgs, Next: next})
+}
+
+func (a *api) get(w http.ResponseWriter, r *http.Request) {
+	id := r.PathValue("id")
+	m, ok, err := a.cfg.Store.Get(r.Context(), id)
+	if err != nil {
+		a.internal(w, "get", err)
+		return
+	}
+	if !ok {
+		writeError(w, http.StatusNotFound, fmt.Sprintf("no audit record of message %q", id))
+		return
+	}
+	writeJSON(w, http.StatusOK, m)
+}
+
+func (a *api) stats(w http.ResponseWriter, r *http.Request) {
+	s, err := a.cfg.Stats(r.Context())
+	if err != nil {
+		a.internal(w, "stats", err)
+		return
+	}
+	writeJSON(w, http.StatusOK, s)
+}
+
+// ResendRequest is the body of POST /v1/resend.
+type ResendRequest struct {
+	Filter   audit.Filter     `json:"filter"`
+	Mode     audit.ResendMode `json:"mode"`
+	Queue    string           `json:"queue,omitempty"`
+	DryRun   bool             `json:"dry_run,omitempty"`
+	Limit    int              `json:"limit,omitempty"`
+	AllowAll bool             `json:"allow_all,omitempty"`
+}
+
+// ResendErrorResponse is the body of a resend that stopped part-way (500):
+// the error and what was done until then.
+type ResendErrorResponse struct {
+	Error  string             `json:"error"`
+	Report audit.ResendReport `json:"report"`
+}
+
+// authorized checks the bearer token: 401 without one, 403 if wrong.
+func (a *api) authorized(w http.ResponseWriter, r *http.Request) bool {
+	h := r.Header.Get("Authorization")
+	scheme, tok, ok := strings.Cut(h, " ")
+	if !ok || !strings.EqualFold(scheme, "Bearer") || strings.TrimSpace(tok) == "" {
+		w.Header().Set("WWW-Authenticate", `Bearer realm="rabbitretry-audit"`)
+		writeError(w, http.StatusUnauthorized, "resend needs Authorization: Bearer <token>")
+		return false
+	}
+	// Hashing first makes the comparison constant-time in the length too.
+	got := sha256.Sum256([]byte(strings.TrimSpace(tok)))
+	if subtle.ConstantTimeCompare(got[:], a.tokenHash[:]) != 1 {
+		writeError(w, http.StatusForbidden, "wrong resend token")
+		return false
+	}
+	return true
+}
+
+func (a *api) resend(w http.ResponseWriter, r *http.Request) {
+	if !a.authorized(w, r) {
+		return
+	}
+	var req ResendRequest
+	dec := json.NewDecoder(http.MaxBytesReader(w, r.Body, maxBodyBytes))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(&req); err != nil {
+		writeError(w, http.StatusBadRequest, "request body: "+err.Error())
+		return
+	}
+	if _, err := dec.Token(); err != io.EOF {
+		writeError(w, http.StatusBadRequest, "request body: more than one JSON value")
+		return
+	}
+	opts := audit.ResendOptions{Mode: req.Mode, Queue: req.Queue, DryRun: req.DryRun, Limit: req.Limit, AllowAll: req.AllowAll}
+	if err := opts.Validate(); err != nil {
+		writeError(w, http.StatusBadRequest, err.Error())
+		return
+	}
+	if err := validateFilter(req.Filter); err != nil {
+		writeError(w, http.StatusBadRequest, "filter: "+err.Error())
+		return
+	}
+	if audit.IsEmptyFilter(req.Filter) && !req.AllowAll {
+		writeError(w, http.StatusBadRequest, audit.ErrEmptyFilter.Error())
+		return
+	}
+	// A resend that started finishes even if the client goes away.
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(r.Context()), a.cfg.ResendTimeout)
+	defer cancel()
+	rep, err := a.cfg.Resender.Resend(ctx, req.Filter, opts)
+	fields := watermill.LogFields{
+		"remote": r.RemoteAddr, "mode": string(opts.Mode), "dry_run": opts.DryRun,
+		"matched": rep.Matched, "sent": rep.Sent, "failed": rep.Failed, "skipped": rep.Skipped,
+	}
+	if err != nil {
+		a.cfg.Logger.Error("audit API: resend", err, fields)
+		code := http.StatusInternalServerError
+		if errors.Is(err, audit.ErrEmptyFilter) {
+			code = http.StatusBadRequest
+		}
+		writeJSON(w, code, ResendErrorResponse{Error: err.Error(), Report: rep})
+		return
+	}
+	a.cfg.Logger.Info("audit API: resend", fields)
+	writeJSON(w, http.StatusOK, rep)
+}
+
+// validateFilter checks the fields a store would refuse, for a 400.
+func validateFilter(f audit.Filter) error {
+	if f.Limit < 0 || f.Limit > MaxLimit {
+		return fmt.Errorf("limit %d: want 0..%d", f.Limit, MaxLimit)
+	}
+	if !f.From.IsZero() && !f.To.IsZero() && !f.From.Before(f.To) {
+		return errors.New("from must be before to")
+	}
+	for _, o := range []audit.Outcome{f.Outcome, f.LastOutcome} {
+		if _, err := ParseOutcome(string(o)); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// Outcomes lists the known attempt outcomes.
+var Outcomes = []audit.Outcome{
+	audit.OutcomeSuccess, audit.OutcomeRetry, audit.OutcomePoisoned,
+	audit.OutcomeDropped, audit.OutcomeNacked, audit.OutcomeRequeued,
+}
+
+// ParseOutcome returns s as an audit.Outcome if it is one of Outcomes (""
+// is allowed: no filter).
+func ParseOutcome(s string) (audit.Outcome, error) {
+	if s == "" {
+		return "", nil
+	}
+	for _, o := range Outcomes {
+		if string(o) == s {
+			return o, nil
+		}
+	}
+	names := make([]string, len(Outcomes))
+	for i, o := range Outcomes {
+		names[i] = string(o)
+	}
+	return "", fmt.Errorf("outcome %q: want one of %s", s, strings.Join(names, ", "))
+}
+
+// ParseHeaderMatch parses "key=value" for audit.Filter.Headers: the value
+// is parsed as JSON if it is valid JSON (5, true, null, "5", {"a":1}),
+// else taken as a string (acme). The key must not be empty.
+func ParseHeaderMatch(kv string) (string, any, error) {
+	k, v, ok := strings.Cut(kv, "=")
+	if !ok || k == "" {
+		return "", nil, fmt.Errorf("header %q: want key=value", kv)
+	}
+	var j any
+	if err := json.Unmarshal([]byte(v), &j); err == nil {
+		return k, j, nil
+	}
+	return k, v, nil
+}
+
+// filterParams are the query parameters ParseFilter accepts.
+var filterParams = map[string]bool{
+	"message_id": true, "correlation_id": true, "from": true, "to": true,
+	"queue": true, "exchange": true, "routing_key": true, "outcome": true,
+	"last_outcome": true, "error_class": true, "error_contains": true,
+	"header": true, "limit": true, "after": true,
+}
+
+// ParseFilter builds an audit.Filter from the query parameters listed in
+// the package documentation. Errors name the parameter: an unknown one, a
+// repeated single-valued one, a time that is not RFC 3339, from not before
+// to, an unknown outcome, a bad header match, limit outside 1..MaxLimit.
+func ParseFilter(q url.Values) (audit.Filter, error) {
+	var f audit.Filter
+	for k, vs := range q {
+		if !filterParams[k] {
+			return f, fmt.Errorf("unknown parameter %q", k)
+		}
+		if k != "header" && len(vs) > 1 {
+			return f, fmt.Errorf("parameter %q given %d times", k, len(vs))
+		}
+	}
+	f.MessageID = q.Get("message_id")
+	f.CorrelationID = q.Get("correlation_id")
+	f.Queue = q.Get("queue")
+	f.Exchange = q.Get("exchange")
+	f.RoutingKey = q.Get("routing_key")
+	f.ErrorClass = q.Get("error_class")
+	f.ErrorContains = q.Get("error_contains")
+	f.After = q.Get("after")
+	var err error
+	for _, p := range []struct {
+		name string
+		dst  *time.Time
+	}{{"from", &f.From}, {"to", &f.To}} {
+		if s := q.Get(p.name); s != "" {
+			if *p.dst, err = time.Parse(time.RFC3339Nano, s); err != nil {
+				return f, fmt.Errorf("%s %q: want an RFC 3339 time such as 2026-11-24T09:00:00Z", p.name, s)
+			}
+		}
+	}
+	if f.Outcome, err = ParseOutcome(q.Get("outcome")); err != nil {
+		return f, err
+	}
+	if f.LastOutcome, err = ParseOutcome(q.Get("last_outcome")); err != nil {
+		return f, fmt.Errorf("last_%w", err)
+	}
+	for _, kv := range q["header"] {
+		k, v, err := ParseHeaderMatch(kv)
+		if err != nil {
+			return f, err
+		}
+		if f.Headers == nil {
+			f.Headers = map[string]any{}
+		}
+		f.Headers[k] = v
+	}
+	if s := q.Get("limit"); s != "" {
+		n, err := strconv.Atoi(s)
+		if err != nil || n < 1 || n > MaxLimit {
+			return f, fmt.Errorf("limit %q: want 1..%d", s, MaxLimit)
+		}
+		f.Limit = n
+	}
+	if err := validateFilter(f); err != nil {
+		return f, err
+	}
+	return f, nil
+}
