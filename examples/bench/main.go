@@ -17,6 +17,11 @@
 //	             waiting in a wait queue; broker memory for them, and for
 //	             100,000 held in a quorum queue's native delayed state
 //	concurrency  retry chain throughput with 1, 2, 4, 8 handlers
+//	cascade      (not in the default list: ~13-15 min) amqpretry's tiered
+//	             wait queues vs the delay cascade (amqpretry/cascade):
+//	             delay accuracy for RetryAfter 1 s .. 10 min, hops and
+//	             publishes per delayed message, scheduling throughput, and
+//	             broker/client memory with 100,000 messages waiting
 //
 // The native delayed retry (amqpretry.Config.NativeDelayedRetry) needs
 // RabbitMQ 4.3+; on an older broker its rows say "n/a (needs RabbitMQ
@@ -59,9 +64,13 @@ import (
 
 var allScenarios = []string{"overhead", "storm", "retry", "delay", "memory", "concurrency"}
 
+// extraScenarios run only when named in -scenarios (they take long).
+var extraScenarios = []string{"cascade"}
+
 // defaultSizes are the message counts of each scenario (-n overrides).
 var defaultSizes = map[string]int{
 	"overhead": 20000, "storm": 2000, "retry": 5000, "delay": 200, "memory": 100000, "concurrency": 20000,
+	"cascade": 20, "cascade-sched": 20000, "cascade-mem": 100000,
 }
 
 type row struct {
@@ -94,6 +103,7 @@ type summary struct {
 	Delay       *delayResult       `json:"delay_accuracy,omitempty"`
 	Memory      *memoryResult      `json:"memory,omitempty"`
 	Concurrency *concurrencyResult `json:"concurrency,omitempty"`
+	Cascade     *cascadeResult     `json:"tiers_vs_cascade,omitempty"`
 	Table       []row              `json:"table"`
 }
 
@@ -106,6 +116,7 @@ type bench struct {
 	stormRuns     int
 	stormVariants []string
 	retryHandlers []int
+	cascade       cascadeOpts
 	summary       summary
 }
 
@@ -131,10 +142,10 @@ func fmtRate(r float64) string { return fmt.Sprintf("%.0f msg/s", r) }
 
 func main() {
 	uri := flag.String("uri", envOr("AMQP_URI", "amqp://guest:guest@127.0.0.1:5672/"), "AMQP URI of the broker")
-	scenarios := flag.String("scenarios", strings.Join(allScenarios, ","), "comma list of scenarios: "+strings.Join(allScenarios, ","))
+	scenarios := flag.String("scenarios", strings.Join(allScenarios, ","), "comma list of scenarios: "+strings.Join(allScenarios, ",")+" (the default), and "+strings.Join(extraScenarios, ",")+" (13-15 min, only when named)")
 	jsonOut := flag.String("json", "-", "write the JSON summary to this file; - prints it to stdout after the table; empty: none")
 	mdOut := flag.String("md", "", "also write a Markdown report (machine info + table) to this file, e.g. examples/bench/RESULTS.md")
-	sizes := flag.String("n", "", "message counts, comma list of scenario=N (defaults: overhead=20000,storm=2000,retry=5000,delay=200 per tier and for the native retry,memory=100000 in the wait queue and in the native delayed state,concurrency=20000)")
+	sizes := flag.String("n", "", "message counts, comma list of scenario=N (defaults: overhead=20000,storm=2000,retry=5000,delay=200 per tier and for the native retry,memory=100000 in the wait queue and in the native delayed state,concurrency=20000; cascade=20 messages per delay band per variant, cascade-sched=20000 schedules timed per variant, cascade-mem=100000 waiting per variant)")
 	runs := flag.Int("runs", 7, "overhead at prefetch 256: runs per variant (alternating bare/retry); the median is reported")
 	runsP1 := flag.Int("runs-p1", 3, "overhead at prefetch 1 (watermill-amqp's default): runs per variant")
 	stormHandlers := flag.Int("storm-handlers", 1, "failure storm: handlers (subscriptions) per variant, the same for all")
@@ -142,6 +153,9 @@ func main() {
 	stormVariants := flag.String("storm-variants", strings.Join(stormVariantNames, ","), "failure storm: comma list of variants to run (rows of the others are left out)")
 	retryHandlers := flag.String("retry-handlers", "1,4", "retry path: handler counts to measure (library and raw one-at-a-time get the same count)")
 	cpuprofile := flag.String("cpuprofile", "", "write a CPU profile of the whole run to this file")
+	cascadeMaxDelay := flag.Duration("cascade-max-delay", 10*time.Minute, "cascade scenario: longest delay band of the accuracy part (bands 1s,1.7s,3s,7s,13s,37s,61s,100s,4m,10m up to it)")
+	cascadePartsFlag := flag.String("cascade-parts", strings.Join(cascadeParts, ","), "cascade scenario: comma list of parts to run: "+strings.Join(cascadeParts, ","))
+	cascadeWorkers := flag.Int("cascade-workers", 64, "cascade scenario: goroutines scheduling concurrently in the throughput and memory parts")
 	fillChildSpec := flag.String("fill-child", "", "internal: run as the memory scenario's publishing child process")
 	flag.Parse()
 
@@ -161,6 +175,14 @@ func main() {
 		}
 		b.stormVariants = append(b.stormVariants, v)
 	}
+	b.cascade = cascadeOpts{maxDelay: *cascadeMaxDelay, workers: max(*cascadeWorkers, 1)}
+	for _, p := range strings.Split(*cascadePartsFlag, ",") {
+		p = strings.TrimSpace(p)
+		if !slices.Contains(cascadeParts, p) {
+			fatal(fmt.Errorf("unknown -cascade-parts entry %q (have %s)", p, strings.Join(cascadeParts, ",")))
+		}
+		b.cascade.parts = append(b.cascade.parts, p)
+	}
 	if err := parseSizes(*sizes, b.sizes); err != nil {
 		fatal(err)
 	}
@@ -177,8 +199,8 @@ func main() {
 		if s == "" {
 			continue
 		}
-		if !slices.Contains(allScenarios, s) {
-			fatal(fmt.Errorf("unknown scenario %q (have %s)", s, strings.Join(allScenarios, ",")))
+		if !slices.Contains(allScenarios, s) && !slices.Contains(extraScenarios, s) {
+			fatal(fmt.Errorf("unknown scenario %q (have %s)", s, strings.Join(append(slices.Clone(allScenarios), extraScenarios...), ",")))
 		}
 		selected = append(selected, s)
 	}
@@ -209,6 +231,7 @@ func main() {
 	run := map[string]func() error{
 		"overhead": b.scenarioOverhead, "storm": b.scenarioStorm, "retry": b.scenarioRetryPath,
 		"delay": b.scenarioDelay, "memory": b.scenarioMemory, "concurrency": b.scenarioConcurrency,
+		"cascade": b.scenarioCascade,
 	}
 	start := time.Now()
 	logf("bench run %s against %s (queues and exchanges %s.*)", e.prefix, redact(*uri), e.prefix)
@@ -295,6 +318,9 @@ func markdownReport(s summary, table string) string {
 	m := s.Machine
 	sb.WriteString("# Benchmark results\n\n")
 	fmt.Fprintf(&sb, "Produced by `go run ./examples/bench` on %s (total %.0f s).\n\n", m.Date, s.DurationS)
+	if len(os.Args) > 1 {
+		fmt.Fprintf(&sb, "Command: `go run ./examples/bench %s`\n\n", strings.Join(os.Args[1:], " "))
+	}
 	fmt.Fprintf(&sb, "- CPUs (`nproc`): %d, GOMAXPROCS %d, %s\n", m.NumCPU, m.GOMAXPROCS, m.GoVersion)
 	fmt.Fprintf(&sb, "- RabbitMQ: server reports %s (`%s version`: %s), same host\n", m.ServerVersion, m.Ctl, m.RabbitMQ)
 	if m.Memory != "" {
@@ -302,7 +328,12 @@ func markdownReport(s summary, table string) string {
 	}
 	sb.WriteString("\n")
 	sb.WriteString(table)
-	sb.WriteString(methodNotes)
+	if !slices.Equal(s.Scenarios, extraScenarios) {
+		sb.WriteString(methodNotes)
+	}
+	if slices.Contains(s.Scenarios, "cascade") {
+		sb.WriteString(cascadeNotes)
+	}
 	return sb.String()
 }
 
