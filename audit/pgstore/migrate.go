@@ -95,6 +95,10 @@ func Migrate(ctx context.Context, pool *pgxpool.Pool, schema string) ([]int, err
 	if err != nil {
 		return nil, err
 	}
+	return migrate(ctx, pool, schema, migs)
+}
+
+func migrate(ctx context.Context, pool *pgxpool.Pool, schema string, migs []Migration) ([]int, error) {
 	var applied []int
 	for _, m := range migs {
 		did, err := applyOne(ctx, pool, schema, m)

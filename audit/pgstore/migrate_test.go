@@ -5,6 +5,8 @@ import (
 	"strings"
 	"sync"
 	"testing"
+
+	"github.com/rabbitretry/rabbitretry/audit"
 )
 
 func TestMigrationsEmbedded(t *testing.T) {
@@ -142,4 +144,43 @@ func TestNewDSN(t *testing.T) {
 		t.Fatal("pool still usable after Close")
 	}
 	s.Close() // twice is fine
+}
+
+// Without pg_trgm (not installable: here a migration naming an extension
+// that does not exist, as a role without the privilege would see it) the
+// migration still succeeds, without the trigram index, and ErrorContains
+// still works (by scanning).
+func TestMigrateWithoutTrigram(t *testing.T) {
+	pool := testPool(t)
+	schema := testSchema(t, pool)
+	ctx := context.Background()
+	migs, err := Migrations()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(migs[0].SQL, "'pg_trgm'") || !strings.Contains(migs[0].SQL, "EXTENSION IF NOT EXISTS pg_trgm") {
+		t.Fatal("0001_init.sql no longer names pg_trgm as this test expects")
+	}
+	migs[0].SQL = strings.NewReplacer("'pg_trgm'", "'rabbitretry_no_such_ext'",
+		"EXTENSION IF NOT EXISTS pg_trgm", "EXTENSION IF NOT EXISTS rabbitretry_no_such_ext").Replace(migs[0].SQL)
+	if _, err := migrate(ctx, pool, schema, migs); err != nil {
+		t.Fatalf("migration without the extension failed: %v", err)
+	}
+	s, err := New(ctx, Config{Pool: pool, Schema: schema})
+	if err != nil {
+		t.Fatal(err)
+	}
+	st, err := s.Stats(ctx)
+	if err != nil || st.TrigramIndex {
+		t.Fatalf("Stats = %+v, %v; want no trigram index", st, err)
+	}
+	a := attempt("m", 1, t0, audit.OutcomeRetry)
+	a.Error = "Upstream TIMEOUT after 5s"
+	if err := s.Write(ctx, nil, []audit.Attempt{a}); err != nil {
+		t.Fatal(err)
+	}
+	got, err := s.Search(ctx, audit.Filter{ErrorContains: "timeout"})
+	if err != nil || len(got) != 1 {
+		t.Fatalf("ErrorContains without index: %v, %v", ids(got), err)
+	}
 }
