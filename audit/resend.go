@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"math"
 	"reflect"
+	"sort"
 	"strconv"
 	"strings"
 	"sync"
@@ -50,9 +51,11 @@ type ResendMode string
 // The two resend modes. They differ in who gets the message again.
 const (
 	// ResendToQueue sends the message to ONE queue only: published to the
-	// loop-back exchange with routing key = the queue (the queue of the
-	// message's latest attempt, or ResendOptions.Queue), so exactly that
+	// loop-back exchange with routing key = the queue, so exactly that
 	// queue receives it, whatever else is bound to the original exchange.
+	// The queue is ResendOptions.Queue, else Filter.Queue, else the queue
+	// the message's attempts were made in; a message with attempts in
+	// several queues (fan-out) or none is skipped unless one is named.
 	// The queue must be an originating queue of the retry topology (bound
 	// to the loop-back exchange with its own name), else the broker returns
 	// the message and Resend reports it as failed.
@@ -143,8 +146,8 @@ type ResendOptions struct {
 	// Mode is ResendToQueue or ResendToExchange. Required.
 	Mode ResendMode `json:"mode"`
 	// Queue, with ResendToQueue, sends every message to this queue instead
-	// of the queue of its latest attempt (needed for messages without
-	// attempt records). Not allowed with ResendToExchange.
+	// of Filter.Queue or the queue of its attempts (needed for messages
+	// without attempt records). Not allowed with ResendToExchange.
 	Queue string `json:"queue,omitempty"`
 	// DryRun reports what would be sent without connecting or publishing.
 	DryRun bool `json:"dry_run,omitempty"`
@@ -354,7 +357,7 @@ func (r *Resender) Resend(ctx context.Context, f Filter, opts ResendOptions) (Re
 			return rep, err
 		}
 		rep.Matched++
-		res, p, ok := r.plan(m, opts, now)
+		res, p, ok := r.plan(m, f.Queue, opts, now)
 		if !ok {
 			rep.Skipped++
 			rep.Results = append(rep.Results, res)
@@ -467,38 +470,49 @@ func checkExchange(pub *amqpretry.ConfirmPublisher, exchange string) error {
 	return nil
 }
 
-// latestQueue is the queue of m's latest attempt (highest attempt number,
-// then latest start), "" without attempts.
-func latestQueue(m Message) string {
-	var best *Attempt
-	for i := range m.Attempts {
-		a := &m.Attempts[i]
-		if best == nil || a.Attempt > best.Attempt || (a.Attempt == best.Attempt && a.StartedAt.After(best.StartedAt)) {
-			best = a
+// targetQueue picks the ResendToQueue target: opts.Queue, else
+// Filter.Queue, else the one queue m's attempts were made in. A message
+// with attempts in several queues (a fan-out: the same message id consumed
+// from each queue bound to its exchange) has no single original queue, so
+// it gets "" and the reason; so does one without attempts.
+func targetQueue(m Message, filterQueue string, opts ResendOptions) (string, string) {
+	switch {
+	case opts.Queue != "":
+		return opts.Queue, ""
+	case filterQueue != "":
+		return filterQueue, ""
+	}
+	var queues []string
+	seen := map[string]bool{}
+	for _, a := range m.Attempts {
+		if !seen[a.Queue] {
+			seen[a.Queue] = true
+			queues = append(queues, a.Queue)
 		}
 	}
-	if best == nil {
-		return ""
+	switch len(queues) {
+	case 0:
+		return "", "no attempt records, so no queue is known: name one (ResendOptions.Queue, or filter by queue)"
+	case 1:
+		return queues[0], ""
 	}
-	return best.Queue
+	sort.Strings(queues)
+	return "", fmt.Sprintf("attempts in several queues (%s): name one (ResendOptions.Queue, or filter by queue)", strings.Join(queues, ", "))
 }
 
 // plan builds the result skeleton and the publishing for m; ok=false means
 // skipped (res says why).
-func (r *Resender) plan(m Message, opts ResendOptions, now time.Time) (ResendResult, amqp.Publishing, bool) {
+func (r *Resender) plan(m Message, filterQueue string, opts ResendOptions, now time.Time) (ResendResult, amqp.Publishing, bool) {
 	res := ResendResult{MessageID: m.MessageID}
 	a := m.Arrival
 	if a != nil {
 		res.Exchange, res.RoutingKey = a.Exchange, a.RoutingKey
 	}
 	if opts.Mode == ResendToQueue {
-		q := opts.Queue
-		if q == "" {
-			q = latestQueue(m)
-		}
+		q, why := targetQueue(m, filterQueue, opts)
 		res.Exchange, res.RoutingKey, res.Queue = r.cfg.LoopBackExchange, q, q
 		if q == "" && a != nil {
-			return skip(res, "no attempt records, so no queue is known: pass a queue (ResendOptions.Queue, --queue)")
+			return skip(res, why)
 		}
 	}
 	switch {

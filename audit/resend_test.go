@@ -230,7 +230,7 @@ func TestResendToQueueReachesOnlyThatQueue(t *testing.T) {
 	}
 	_ = st.Write(context.Background(), []audit.Arrival{resendArrival("m-1", tp.business, tp.key, headers, `{"order":1}`)},
 		[]audit.Attempt{
-			{ID: "a1", MessageID: "m-1", Queue: tp.q2, Attempt: 1, StartedAt: time.Now().Add(-time.Minute), Outcome: audit.OutcomeRetry},
+			{ID: "a1", MessageID: "m-1", Queue: tp.q1, Attempt: 1, StartedAt: time.Now().Add(-time.Minute), Outcome: audit.OutcomeRetry},
 			{ID: "a2", MessageID: "m-1", Queue: tp.q1, Attempt: 2, StartedAt: time.Now(), Outcome: audit.OutcomePoisoned},
 		})
 	r := newTestResender(t, st, tp)
@@ -242,7 +242,7 @@ func TestResendToQueueReachesOnlyThatQueue(t *testing.T) {
 		t.Fatalf("report %+v", rep)
 	}
 	if res := rep.Results[0]; res.Queue != tp.q1 || res.Exchange != tp.loopBack || res.RoutingKey != tp.q1 || res.Status != audit.StatusSent {
-		t.Fatalf("result %+v: want sent to the latest attempt's queue %s via %s", res, tp.q1, tp.loopBack)
+		t.Fatalf("result %+v: want sent to the attempts' queue %s via %s", res, tp.q1, tp.loopBack)
 	}
 	got := tp.drain(t, tp.q1, 1)[0]
 	tp.drain(t, tp.q2, 0) // bound to the same exchange and key: untouched
@@ -274,6 +274,23 @@ func TestResendToQueueReachesOnlyThatQueue(t *testing.T) {
 	rep, err = r.Resend(context.Background(), audit.Filter{MessageID: "m-1"}, audit.ResendOptions{Mode: audit.ResendToQueue, Queue: tp.q2})
 	if err != nil || rep.Sent != 1 {
 		t.Fatalf("override: %+v, %v", rep, err)
+	}
+	tp.drain(t, tp.q2, 1)
+	tp.drain(t, tp.q1, 0)
+
+	// Fan-out: the same message id consumed from both queues. No single
+	// original queue: skipped unless the filter (or Queue) names one.
+	_ = st.Write(context.Background(), []audit.Arrival{resendArrival("m-fan", tp.business, tp.key, nil, "fan")}, []audit.Attempt{
+		{ID: "f1", MessageID: "m-fan", Queue: tp.q1, Attempt: 1, StartedAt: time.Now(), Outcome: audit.OutcomeSuccess},
+		{ID: "f2", MessageID: "m-fan", Queue: tp.q2, Attempt: 1, StartedAt: time.Now(), Outcome: audit.OutcomePoisoned},
+	})
+	rep, err = r.Resend(context.Background(), audit.Filter{MessageID: "m-fan"}, audit.ResendOptions{Mode: audit.ResendToQueue})
+	if err != nil || rep.Skipped != 1 || !strings.Contains(rep.Results[0].Error, "several queues") {
+		t.Fatalf("fan-out without a queue: %+v, %v", rep, err)
+	}
+	rep, err = r.Resend(context.Background(), audit.Filter{MessageID: "m-fan", Queue: tp.q2}, audit.ResendOptions{Mode: audit.ResendToQueue})
+	if err != nil || rep.Sent != 1 || rep.Results[0].Queue != tp.q2 {
+		t.Fatalf("fan-out filtered by queue: %+v, %v", rep, err)
 	}
 	tp.drain(t, tp.q2, 1)
 	tp.drain(t, tp.q1, 0)
