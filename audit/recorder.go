@@ -197,7 +197,7 @@ type Recorder struct {
 	abort    context.CancelFunc
 	abortCtx context.Context
 	flushed  chan struct{} // closed when the publisher goroutine ended
-	inner    atomic.Bool   // HandlerMiddleware has run at least once
+	inner    atomic.Bool   // HandlerMiddleware is in a chain
 	inFlight atomic.Int64
 
 	recorded, published, failures, rejected atomic.Uint64
@@ -312,13 +312,14 @@ func (r *Recorder) Middleware(h message.HandlerFunc) message.HandlerFunc {
 // middleware, or as Chain().AddTo's inner middleware). Without the outer
 // Middleware it does nothing.
 func (r *Recorder) HandlerMiddleware(h message.HandlerFunc) message.HandlerFunc {
+	// Known from the moment the router builds its handler (before any
+	// message), so the outer Middleware can tell "not run" from "not
+	// measured".
+	r.inner.Store(true)
 	return func(msg *message.Message) ([]*message.Message, error) {
 		st := stateOf(msg)
 		if st == nil {
 			return h(msg)
-		}
-		if !r.inner.Load() {
-			r.inner.Store(true)
 		}
 		start := time.Now()
 		out, err := h(msg)
