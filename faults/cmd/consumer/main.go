@@ -4,6 +4,9 @@
 // once or twice) and appends each successfully handled UUID to -out, one
 // line per success, fsynced before the handler returns (so before the ack).
 //
+// With -cascade-prefix its retries go through the delay cascade
+// (faults.TestCascadeConsumerKilled).
+//
 // It prints "READY" on stdout once consuming, and shuts down gracefully on
 // SIGTERM or SIGINT. The test kills it with SIGKILL mid-run.
 package main
@@ -27,6 +30,7 @@ import (
 	"github.com/cenkalti/backoff/v4"
 
 	"github.com/rabbitretry/rabbitretry/amqpretry"
+	"github.com/rabbitretry/rabbitretry/amqpretry/cascade"
 	"github.com/rabbitretry/rabbitretry/middleware"
 )
 
@@ -65,6 +69,7 @@ func run() error {
 		out         = flag.String("out", "", "file the handled UUIDs are appended to")
 		nativeMin   = flag.Duration("native-min", 0, "NativeDelayedRetry.Min (0: mode off; RabbitMQ 4.3+ quorum queues)")
 		nativeMax   = flag.Duration("native-max", 0, "NativeDelayedRetry.Max (0: Min)")
+		cascadePfx  = flag.String("cascade-prefix", "", "retry through the delay cascade with this cascade.Config.Prefix (cascade.DelayerFactory; -tiers is then ignored)")
 	)
 	flag.Parse()
 	if *exchange == "" || *queue == "" || *prefix == "" || *out == "" {
@@ -102,7 +107,13 @@ func run() error {
 	if *nativeMin > 0 {
 		native = &amqpretry.NativeDelayedRetry{Min: *nativeMin, Max: *nativeMax}
 	}
+	var delayerFactory amqpretry.DelayerFactory
+	if *cascadePfx != "" {
+		delayerFactory = cascade.DelayerFactory(cascade.Config{Prefix: *cascadePfx})
+		tiers = nil // New refuses Tiers with a DelayerFactory
+	}
 	retry, err := amqpretry.New(amqpretry.Config{
+		DelayerFactory:     delayerFactory,
 		NativeDelayedRetry: native,
 		URI:                *uri, Subscriber: subCfg, QueueType: *queueType, MaxAttempts: *maxAttempts,
 		Backoff: func() backoff.BackOff {
