@@ -27,6 +27,11 @@
 //	  message_time = COALESCE(first_arrival_at, first_started_at) (stored),
 //	  last_attempt, last_started_at, last_attempt_id, last_outcome
 //
+// A message is all the records with its message id. An arrival without a
+// message id (published with neither a UUID header nor a message-id
+// property) is a message of its own, listed under its record ID
+// (Message.MessageID = Arrival.ID, Arrival.MessageID = "").
+//
 // Indexes: messages (message_time, message_id) for the newest-first keyset
 // pages and From/To, messages (last_outcome, message_time); message_id on
 // arrivals and attempts; correlation_id on both; arrivals arrived_at,
@@ -36,6 +41,14 @@
 // installed or the role may create it, a trigram GIN index on attempts.error
 // for ErrorContains (ILIKE); without it ErrorContains scans the attempts
 // the other conditions leave (the migration never fails for want of it).
+//
+// Measured on a 2-core machine shared with other test runs (PostgreSQL 15,
+// TestWriteThroughput, BenchmarkWrite500, TestSearchLatencyLarge): Write of
+// batches of 500 records 42,000-50,000 records/s (COPY into a temporary
+// table then INSERT ... SELECT: 38,000-42,000; one INSERT per row in a
+// pgx.Batch: 30,000-35,000); on 200,000 messages (600,000 records) the
+// first page of 100 for any single Filter field in 1-55 ms; Prune of
+// 300,000 records in 3.8 s in 81 statements of at most 5,000 rows.
 //
 // Times are stored with PostgreSQL's microsecond resolution; Attempt
 // Duration in whole microseconds, Delay and Tier in whole milliseconds.

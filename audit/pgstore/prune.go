@@ -10,10 +10,12 @@ import (
 type PruneResult struct {
 	// Arrivals and Attempts are the records deleted; Messages the message
 	// rows left with no record.
-	Arrivals, Attempts, Messages int64
+	Arrivals int64 `json:"arrivals"`
+	Attempts int64 `json:"attempts"`
+	Messages int64 `json:"messages"`
 	// Statements is the number of DELETE statements run (each its own
 	// short transaction of at most batch rows).
-	Statements int
+	Statements int `json:"statements"`
 }
 
 // Prune deletes the arrivals that arrived before olderThan and the attempts
@@ -60,6 +62,7 @@ func (s *Store) PruneDetail(ctx context.Context, olderThan time.Time, batch int)
 	err := loop("messages", `DELETE FROM `+s.q.messages+` WHERE message_id IN (SELECT m.message_id FROM `+s.q.messages+` m
 		WHERE m.message_time < $1
 		  AND NOT EXISTS (SELECT 1 FROM `+s.q.arrivals+` a WHERE a.message_id = m.message_id)
+		  AND NOT EXISTS (SELECT 1 FROM `+s.q.arrivals+` a WHERE a.message_id = '' AND a.id = m.message_id)
 		  AND NOT EXISTS (SELECT 1 FROM `+s.q.attempts+` t WHERE t.message_id = m.message_id)
 		LIMIT $2)`, &r.Messages)
 	return r, err
@@ -68,15 +71,19 @@ func (s *Store) PruneDetail(ctx context.Context, olderThan time.Time, batch int)
 // Stats summarises the store, for operators (auditctl).
 type Stats struct {
 	// Arrivals, Attempts and Messages are row counts.
-	Arrivals, Attempts, Messages int64
+	Arrivals int64 `json:"arrivals"`
+	Attempts int64 `json:"attempts"`
+	Messages int64 `json:"messages"`
 	// OldestArrival and NewestArrival bound arrived_at, OldestAttempt and
 	// NewestAttempt started_at (zero when the table is empty).
-	OldestArrival, NewestArrival time.Time
-	OldestAttempt, NewestAttempt time.Time
+	OldestArrival time.Time `json:"oldest_arrival,omitzero"`
+	NewestArrival time.Time `json:"newest_arrival,omitzero"`
+	OldestAttempt time.Time `json:"oldest_attempt,omitzero"`
+	NewestAttempt time.Time `json:"newest_attempt,omitzero"`
 	// SchemaVersion is the latest applied migration.
-	SchemaVersion int
+	SchemaVersion int `json:"schema_version"`
 	// TrigramIndex reports whether ErrorContains has its pg_trgm index.
-	TrigramIndex bool
+	TrigramIndex bool `json:"trigram_index"`
 }
 
 // Stats counts the rows (exact count(*): a full scan of each table) and

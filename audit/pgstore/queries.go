@@ -9,6 +9,14 @@ import (
 // qualify quotes schema.table.
 func qualify(schema, table string) string { return pgx.Identifier{schema, table}.Sanitize() }
 
+// arrivalKey is the SQL expression of an arrival's message key: its
+// message id, or for an arrival without one its own record ID (so messages
+// without id are listed one by one, not merged under ""). alias is the
+// table alias with its dot ("a.") or "".
+func arrivalKey(alias string) string {
+	return "CASE WHEN " + alias + "message_id = '' THEN " + alias + "id ELSE " + alias + "message_id END"
+}
+
 // queries are the store's statements with its schema filled in (quoted
 // identifiers only; every value is a bind parameter).
 type queries struct {
@@ -49,8 +57,10 @@ ON CONFLICT (message_id) DO UPDATE SET
 	last_started_at = CASE WHEN ` + newer + ` THEN EXCLUDED.last_started_at ELSE m.last_started_at END,
 	last_attempt_id = CASE WHEN ` + newer + ` THEN EXCLUDED.last_attempt_id ELSE m.last_attempt_id END,
 	last_outcome    = CASE WHEN ` + newer + ` THEN EXCLUDED.last_outcome    ELSE m.last_outcome    END`)
-	q.arrivalsOf = r.Replace(`SELECT DISTINCT ON (message_id) ` + arrivalCols + ` FROM {arrivals}
-WHERE message_id = ANY($1) ORDER BY message_id, arrived_at, id`)
+	q.arrivalsOf = r.Replace(`SELECT DISTINCT ON (k) k, ` + arrivalCols + ` FROM (
+	SELECT ` + arrivalKey("") + ` AS k, ` + arrivalCols + ` FROM {arrivals}
+	WHERE (message_id <> '' AND message_id = ANY($1)) OR (message_id = '' AND id = ANY($1))) x
+ORDER BY k, arrived_at, id`)
 	q.attemptsOf = r.Replace(`SELECT ` + attemptCols + ` FROM {attempts}
 WHERE message_id = ANY($1) ORDER BY message_id, started_at, attempt, id`)
 	return q

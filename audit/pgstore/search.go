@@ -28,7 +28,8 @@ import (
 // arrival; Queue, Outcome, ErrorClass and ErrorContains (case-insensitive
 // substring, ILIKE with %, _ and \ escaped) for one same attempt;
 // LastOutcome is the outcome of the message's latest attempt (highest
-// attempt number, then latest start). Limit is DefaultLimit when 0;
+// attempt number, then latest start); MessageID also finds an arrival
+// without message id by its record ID. Limit is DefaultLimit when 0;
 // After is a cursor from NextCursor, Cursor or SearchPage: only messages
 // that sort after it are returned, so paging with the last message's
 // cursor returns every message once.
@@ -107,12 +108,14 @@ func (s *Store) load(ctx context.Context, ids []string) ([]audit.Message, error)
 	if err != nil {
 		return nil, fmt.Errorf("pgstore: load arrivals: %w", err)
 	}
-	arrs, err := pgx.CollectRows(rows, scanArrival)
+	arrs, err := pgx.CollectRows(rows, scanKeyedArrival)
 	if err != nil {
 		return nil, fmt.Errorf("pgstore: load arrivals: %w", err)
 	}
 	for i := range arrs {
-		out[pos[arrs[i].MessageID]].Arrival = &arrs[i]
+		if p, ok := pos[arrs[i].key]; ok {
+			out[p].Arrival = &arrs[i].a
+		}
 	}
 	rows, err = s.pool.Query(ctx, s.q.attemptsOf, ids)
 	if err != nil {
@@ -123,20 +126,33 @@ func (s *Store) load(ctx context.Context, ids []string) ([]audit.Message, error)
 		return nil, fmt.Errorf("pgstore: load attempts: %w", err)
 	}
 	for _, a := range atts {
-		i := pos[a.MessageID]
-		out[i].Attempts = append(out[i].Attempts, a)
+		if i, ok := pos[a.MessageID]; ok {
+			out[i].Attempts = append(out[i].Attempts, a)
+		}
 	}
 	return out, nil
 }
 
-func scanArrival(r pgx.CollectableRow) (audit.Arrival, error) {
+type keyedArrival struct {
+	key string
+	a   audit.Arrival
+}
+
+func scanKeyedArrival(r pgx.CollectableRow) (keyedArrival, error) {
+	var k keyedArrival
+	var err error
+	k.a, err = scanArrival(r, &k.key)
+	return k, err
+}
+
+func scanArrival(r pgx.CollectableRow, key *string) (audit.Arrival, error) {
 	var (
 		a           audit.Arrival
 		pub         pgtype.Timestamptz
 		hdrs, props []byte
 		size        int32
 	)
-	if err := r.Scan(&a.ID, &a.MessageID, &a.CorrelationID, &a.Exchange, &a.RoutingKey, &pub, &a.ArrivedAt,
+	if err := r.Scan(key, &a.ID, &a.MessageID, &a.CorrelationID, &a.Exchange, &a.RoutingKey, &pub, &a.ArrivedAt,
 		&hdrs, &props, &a.Body, &size, &a.BodyTruncated); err != nil {
 		return a, err
 	}
@@ -212,7 +228,7 @@ func (s *Store) searchSQL(f audit.Filter) (string, []any, int, error) {
 	}
 	if f.CorrelationID != "" {
 		p := a.add(f.CorrelationID)
-		conds = append(conds, "m.message_id IN (SELECT message_id FROM "+s.q.arrivals+" WHERE correlation_id = "+p+
+		conds = append(conds, "m.message_id IN (SELECT "+arrivalKey("")+" FROM "+s.q.arrivals+" WHERE correlation_id = "+p+
 			" UNION SELECT message_id FROM "+s.q.attempts+" WHERE correlation_id = "+p+")")
 	}
 	if !f.From.IsZero() {
@@ -236,7 +252,7 @@ func (s *Store) searchSQL(f audit.Filter) (string, []any, int, error) {
 		ac = append(ac, "a.headers @> "+a.add(string(h))+"::jsonb")
 	}
 	if len(ac) > 0 {
-		conds = append(conds, "m.message_id IN (SELECT a.message_id FROM "+s.q.arrivals+" a WHERE "+strings.Join(ac, " AND ")+")")
+		conds = append(conds, "m.message_id IN (SELECT "+arrivalKey("a.")+" FROM "+s.q.arrivals+" a WHERE "+strings.Join(ac, " AND ")+")")
 	}
 	var tc []string
 	if f.Queue != "" {

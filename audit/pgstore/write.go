@@ -106,7 +106,11 @@ func buildWriteBatch(q queries, arrivals []audit.Arrival, attempts []audit.Attem
 			}
 			sizes[k] = int32(min(max(a.BodySize, len(a.Body)), 1<<31-1))
 			truncs[k] = a.BodyTruncated
-			m := agg(mids[k])
+			key := mids[k]
+			if key == "" { // listed under its own record ID (see arrivalKey)
+				key = ids[k]
+			}
+			m := agg(key)
 			if !m.firstArrival.Valid || a.ArrivedAt.Before(m.firstArrival.Time) {
 				m.firstArrival = arrs[k]
 			}

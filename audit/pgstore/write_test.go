@@ -5,6 +5,7 @@ import (
 	"context"
 	"fmt"
 	"math"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -260,5 +261,43 @@ func TestWriteLastOutcomeOrderIndependent(t *testing.T) {
 	}
 	if last != "poisoned" || n != 3 {
 		t.Fatalf("last = %s/%d, want poisoned/3", last, n)
+	}
+}
+
+// Arrivals without a message id (published with neither a UUID header nor
+// a message-id) are listed one by one, under their record ID, never merged.
+func TestWriteArrivalsWithoutMessageID(t *testing.T) {
+	s := newTestStore(t)
+	ctx := context.Background()
+	a1, a2 := arrival("", t0), arrival("", t0.Add(time.Second))
+	a1.ID, a2.ID = "sha-1", "sha-2"
+	a2.Body = []byte("second")
+	withID := arrival("m-1", t0.Add(2*time.Second))
+	// An attempt whose message id is empty must not be mistaken for them.
+	stray := attempt("", 1, t0, audit.OutcomeSuccess)
+	if err := s.Write(ctx, []audit.Arrival{a1, a2, withID}, []audit.Attempt{stray}); err != nil {
+		t.Fatal(err)
+	}
+	got, err := s.Search(ctx, audit.Filter{Exchange: "orders"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !slices.Equal(ids(got), []string{"m-1", "sha-2", "sha-1"}) {
+		t.Fatalf("Search = %v, want m-1, sha-2, sha-1", ids(got))
+	}
+	if got[1].Arrival == nil || string(got[1].Arrival.Body) != "second" || got[1].Arrival.MessageID != "" || len(got[1].Attempts) != 0 {
+		t.Fatalf("sha-2 = %+v", got[1])
+	}
+	m, ok, err := s.Get(ctx, "sha-1")
+	if err != nil || !ok || m.Arrival == nil || m.Arrival.ID != "sha-1" {
+		t.Fatalf("Get(sha-1) = %+v %v %v", m, ok, err)
+	}
+	m, ok, err = s.Get(ctx, "")
+	if err != nil || !ok || m.Arrival != nil || len(m.Attempts) != 1 {
+		t.Fatalf("Get(\"\") = %+v %v %v, want the stray attempt only", m, ok, err)
+	}
+	res, err := s.PruneDetail(ctx, t0.Add(time.Hour), 0)
+	if err != nil || res.Arrivals != 3 || res.Attempts != 1 || res.Messages != 4 {
+		t.Fatalf("Prune = %+v, %v; want 3 arrivals, 1 attempt, 4 messages", res, err)
 	}
 }
