@@ -1,0 +1,51 @@
+// Command auditctl searches rabbitretry's message audit (package audit,
+// stored in PostgreSQL by audit/pgstore), shows one message's story,
+// resends messages from their recorded arrival, prunes old records and
+// serves the read-only HTTP JSON API (package audit/httpapi).
+//
+// Usage:
+//
+//	auditctl [global flags] <command> [flags] [args]
+//
+// Commands:
+//
+//	migrate          create or upgrade the audit schema
+//	search           list matching messages (table, or JSON with --json)
+//	show <id>        one message: arrival (headers, body) and attempts
+//	resend           publish matching messages again: --to-queue or --to-exchange
+//	prune            delete records older than --older-than
+//	stats            record counts and time range
+//	serve            the HTTP JSON API (read-only unless --enable-resend)
+//
+// Global flags (before or after the command):
+//
+//	--dsn DSN        PostgreSQL (default $RABBITRETRY_PG_DSN, else
+//	                 postgres://postgres@127.0.0.1:5432/test?sslmode=disable)
+//	--schema NAME    audit schema (default rabbitretry_audit)
+//	--uri URI        AMQP URI for resend (default $AMQP_URI, else
+//	                 amqp://guest:guest@localhost:5672/)
+//	--json           machine-readable JSON on stdout
+//
+// Filter flags (search, resend): --message-id, --correlation-id, --from,
+// --to (RFC 3339, or a duration ago: 1h or -1h), --queue, --exchange,
+// --routing-key, --outcome, --last-outcome, --class, --error-contains,
+// --header key=value (repeatable; value parsed as JSON when it is JSON,
+// else a string), --limit, --after (the cursor search prints for the next
+// page).
+//
+// Resend: exactly one of --to-queue (to the original queue only, through
+// the loop-back exchange; --target-queue Q to name it) and --to-exchange
+// (the original exchange and routing key: every bound queue gets it
+// again). --dry-run shows what would be sent. A real resend of more than
+// one message needs --yes; a filter selecting everything needs --all.
+//
+// Exit status: 0 success, 1 operation failed (database or broker
+// unreachable, message not found, a matched message not resent), 2 usage
+// error.
+package main
+
+import "os"
+
+func main() {
+	os.Exit(run(os.Args[1:], os.Stdout, os.Stderr))
+}
