@@ -299,10 +299,11 @@ type pager interface {
 // UUID header (or, without one, message-id = the message id), the
 // correlation-id, timestamp and the other properties of the arrival, except
 // user-id (RabbitMQ refuses a user-id that is not the connection's user:
-// "Validated User-ID"). Header values come back from their JSON form:
-// strings, booleans, integers (int64), other numbers (float64), nested
-// tables and arrays; times and byte arrays recorded as strings stay
-// strings.
+// "Validated User-ID"). Header values come back from their JSON form
+// (amqpretry.HeadersToJSON, as the audit Consumer records them): strings,
+// booleans, integers (as int64, whatever their AMQP width), other numbers
+// and AMQP decimals (float64), nested tables and arrays; timestamps (RFC
+// 3339) and byte arrays (base64) recorded as strings stay strings.
 //
 // Every publish is mandatory and waits for its publisher confirm
 // (amqpretry.ConfirmPublisher; RabbitMQ "Publishers" and "Consumer
@@ -607,7 +608,7 @@ func (r *Resender) publishing(m Message, now time.Time) (amqp.Publishing, error)
 
 // amqpValue converts a header value from its JSON form to an AMQP field.
 func amqpValue(v any, depth int) (any, error) {
-	if depth > 32 {
+	if depth > 64 {
 		return nil, errors.New("nested too deeply")
 	}
 	switch x := v.(type) {
