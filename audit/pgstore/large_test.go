@@ -100,6 +100,17 @@ func TestSearchLatencyLarge(t *testing.T) {
 				c.name, limit, len(got), float64(first.Microseconds())/1000, float64(deep.Microseconds())/1000)
 		}
 	}
+	if os.Getenv("RABBITRETRY_PG_EXPLAIN") != "" {
+		var keys []string
+		rows, _ := s.pool.Query(ctx, `SELECT message_id FROM `+s.q.messages+` ORDER BY message_time LIMIT 5000`)
+		for rows.Next() {
+			var k string
+			_ = rows.Scan(&k)
+			keys = append(keys, k)
+		}
+		rows.Close()
+		t.Log(explain(t, s, "ANALYZE "+s.q.rebuildMessages, []any{keys}))
+	}
 	start = time.Now()
 	res, err := s.PruneDetail(ctx, t0.Add(-time.Duration(n/2)*time.Second), 0)
 	if err != nil {

@@ -4,6 +4,8 @@ import (
 	"context"
 	"fmt"
 	"time"
+
+	"github.com/jackc/pgx/v5"
 )
 
 // PruneResult counts what PruneDetail deleted.
@@ -25,7 +27,9 @@ type PruneResult struct {
 // returns the number of records (arrivals + attempts) deleted; see
 // PruneDetail for the split. A message whose arrival is pruned but whose
 // later attempts are not keeps its attempts (Search then shows it without
-// arrival). Errors: the database's, after which the batches already
+// arrival). Prune runs alongside Write: a record written while Prune runs
+// is either pruned or stays findable (a message row Prune deletes under a
+// concurrent Write is put back in the same transaction). Errors: the database's, after which the batches already
 // deleted stay deleted and Prune can simply be run again.
 func (s *Store) Prune(ctx context.Context, olderThan time.Time, batch int) (int64, error) {
 	r, err := s.PruneDetail(ctx, olderThan, batch)
@@ -59,13 +63,45 @@ func (s *Store) PruneDetail(ctx context.Context, olderThan time.Time, batch int)
 		` WHERE started_at < $1 LIMIT $2)`, &r.Attempts); err != nil {
 		return r, err
 	}
-	err := loop("messages", `DELETE FROM `+s.q.messages+` WHERE message_id IN (SELECT m.message_id FROM `+s.q.messages+` m
+	// Messages left without records. A Write that commits while this
+	// DELETE waits for its row lock is invisible to the NOT EXISTS checks
+	// (their snapshot is older), so the same transaction puts back, from a
+	// fresh snapshot, the rows of deleted messages that have records now.
+	del := `DELETE FROM ` + s.q.messages + ` WHERE message_id IN (SELECT m.message_id FROM ` + s.q.messages + ` m
 		WHERE m.message_time < $1
-		  AND NOT EXISTS (SELECT 1 FROM `+s.q.arrivals+` a WHERE a.message_id = m.message_id)
-		  AND NOT EXISTS (SELECT 1 FROM `+s.q.arrivals+` a WHERE a.message_id = '' AND a.id = m.message_id)
-		  AND NOT EXISTS (SELECT 1 FROM `+s.q.attempts+` t WHERE t.message_id = m.message_id)
-		LIMIT $2)`, &r.Messages)
-	return r, err
+		  AND NOT EXISTS (SELECT 1 FROM ` + s.q.arrivals + ` a WHERE a.message_id = m.message_id)
+		  AND NOT EXISTS (SELECT 1 FROM ` + s.q.arrivals + ` a WHERE a.message_id = '' AND a.id = m.message_id)
+		  AND NOT EXISTS (SELECT 1 FROM ` + s.q.attempts + ` t WHERE t.message_id = m.message_id)
+		LIMIT $2)
+		RETURNING message_id`
+	for {
+		var deleted []string
+		var restored int64
+		err := pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
+			rows, err := tx.Query(ctx, del, olderThan, batch)
+			if err != nil {
+				return err
+			}
+			if deleted, err = pgx.CollectRows(rows, pgx.RowTo[string]); err != nil {
+				return err
+			}
+			if len(deleted) == 0 {
+				return nil
+			}
+			tag, err := tx.Exec(ctx, s.q.rebuildMessages, deleted)
+			restored = tag.RowsAffected()
+			return err
+		})
+		if err != nil {
+			return r, fmt.Errorf("pgstore: prune messages: %w", err)
+		}
+		r.Statements++
+		r.Messages += int64(len(deleted)) - restored
+		if len(deleted) < batch {
+			break
+		}
+	}
+	return r, nil
 }
 
 // Stats summarises the store, for operators (auditctl).

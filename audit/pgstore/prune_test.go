@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/rabbitretry/rabbitretry/audit"
+	"github.com/rabbitretry/rabbitretry/internal/testkit"
 )
 
 // Prune deletes exactly the records older than the cutoff, in several
@@ -80,4 +81,66 @@ func TestPrune(t *testing.T) {
 	}
 	t.Logf("ACCOUNT %s: written=%d records, pruned=%d (old), kept=%d (new), wrongly pruned=0, left behind=0",
 		t.Name(), len(arr)+len(att), res.Arrivals+res.Attempts, a+b)
+}
+
+// A Write committing while Prune deletes its message's row (the message's
+// old records all pruned, the Write adds another one older than the
+// cutoff, e.g. the audit consumer catching up after an outage): the
+// message stays findable. Deterministic: the Write's transaction holds the
+// messages row until Prune is seen waiting for it.
+func TestPruneRacesWrite(t *testing.T) {
+	s := newTestStore(t)
+	ctx := context.Background()
+	cutoff := t0
+	old := arrival("m-old", cutoff.Add(-48*time.Hour))
+	if err := s.Write(ctx, []audit.Arrival{old}, nil); err != nil {
+		t.Fatal(err)
+	}
+	late := attempt("m-old", 1, cutoff.Add(-47*time.Hour), audit.OutcomePoisoned)
+	b, err := buildWriteBatch(s.q, nil, []audit.Attempt{late})
+	if err != nil {
+		t.Fatal(err)
+	}
+	tx, err := s.pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = tx.Rollback(ctx) }()
+	if err := tx.SendBatch(ctx, b).Close(); err != nil { // attempt inserted, messages row locked
+		t.Fatal(err)
+	}
+	type result struct {
+		r   PruneResult
+		err error
+	}
+	done := make(chan result, 1)
+	go func() {
+		r, err := s.PruneDetail(ctx, cutoff, 0)
+		done <- result{r, err}
+	}()
+	testkit.WaitFor(t, 30*time.Second, "Prune waiting for the Write's lock on the messages row", func() bool {
+		var n int
+		err := s.pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity
+			WHERE wait_event_type = 'Lock' AND query LIKE 'DELETE FROM %messages%'`).Scan(&n)
+		return err == nil && n > 0
+	})
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	res := testkit.Recv(t, done, 30*time.Second)
+	if res.err != nil {
+		t.Fatal(res.err)
+	}
+	t.Logf("PruneDetail = %+v", res.r)
+	m, ok, err := s.Get(ctx, "m-old")
+	if err != nil || !ok || len(m.Attempts) != 1 || m.Arrival != nil {
+		t.Fatalf("Get(m-old) = %+v %v %v, want the late attempt", m, ok, err)
+	}
+	got, err := s.Search(ctx, audit.Filter{LastOutcome: audit.OutcomePoisoned})
+	if err != nil || len(got) != 1 || got[0].MessageID != "m-old" {
+		t.Fatalf("Search after the race = %v, %v; want m-old (its messages row)", ids(got), err)
+	}
+	if res.r.Arrivals != 1 || res.r.Messages != 0 {
+		t.Fatalf("PruneDetail = %+v, want 1 arrival and no message deleted", res.r)
+	}
 }

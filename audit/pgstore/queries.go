@@ -24,6 +24,7 @@ type queries struct {
 
 	insertArrivals, insertAttempts, upsertMessages string
 	arrivalsOf, attemptsOf                         string
+	rebuildMessages                                string
 }
 
 const arrivalCols = `id, message_id, correlation_id, exchange, routing_key, published_at, arrived_at, headers, properties, body, body_size, body_truncated`
@@ -58,10 +59,27 @@ ON CONFLICT (message_id) DO UPDATE SET
 	last_attempt_id = CASE WHEN ` + newer + ` THEN EXCLUDED.last_attempt_id ELSE m.last_attempt_id END,
 	last_outcome    = CASE WHEN ` + newer + ` THEN EXCLUDED.last_outcome    ELSE m.last_outcome    END`)
 	q.arrivalsOf = r.Replace(`SELECT DISTINCT ON (k) k, ` + arrivalCols + ` FROM (
-	SELECT ` + arrivalKey("") + ` AS k, ` + arrivalCols + ` FROM {arrivals}
-	WHERE (message_id <> '' AND message_id = ANY($1)) OR (message_id = '' AND id = ANY($1))) x
+	SELECT message_id AS k, ` + arrivalCols + ` FROM {arrivals} WHERE message_id = ANY($1) AND message_id <> ''
+	UNION ALL
+	SELECT id AS k, ` + arrivalCols + ` FROM {arrivals} WHERE id = ANY($1) AND message_id = '') x
 ORDER BY k, arrived_at, id`)
 	q.attemptsOf = r.Replace(`SELECT ` + attemptCols + ` FROM {attempts}
 WHERE message_id = ANY($1) ORDER BY message_id, started_at, attempt, id`)
+	// The messages rows of the message keys $1 that have records,
+	// recomputed from them (Prune's repair of a row deleted under a
+	// concurrent Write).
+	q.rebuildMessages = r.Replace(`INSERT INTO {messages} (message_id, first_arrival_at, first_started_at, last_attempt, last_started_at, last_attempt_id, last_outcome)
+SELECT k.id,
+	LEAST((SELECT min(a.arrived_at) FROM {arrivals} a WHERE a.message_id = k.id AND a.message_id <> ''),
+	      (SELECT a.arrived_at FROM {arrivals} a WHERE a.id = k.id AND a.message_id = '')),
+	(SELECT min(t.started_at) FROM {attempts} t WHERE t.message_id = k.id),
+	l.attempt, l.started_at, l.id, l.outcome
+FROM unnest($1::text[]) AS k(id)
+LEFT JOIN LATERAL (SELECT t.attempt, t.started_at, t.id, t.outcome FROM {attempts} t WHERE t.message_id = k.id
+	ORDER BY t.attempt DESC, t.started_at DESC, t.id DESC LIMIT 1) l ON true
+WHERE EXISTS (SELECT 1 FROM {arrivals} a WHERE a.message_id = k.id AND a.message_id <> '')
+   OR EXISTS (SELECT 1 FROM {arrivals} a WHERE a.id = k.id AND a.message_id = '')
+   OR EXISTS (SELECT 1 FROM {attempts} t WHERE t.message_id = k.id)
+ON CONFLICT (message_id) DO NOTHING`)
 	return q
 }
