@@ -18,6 +18,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitretry/rabbitretry/amqpretry"
+	"github.com/rabbitretry/rabbitretry/middleware"
 )
 
 // DefaultLoopBackExchange is the default ResenderConfig.LoopBackExchange,
@@ -295,7 +296,11 @@ type pager interface {
 // The copy carries the arrival's headers minus every "rabbitretry-*" key
 // and the broker's x-death / x-first-death-* / x-last-death-* /
 // x-delivery-count / x-acquired-count (so the retry chain starts again at
-// attempt 1), plus ResentKey = the resend time (RFC 3339, UTC); the message
+// attempt 1), plus ResentKey = the resend time (RFC 3339, UTC) and, with
+// ResendToQueue, rabbitretry-original-exchange and
+// rabbitretry-original-routing-key = the arrival's (the loop-back exchange
+// is the retry chain's own path, so a later failure records the true
+// origin, as after a poisonctl replay); the message
 // UUID header (or, without one, message-id = the message id), the
 // correlation-id, timestamp and the other properties of the arrival, except
 // user-id (RabbitMQ refuses a user-id that is not the connection's user:
@@ -522,7 +527,7 @@ func (r *Resender) plan(m Message, filterQueue string, opts ResendOptions, now t
 	case a.BodyTruncated || len(a.Body) < a.BodySize:
 		return skip(res, fmt.Sprintf("body truncated in the audit (%d of %d bytes stored)", len(a.Body), a.BodySize))
 	}
-	p, err := r.publishing(m, now)
+	p, err := r.publishing(m, opts.Mode, now)
 	if err != nil {
 		return skip(res, err.Error())
 	}
@@ -547,7 +552,7 @@ func stripHeader(k string) bool {
 }
 
 // publishing rebuilds the AMQP message of m's arrival.
-func (r *Resender) publishing(m Message, now time.Time) (amqp.Publishing, error) {
+func (r *Resender) publishing(m Message, mode ResendMode, now time.Time) (amqp.Publishing, error) {
 	a := m.Arrival
 	h := amqp.Table{}
 	for k, v := range a.Headers {
@@ -561,6 +566,13 @@ func (r *Resender) publishing(m Message, now time.Time) (amqp.Publishing, error)
 		h[k] = av
 	}
 	h[ResentKey] = now.Format(time.RFC3339)
+	if mode == ResendToQueue && a.Exchange != "" {
+		// Through the loop-back exchange the retry chain trusts these
+		// (its own retry path): a later failure records the true origin,
+		// not the loop-back exchange.
+		h[middleware.OriginalExchangeKey] = a.Exchange
+		h[middleware.OriginalRoutingKeyKey] = a.RoutingKey
+	}
 	p := amqp.Publishing{
 		Headers:       h,
 		CorrelationId: a.CorrelationID,

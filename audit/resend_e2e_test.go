@@ -149,6 +149,8 @@ func TestResendEndToEndFromTheAuditConsumer(t *testing.T) {
 			"i32": int64(-7), "i64": int64(1) << 40, "f64": 2.5, "yes": true,
 			"table": amqp.Table{"k": "v", "n": int64(1)}, "list": []any{"a", int64(2)},
 			"when": published.Format(time.RFC3339), "raw": base64.StdEncoding.EncodeToString([]byte{0, 1, 0xfe}),
+			// to-queue: the true origin for the retry chain's failure history
+			"rabbitretry-original-exchange": ex, "rabbitretry-original-routing-key": "order.created",
 		}
 		got := amqp.Table{}
 		for k, v := range d.Headers {

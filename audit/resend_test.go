@@ -262,6 +262,9 @@ func TestResendToQueueReachesOnlyThatQueue(t *testing.T) {
 		got.Headers["count"] != int64(7) || got.Headers["ratio"] != 0.5 {
 		t.Errorf("headers: %#v", got.Headers)
 	}
+	if got.Headers["rabbitretry-original-exchange"] != tp.business || got.Headers["rabbitretry-original-routing-key"] != tp.key {
+		t.Errorf("to-queue copy lacks the true origin: %#v", got.Headers)
+	}
 	if n, ok := got.Headers["nested"].(amqp.Table); !ok || n["a"] != true {
 		t.Errorf("nested header: %#v", got.Headers["nested"])
 	}
