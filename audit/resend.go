@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"math"
 	"reflect"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -45,6 +46,10 @@ const (
 
 // resendPageSize is the Search page size Resend reads with.
 const resendPageSize = 1000
+
+// resendBatch is the most messages published pipelined before their
+// confirms are awaited (amqpretry.ConfirmPublisher.PublishRawBatch).
+const resendBatch = 256
 
 // ResendMode says where Resend publishes a message.
 type ResendMode string
@@ -167,6 +172,7 @@ const (
 	StatusWouldSend = "would-send" // DryRun: would be published
 	StatusFailed    = "failed"     // returned, nacked, or the publish failed
 	StatusSkipped   = "skipped"    // not sendable (no body, truncated body, no queue)
+	StatusUnsent    = "unsent"     // not tried: Resend stopped before it (see its error)
 )
 
 // ResendResult is what Resend did with one message.
@@ -183,15 +189,20 @@ type ResendResult struct {
 	Error  string `json:"error,omitempty"`
 }
 
-// ResendReport is Resend's account: Matched = Sent + Failed + Skipped (in
-// DryRun, Sent counts the messages that would be sent).
+// ResendReport is Resend's account: Matched = Sent + Failed + Skipped +
+// Unsent (in DryRun, Sent counts the messages that would be sent). Results
+// has one entry per matched message, in the order they were published:
+// oldest first.
 type ResendReport struct {
-	Mode    ResendMode     `json:"mode"`
-	DryRun  bool           `json:"dry_run"`
-	Matched int            `json:"matched"`
-	Sent    int            `json:"sent"`
-	Failed  int            `json:"failed"`
-	Skipped int            `json:"skipped"`
+	Mode    ResendMode `json:"mode"`
+	DryRun  bool       `json:"dry_run"`
+	Matched int        `json:"matched"`
+	Sent    int        `json:"sent"`
+	Failed  int        `json:"failed"`
+	Skipped int        `json:"skipped"`
+	// Unsent counts the messages not tried because Resend stopped (a
+	// connection or confirm error, ctx): they were not published.
+	Unsent  int            `json:"unsent"`
 	Results []ResendResult `json:"results"`
 	// Next, when not empty, is the Filter.After cursor of the messages the
 	// Limit left out (only with a store that pages: SearchPage).
@@ -321,12 +332,19 @@ type pager interface {
 // Resend refuses a filter that selects everything (ErrEmptyFilter) unless
 // opts.AllowAll. DryRun reports what would be sent without connecting.
 //
+// Messages are published oldest first (Limit keeps the newest matches),
+// runs of consecutive messages to the same exchange and routing key
+// pipelined on one channel (up to 256 awaiting confirms,
+// ConfirmPublisher.PublishRawBatch), so a queue receives them in their
+// original order.
+//
 // Errors (with the partial report): ErrEmptyFilter, a ResendOptions
 // Validate error; the Store's; ErrExchangeNotFound (loop-back exchange
 // missing, nothing sent); a connection, confirm-timeout or channel error
-// (amqpretry.ErrConfirmTimeout, ErrChannelClosed, ...), which stops Resend:
-// the message being published then is reported failed and may or may not
-// have been delivered; ctx.Err(); ErrResenderClosed.
+// (amqpretry.ErrConfirmTimeout, ErrChannelClosed, ...), which stops Resend
+// after the batch in flight: its messages that failed so are reported
+// failed and may or may not have been delivered, the ones not tried
+// StatusUnsent; ctx.Err() (checked between batches); ErrResenderClosed.
 func (r *Resender) Resend(ctx context.Context, f Filter, opts ResendOptions) (ResendReport, error) {
 	rep := ResendReport{Mode: opts.Mode, DryRun: opts.DryRun, Results: []ResendResult{}}
 	if err := opts.Validate(); err != nil {
@@ -356,54 +374,118 @@ func (r *Resender) Resend(ctx context.Context, f Filter, opts ResendOptions) (Re
 			}
 		}
 	}
-	exchangeOK := map[string]error{}
 	now := time.Now().UTC()
-	for _, m := range msgs {
-		if err := ctx.Err(); err != nil {
-			return rep, err
-		}
-		rep.Matched++
+	// Oldest first: a queue receives them in their original order.
+	slices.Reverse(msgs)
+	rep.Matched = len(msgs)
+	rep.Results = make([]ResendResult, len(msgs))
+	pubs := make([]amqp.Publishing, len(msgs))
+	sendable := make([]bool, len(msgs))
+	for i, m := range msgs {
 		res, p, ok := r.plan(m, f.Queue, opts, now)
-		if !ok {
+		rep.Results[i], pubs[i], sendable[i] = res, p, ok
+		switch {
+		case !ok:
 			rep.Skipped++
-			rep.Results = append(rep.Results, res)
-			continue
-		}
-		if opts.DryRun {
-			res.Status = StatusWouldSend
+		case opts.DryRun:
+			rep.Results[i].Status = StatusWouldSend
 			rep.Sent++
-			rep.Results = append(rep.Results, res)
+		}
+	}
+	if opts.DryRun {
+		return rep, nil
+	}
+	exchangeOK := map[string]error{}
+	for i := 0; i < len(msgs); {
+		if !sendable[i] {
+			i++
 			continue
 		}
-		if opts.Mode == ResendToExchange && res.Exchange != "" {
-			exErr, seen := exchangeOK[res.Exchange]
+		// A run of consecutive messages to the same exchange and key is
+		// published pipelined on one channel, in order.
+		ex, key := rep.Results[i].Exchange, rep.Results[i].RoutingKey
+		j := i + 1
+		for j < len(msgs) && j-i < resendBatch && sendable[j] && rep.Results[j].Exchange == ex && rep.Results[j].RoutingKey == key {
+			j++
+		}
+		if err := ctx.Err(); err != nil {
+			return r.stopped(rep, sendable, i, err)
+		}
+		if opts.Mode == ResendToExchange && ex != "" {
+			exErr, seen := exchangeOK[ex]
 			if !seen {
-				exErr = checkExchange(pub, res.Exchange)
-				exchangeOK[res.Exchange] = exErr
+				exErr = checkExchange(pub, ex)
+				exchangeOK[ex] = exErr
 			}
 			if exErr != nil {
-				res.Status, res.Error = StatusFailed, exErr.Error()
-				rep.Failed++
-				rep.Results = append(rep.Results, res)
+				for k := i; k < j; k++ {
+					rep.Results[k].Status, rep.Results[k].Error = StatusFailed, exErr.Error()
+					rep.Failed++
+				}
+				i = j
 				continue
 			}
 		}
-		err := pub.PublishRaw(ctx, res.Exchange, res.RoutingKey, p)
-		if err == nil {
-			res.Status = StatusSent
+		errs := batchErrors(pub.PublishRawBatch(ctx, ex, key, pubs[i:j]), j-i)
+		var stop error
+		for k := i; k < j; k++ {
+			if err := errs[k-i]; err != nil {
+				rep.Results[k].Status, rep.Results[k].Error = StatusFailed, err.Error()
+				rep.Failed++
+				if !perMessage(err) && stop == nil {
+					stop = fmt.Errorf("audit: resend stopped at message %s: %w", rep.Results[k].MessageID, err)
+				}
+				continue
+			}
+			rep.Results[k].Status = StatusSent
 			rep.Sent++
-			rep.Results = append(rep.Results, res)
-			continue
 		}
-		res.Status, res.Error = StatusFailed, err.Error()
-		rep.Failed++
-		rep.Results = append(rep.Results, res)
-		if !perMessage(err) {
-			// The rest were not tried: not counted as matched.
-			return rep, fmt.Errorf("audit: resend stopped at message %s: %w", m.MessageID, err)
+		if stop != nil {
+			return r.stopped(rep, sendable, j, stop)
 		}
+		i = j
 	}
 	return rep, nil
+}
+
+// stopped marks the sendable messages from index from on as not tried.
+func (r *Resender) stopped(rep ResendReport, sendable []bool, from int, err error) (ResendReport, error) {
+	for k := from; k < len(sendable); k++ {
+		if sendable[k] {
+			rep.Results[k].Status, rep.Results[k].Error = StatusUnsent, "not tried: resend stopped"
+			rep.Unsent++
+		}
+	}
+	return rep, err
+}
+
+// batchErrors splits PublishRawBatch's result into one error per message
+// (its errors.Join of "message <index>: <error>"); an error without an
+// index (the publisher closed before anything was written) applies to all.
+func batchErrors(err error, n int) []error {
+	out := make([]error, n)
+	if err == nil {
+		return out
+	}
+	joined, ok := err.(interface{ Unwrap() []error })
+	if ok {
+		all := true
+		for _, e := range joined.Unwrap() {
+			var i int
+			if _, serr := fmt.Sscanf(e.Error(), "message %d:", &i); serr != nil || i < 0 || i >= n {
+				all = false
+				break
+			}
+			out[i] = e
+		}
+		if all {
+			return out
+		}
+	}
+	for i := range out {
+		out[i] = err
+	}
+	return out
 }
 
 // collect reads up to limit messages matching f, paging when the store can.

@@ -344,12 +344,16 @@ func TestResendByHeaderReachesExactlyTheIntendedMessages(t *testing.T) {
 	got := tp.drain(t, tp.q1, len(acme))
 	tp.drain(t, tp.q2, 0)
 	seen := map[string]bool{}
+	prev := ""
 	for _, d := range got {
 		id, _ := d.Headers["_watermill_message_uuid"].(string)
 		if !acme[id] || seen[id] || string(d.Body) != "body-"+id {
 			t.Fatalf("received %q (body %q): not an acme message, or twice", id, d.Body)
 		}
-		seen[id] = true
+		if id < prev { // the store returns newest (highest id) first
+			t.Fatalf("received %s after %s: not oldest first", id, prev)
+		}
+		seen[id], prev = true, id
 	}
 	if rep.Matched != len(acme) || rep.Sent != len(acme) || rep.Failed+rep.Skipped != 0 {
 		t.Fatalf("report %+v", rep)
@@ -456,4 +460,36 @@ func TestResendRefusesBadInput(t *testing.T) {
 	if !strings.Contains(string(b), `"results"`) {
 		t.Errorf("report JSON %s", b)
 	}
+}
+
+// A Resend whose context ends before it publishes reports every sendable
+// message as unsent, and publishes nothing.
+func TestResendCanceledReportsUnsent(t *testing.T) {
+	tp := newResendTopology(t)
+	st := newResendMemStore()
+	var arr []audit.Arrival
+	for i := range 5 {
+		arr = append(arr, resendArrival(fmt.Sprintf("m-%d", i), tp.business, tp.key, nil, "x"))
+	}
+	arr = append(arr, resendArrival("m-trunc", tp.business, tp.key, nil, "x"))
+	arr[5].BodyTruncated, arr[5].BodySize = true, 10
+	_ = st.Write(context.Background(), arr, nil)
+	r := newTestResender(t, st, tp)
+	// Connect first (a dry run does not), so only the publishing is canceled.
+	if _, err := r.Resend(context.Background(), audit.Filter{MessageID: "none"}, audit.ResendOptions{Mode: audit.ResendToExchange}); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	rep, err := r.Resend(ctx, audit.Filter{Exchange: tp.business}, audit.ResendOptions{Mode: audit.ResendToExchange})
+	if !errors.Is(err, context.Canceled) || rep.Matched != 6 || rep.Unsent != 5 || rep.Skipped != 1 || rep.Sent+rep.Failed != 0 {
+		t.Fatalf("%+v %v", rep, err)
+	}
+	for _, res := range rep.Results {
+		if res.Status != audit.StatusUnsent && res.Status != audit.StatusSkipped {
+			t.Fatalf("%+v", res)
+		}
+	}
+	tp.drain(t, tp.q1, 0)
+	tp.drain(t, tp.q2, 0)
 }

@@ -681,7 +681,7 @@ func reportResend(e *env, rep audit.ResendReport, err error) int {
 		return usageErr(e.stderr, "resend: the filter selects every message: narrow it, or pass --all")
 	}
 	code := exitOK
-	if err != nil || rep.Failed > 0 || rep.Skipped > 0 {
+	if err != nil || rep.Failed > 0 || rep.Skipped > 0 || rep.Unsent > 0 {
 		code = exitFail
 	}
 	if e.o.json {
@@ -714,7 +714,11 @@ func printReport(e *env, rep audit.ResendReport) {
 	if rep.DryRun {
 		verb = "would send"
 	}
-	fmt.Fprintf(e.stderr, "%s: matched %d, %s %d, failed %d, skipped %d\n", rep.Mode, rep.Matched, verb, rep.Sent, rep.Failed, rep.Skipped)
+	fmt.Fprintf(e.stderr, "%s: matched %d, %s %d, failed %d, skipped %d", rep.Mode, rep.Matched, verb, rep.Sent, rep.Failed, rep.Skipped)
+	if rep.Unsent > 0 {
+		fmt.Fprintf(e.stderr, ", unsent (stopped) %d", rep.Unsent)
+	}
+	fmt.Fprintln(e.stderr)
 	if rep.Next != "" {
 		fmt.Fprintf(e.stderr, "more matched than --limit: continue with --after %s\n", rep.Next)
 	}
