@@ -110,6 +110,13 @@ func TestSearchLatencyLarge(t *testing.T) {
 		}
 		rows.Close()
 		t.Log(explain(t, s, "ANALYZE "+s.q.rebuildMessages, []any{keys}))
+		for _, f := range []audit.Filter{{Outcome: audit.OutcomePoisoned}, {Exchange: "ex2", RoutingKey: "rk7"}, {Headers: map[string]any{"tenant": "t42"}}} {
+			sql, args, _, err := s.searchSQL(f)
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Logf("%+v:\n%s", f, explain(t, s, "ANALYZE "+sql, args))
+		}
 	}
 	start = time.Now()
 	res, err := s.PruneDetail(ctx, t0.Add(-time.Duration(n/2)*time.Second), 0)

@@ -184,3 +184,39 @@ func TestMigrateWithoutTrigram(t *testing.T) {
 		t.Fatalf("ErrorContains without index: %v, %v", ids(got), err)
 	}
 }
+
+// A store at migration 1 with records is upgraded in place: 0002 keys the
+// existing arrivals (an id-less one under its record ID).
+func TestMigrateUpgradeFrom1(t *testing.T) {
+	pool := testPool(t)
+	schema := testSchema(t, pool)
+	ctx := context.Background()
+	migs, err := Migrations()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if applied, err := migrate(ctx, pool, schema, migs[:1]); err != nil || len(applied) != 1 {
+		t.Fatalf("migrate to 1: %v %v", applied, err)
+	}
+	if _, err := pool.Exec(ctx, `INSERT INTO `+qualify(schema, "arrivals")+` (id, message_id, exchange, routing_key, arrived_at, body, body_size)
+		VALUES ('r1', 'm1', 'ex', 'rk', $1, '\x01', 1), ('r2', '', 'ex', 'rk', $1, '\x02', 1)`, t0); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := pool.Exec(ctx, `INSERT INTO `+qualify(schema, "messages")+` (message_id, first_arrival_at) VALUES ('m1', $1), ('r2', $1)`, t0); err != nil {
+		t.Fatal(err)
+	}
+	applied, err := Migrate(ctx, pool, schema)
+	if err != nil || len(applied) != len(migs)-1 || applied[0] != 2 {
+		t.Fatalf("upgrade applied %v, %v; want 2..", applied, err)
+	}
+	s, err := New(ctx, Config{Pool: pool, Schema: schema, SkipMigrate: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for key, body := range map[string]byte{"m1": 1, "r2": 2} {
+		m, ok, err := s.Get(ctx, key)
+		if err != nil || !ok || m.Arrival == nil || len(m.Arrival.Body) != 1 || m.Arrival.Body[0] != body {
+			t.Fatalf("Get(%s) after upgrade = %+v %v %v", key, m, ok, err)
+		}
+	}
+}

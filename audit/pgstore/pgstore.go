@@ -16,7 +16,8 @@
 //	  id text PK (Arrival.ID), message_id, correlation_id, exchange,
 //	  routing_key, published_at timestamptz NULL, arrived_at timestamptz,
 //	  headers jsonb, properties jsonb, body bytea (byte-exact),
-//	  body_size int, body_truncated bool, recorded_at timestamptz
+//	  body_size int, body_truncated bool, recorded_at timestamptz,
+//	  message_key text (generated: message_id, or id when message_id = '')
 //	attempts   one row per attempt of the retry chain
 //	  id text PK (Attempt.ID), message_id, correlation_id, queue,
 //	  attempt int, started_at timestamptz, duration_us bigint,
@@ -33,8 +34,9 @@
 // (Message.MessageID = Arrival.ID, Arrival.MessageID = "").
 //
 // Indexes: messages (message_time, message_id) for the newest-first keyset
-// pages and From/To, messages (last_outcome, message_time); message_id on
-// arrivals and attempts; correlation_id on both; arrivals arrived_at,
+// pages and From/To, messages (last_outcome, message_time); arrivals
+// (message_key, arrived_at), attempts (message_id, started_at);
+// correlation_id on both; arrivals arrived_at,
 // (exchange, routing_key), GIN (headers jsonb_path_ops) for Headers
 // (headers @> $1); attempts started_at, (queue, started_at),
 // (outcome, error_class), error_class; and, when the pg_trgm extension is

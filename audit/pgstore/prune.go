@@ -69,8 +69,7 @@ func (s *Store) PruneDetail(ctx context.Context, olderThan time.Time, batch int)
 	// fresh snapshot, the rows of deleted messages that have records now.
 	del := `DELETE FROM ` + s.q.messages + ` WHERE message_id IN (SELECT m.message_id FROM ` + s.q.messages + ` m
 		WHERE m.message_time < $1
-		  AND NOT EXISTS (SELECT 1 FROM ` + s.q.arrivals + ` a WHERE a.message_id = m.message_id)
-		  AND NOT EXISTS (SELECT 1 FROM ` + s.q.arrivals + ` a WHERE a.message_id = '' AND a.id = m.message_id)
+		  AND NOT EXISTS (SELECT 1 FROM ` + s.q.arrivals + ` a WHERE a.message_key = m.message_id)
 		  AND NOT EXISTS (SELECT 1 FROM ` + s.q.attempts + ` t WHERE t.message_id = m.message_id)
 		LIMIT $2)
 		RETURNING message_id`

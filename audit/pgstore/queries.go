@@ -9,13 +9,11 @@ import (
 // qualify quotes schema.table.
 func qualify(schema, table string) string { return pgx.Identifier{schema, table}.Sanitize() }
 
-// arrivalKey is the SQL expression of an arrival's message key: its
+// arrivalKey is an arrival's message key column (migration 0002): its
 // message id, or for an arrival without one its own record ID (so messages
 // without id are listed one by one, not merged under ""). alias is the
 // table alias with its dot ("a.") or "".
-func arrivalKey(alias string) string {
-	return "CASE WHEN " + alias + "message_id = '' THEN " + alias + "id ELSE " + alias + "message_id END"
-}
+func arrivalKey(alias string) string { return alias + "message_key" }
 
 // queries are the store's statements with its schema filled in (quoted
 // identifiers only; every value is a bind parameter).
@@ -58,11 +56,8 @@ ON CONFLICT (message_id) DO UPDATE SET
 	last_started_at = CASE WHEN ` + newer + ` THEN EXCLUDED.last_started_at ELSE m.last_started_at END,
 	last_attempt_id = CASE WHEN ` + newer + ` THEN EXCLUDED.last_attempt_id ELSE m.last_attempt_id END,
 	last_outcome    = CASE WHEN ` + newer + ` THEN EXCLUDED.last_outcome    ELSE m.last_outcome    END`)
-	q.arrivalsOf = r.Replace(`SELECT DISTINCT ON (k) k, ` + arrivalCols + ` FROM (
-	SELECT message_id AS k, ` + arrivalCols + ` FROM {arrivals} WHERE message_id = ANY($1) AND message_id <> ''
-	UNION ALL
-	SELECT id AS k, ` + arrivalCols + ` FROM {arrivals} WHERE id = ANY($1) AND message_id = '') x
-ORDER BY k, arrived_at, id`)
+	q.arrivalsOf = r.Replace(`SELECT DISTINCT ON (message_key) message_key, ` + arrivalCols + ` FROM {arrivals}
+WHERE message_key = ANY($1) ORDER BY message_key, arrived_at, id`)
 	q.attemptsOf = r.Replace(`SELECT ` + attemptCols + ` FROM {attempts}
 WHERE message_id = ANY($1) ORDER BY message_id, started_at, attempt, id`)
 	// The messages rows of the message keys $1 that have records,
@@ -70,15 +65,13 @@ WHERE message_id = ANY($1) ORDER BY message_id, started_at, attempt, id`)
 	// concurrent Write).
 	q.rebuildMessages = r.Replace(`INSERT INTO {messages} (message_id, first_arrival_at, first_started_at, last_attempt, last_started_at, last_attempt_id, last_outcome)
 SELECT k.id,
-	LEAST((SELECT min(a.arrived_at) FROM {arrivals} a WHERE a.message_id = k.id AND a.message_id <> ''),
-	      (SELECT a.arrived_at FROM {arrivals} a WHERE a.id = k.id AND a.message_id = '')),
+	(SELECT min(a.arrived_at) FROM {arrivals} a WHERE a.message_key = k.id),
 	(SELECT min(t.started_at) FROM {attempts} t WHERE t.message_id = k.id),
 	l.attempt, l.started_at, l.id, l.outcome
 FROM unnest($1::text[]) AS k(id)
 LEFT JOIN LATERAL (SELECT t.attempt, t.started_at, t.id, t.outcome FROM {attempts} t WHERE t.message_id = k.id
 	ORDER BY t.attempt DESC, t.started_at DESC, t.id DESC LIMIT 1) l ON true
-WHERE EXISTS (SELECT 1 FROM {arrivals} a WHERE a.message_id = k.id AND a.message_id <> '')
-   OR EXISTS (SELECT 1 FROM {arrivals} a WHERE a.id = k.id AND a.message_id = '')
+WHERE EXISTS (SELECT 1 FROM {arrivals} a WHERE a.message_key = k.id)
    OR EXISTS (SELECT 1 FROM {attempts} t WHERE t.message_id = k.id)
 ON CONFLICT (message_id) DO NOTHING`)
 	return q

@@ -68,7 +68,7 @@ func (s *Store) writeCopy(ctx context.Context, arrivals []audit.Arrival, attempt
 			return err
 		}
 		b := &pgx.Batch{}
-		b.Queue(`INSERT INTO ` + s.q.arrivals + ` SELECT * FROM tmp_arrivals ORDER BY id ON CONFLICT (id) DO NOTHING`)
+		b.Queue(`INSERT INTO ` + s.q.arrivals + ` (` + arrivalCols + `) SELECT ` + arrivalCols + ` FROM tmp_arrivals ORDER BY id ON CONFLICT (id) DO NOTHING`)
 		b.Queue(`INSERT INTO ` + s.q.attempts + ` SELECT * FROM tmp_attempts ORDER BY id ON CONFLICT (id) DO NOTHING`)
 		b.Queue(msgUpsert.SQL, msgUpsert.Arguments...)
 		return tx.SendBatch(ctx, b).Close()
