@@ -45,12 +45,14 @@
 // the other conditions leave (the migration never fails for want of it).
 //
 // Measured on a 2-core machine shared with other test runs (PostgreSQL 15,
-// TestWriteThroughput, BenchmarkWrite500, TestSearchLatencyLarge): Write of
-// batches of 500 records 42,000-50,000 records/s (COPY into a temporary
-// table then INSERT ... SELECT: 38,000-42,000; one INSERT per row in a
-// pgx.Batch: 30,000-35,000); on 200,000 messages (600,000 records) the
-// first page of 100 for any single Filter field in 1-55 ms; Prune of
-// 300,000 records in 3.8 s in 81 statements of at most 5,000 rows.
+// load average 1-6; TestWriteThroughput, BenchmarkWrite500,
+// TestSearchLatencyLarge): Write of batches of 500 records (one arrival with
+// a 512-byte body per two attempts) 30,000-50,000 records/s, 10-17 ms a
+// batch (COPY into a temporary table then INSERT ... SELECT: 33,000-42,000;
+// one INSERT per row in a pgx.Batch: 28,000-37,000); on 200,000 messages
+// (600,000 records) the first page of 100 for any single Filter field in
+// 1-100 ms; Prune of 300,000 records in 4-9 s, 81 statements of at most
+// 5,000 rows.
 //
 // Times are stored with PostgreSQL's microsecond resolution; Attempt
 // Duration in whole microseconds, Delay and Tier in whole milliseconds.
