@@ -5,6 +5,8 @@
 // Routes (net/http pattern routing, Go 1.22+):
 //
 //	GET  /v1/messages?<filter>   {"messages": [...], "next": "<cursor>"}
+//	                             (GET routes: open, or with Config.ReadToken
+//	                             a bearer token like resend's)
 //	GET  /v1/messages/{id}       one audit.Message (404 if unknown)
 //	GET  /v1/stats               Config.Stats's value (404 without it)
 //	POST /v1/resend              audit.ResendReport; 404 unless
@@ -93,6 +95,12 @@ type Config struct {
 	// ("Authorization: Bearer <token>"), compared in constant time.
 	// Required (at least 16 bytes) with EnableResend.
 	ResendToken string
+	// ReadToken, when set, makes the GET routes require "Authorization:
+	// Bearer <ReadToken>" (or the ResendToken) too: message bodies and
+	// headers may hold personal data. At least 16 bytes. Default "": reads
+	// are open to whoever reaches the listener (auditctl serve listens on
+	// 127.0.0.1 by default).
+	ReadToken string
 	// Resender performs resends. Required with EnableResend.
 	Resender Resender
 	// ResendTimeout bounds one resend (default DefaultResendTimeout).
@@ -111,8 +119,8 @@ func (c *Config) setDefaults() {
 }
 
 // Validate reports the first invalid field: Store nil; with EnableResend,
-// ResendToken shorter than 16 bytes or Resender nil; ResendTimeout
-// negative.
+// ResendToken shorter than 16 bytes or Resender nil; a ReadToken shorter
+// than 16 bytes; ResendTimeout negative.
 func (c Config) Validate() error {
 	c.setDefaults()
 	switch {
@@ -124,6 +132,8 @@ func (c Config) Validate() error {
 		return errors.New("httpapi: Config.ResendToken is shorter than 16 bytes")
 	case c.EnableResend && c.Resender == nil:
 		return errors.New("httpapi: Config.Resender is required with Config.EnableResend")
+	case c.ReadToken != "" && len(c.ReadToken) < 16:
+		return errors.New("httpapi: Config.ReadToken is shorter than 16 bytes")
 	case c.ResendTimeout < 0:
 		return fmt.Errorf("httpapi: Config.ResendTimeout %v is negative", c.ResendTimeout)
 	}
@@ -132,7 +142,8 @@ func (c Config) Validate() error {
 
 type api struct {
 	cfg       Config
-	tokenHash [32]byte
+	tokenHash [32]byte // of ResendToken
+	readHash  [32]byte // of ReadToken
 }
 
 // New validates cfg and returns the API handler.
@@ -141,12 +152,12 @@ func New(cfg Config) (http.Handler, error) {
 		return nil, err
 	}
 	cfg.setDefaults()
-	a := &api{cfg: cfg, tokenHash: sha256.Sum256([]byte(cfg.ResendToken))}
+	a := &api{cfg: cfg, tokenHash: sha256.Sum256([]byte(cfg.ResendToken)), readHash: sha256.Sum256([]byte(cfg.ReadToken))}
 	mux := http.NewServeMux()
-	mux.HandleFunc("GET /v1/messages", a.search)
-	mux.HandleFunc("GET /v1/messages/{id}", a.get)
+	mux.HandleFunc("GET /v1/messages", a.reader(a.search))
+	mux.HandleFunc("GET /v1/messages/{id}", a.reader(a.get))
 	if cfg.Stats != nil {
-		mux.HandleFunc("GET /v1/stats", a.stats)
+		mux.HandleFunc("GET /v1/stats", a.reader(a.stats))
 	}
 	if cfg.EnableResend {
 		mux.HandleFunc("POST /v1/resend", a.resend)
@@ -243,19 +254,42 @@ type ResendErrorResponse struct {
 	Report audit.ResendReport `json:"report"`
 }
 
-// authorized checks the bearer token: 401 without one, 403 if wrong.
+// reader wraps a GET handler with the ReadToken check, when one is set.
+func (a *api) reader(h http.HandlerFunc) http.HandlerFunc {
+	if a.cfg.ReadToken == "" {
+		return h
+	}
+	return func(w http.ResponseWriter, r *http.Request) {
+		if a.checkToken(w, r, "reading", a.readHash, a.tokenHash) {
+			h(w, r)
+		}
+	}
+}
+
+// authorized checks the resend bearer token: 401 without one, 403 if
+// wrong.
 func (a *api) authorized(w http.ResponseWriter, r *http.Request) bool {
+	return a.checkToken(w, r, "resend", a.tokenHash)
+}
+
+// checkToken accepts a bearer token whose SHA-256 is one of hashes (a
+// constant-time comparison, in the length too); else 401 (no bearer token)
+// or 403 (another one).
+func (a *api) checkToken(w http.ResponseWriter, r *http.Request, what string, hashes ...[32]byte) bool {
 	h := r.Header.Get("Authorization")
 	scheme, tok, ok := strings.Cut(h, " ")
 	if !ok || !strings.EqualFold(scheme, "Bearer") || strings.TrimSpace(tok) == "" {
 		w.Header().Set("WWW-Authenticate", `Bearer realm="rabbitretry-audit"`)
-		writeError(w, http.StatusUnauthorized, "resend needs Authorization: Bearer <token>")
+		writeError(w, http.StatusUnauthorized, what+" needs Authorization: Bearer <token>")
 		return false
 	}
-	// Hashing first makes the comparison constant-time in the length too.
 	got := sha256.Sum256([]byte(strings.TrimSpace(tok)))
-	if subtle.ConstantTimeCompare(got[:], a.tokenHash[:]) != 1 {
-		writeError(w, http.StatusForbidden, "wrong resend token")
+	match := 0
+	for _, want := range hashes {
+		match |= subtle.ConstantTimeCompare(got[:], want[:])
+	}
+	if match != 1 {
+		writeError(w, http.StatusForbidden, "wrong token for "+what)
 		return false
 	}
 	return true

@@ -329,3 +329,23 @@ func TestConfigValidate(t *testing.T) {
 		}
 	}
 }
+
+func TestReadToken(t *testing.T) {
+	const readToken = "reader-token-0123456789"
+	srv := serve(t, httpapi.Config{Store: sampleStore(), ReadToken: readToken, EnableResend: true, ResendToken: token, Resender: &fakeResender{},
+		Stats: func(context.Context) (any, error) { return map[string]int{}, nil }})
+	for _, path := range []string{"/v1/messages?queue=billing", "/v1/messages/m-1", "/v1/stats"} {
+		for auth, want := range map[string]int{"": 401, "Bearer nope": 403, "Bearer " + readToken: 200, "Bearer " + token: 200} {
+			if code, body := do(t, "GET", srv.URL+path, auth, ""); code != want {
+				t.Errorf("GET %s with %q: %d %s, want %d", path, auth, code, body, want)
+			}
+		}
+	}
+	// The read token does not allow resends.
+	if code, _ := do(t, "POST", srv.URL+"/v1/resend", "Bearer "+readToken, `{"filter":{"message_id":"m-1"},"mode":"to-queue"}`); code != 403 {
+		t.Errorf("resend with the read token: %d, want 403", code)
+	}
+	if _, err := httpapi.New(httpapi.Config{Store: sampleStore(), ReadToken: "short"}); err == nil || !strings.Contains(err.Error(), "ReadToken") {
+		t.Errorf("short ReadToken: %v", err)
+	}
+}

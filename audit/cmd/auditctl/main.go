@@ -39,6 +39,15 @@
 // again). --dry-run shows what would be sent. A real resend of more than
 // one message needs --yes; a filter selecting everything needs --all.
 //
+// Serve: --listen ADDR (default 127.0.0.1:8080). Read-only unless
+// --enable-resend, which needs the bearer token (16+ bytes) in
+// $RABBITRETRY_AUDIT_RESEND_TOKEN; with $RABBITRETRY_AUDIT_READ_TOKEN set,
+// the GET routes need it too (tokens travel in the environment, never on
+// the command line, which ps shows). Server timeouts: 5 s to read a
+// request's headers, 30 s to read a request, 5 min 30 s to write a
+// response (a resend is bounded by 5 min), 2 min idle keep-alive; on
+// SIGINT/SIGTERM requests in flight get up to 5 min to finish.
+//
 // Exit status: 0 success, 1 operation failed (database or broker
 // unreachable, message not found, a matched message not resent), 2 usage
 // error.

@@ -42,8 +42,11 @@ const (
 	defaultListen = "127.0.0.1:8080"
 	// tokenEnv holds the bearer token of serve --enable-resend (an
 	// environment variable, not a flag: flags show in ps).
-	tokenEnv   = "RABBITRETRY_AUDIT_RESEND_TOKEN"
-	errorWidth = 60
+	tokenEnv = "RABBITRETRY_AUDIT_RESEND_TOKEN"
+	// readTokenEnv, when set, is the bearer token the GET routes of serve
+	// require (httpapi.Config.ReadToken).
+	readTokenEnv = "RABBITRETRY_AUDIT_READ_TOKEN"
+	errorWidth   = 60
 	// bodyPreview is how much of a body show prints.
 	bodyPreview = 2048
 	// maxResultLines bounds the per-message lines resend prints.
@@ -173,6 +176,9 @@ func init() {
 		}, check: func(o *options) string {
 			if o.enableResend && len(os.Getenv(tokenEnv)) < 16 {
 				return "serve: --enable-resend needs a bearer token of at least 16 bytes in $" + tokenEnv
+			}
+			if rt := os.Getenv(readTokenEnv); rt != "" && len(rt) < 16 {
+				return "serve: $" + readTokenEnv + " must be at least 16 bytes"
 			}
 			return ""
 		}, run: cmdServe},
@@ -803,9 +809,10 @@ func cmdServe(e *env) int {
 	defer st.Close()
 	logger := watermill.NewStdLoggerWithOut(e.stderr, false, false)
 	cfg := httpapi.Config{
-		Store:  st,
-		Stats:  func(ctx context.Context) (any, error) { return stats(ctx, st) },
-		Logger: logger,
+		Store:     st,
+		Stats:     func(ctx context.Context) (any, error) { return stats(ctx, st) },
+		Logger:    logger,
+		ReadToken: os.Getenv(readTokenEnv),
 	}
 	if e.o.enableResend {
 		r, err := audit.NewResender(audit.ResenderConfig{URI: e.o.uri, Store: st, LoopBackExchange: e.o.loopBack, Logger: logger})
@@ -834,6 +841,9 @@ func cmdServe(e *env) int {
 	mode := "read-only"
 	if e.o.enableResend {
 		mode = "resend enabled (bearer token)"
+	}
+	if cfg.ReadToken != "" {
+		mode += ", reads need $" + readTokenEnv
 	}
 	fmt.Fprintf(e.stderr, "auditctl: serving http://%s (%s)\n", ln.Addr(), mode)
 	errc := make(chan error, 1)

@@ -11,6 +11,7 @@ import (
 	"net/http"
 	"regexp"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -376,43 +377,102 @@ func TestResend(t *testing.T) {
 	tp.drain(t, tp.q2, 0)
 }
 
-func TestServe(t *testing.T) {
-	fx := newFixture(t, "orders", "order.created", "billing")
+// startServe runs auditctl serve on a free port; stop cancels it and
+// checks it exited 0.
+func startServe(t *testing.T, global []string, serveFlags ...string) (base string, stop func()) {
+	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	var stderr testkit.SyncBuffer
 	done := make(chan int, 1)
 	go func() {
-		done <- runContext(ctx, append(append([]string{}, fx.base...), "serve", "--listen", "127.0.0.1:0"), io.Discard, &stderr)
+		args := append(append(append([]string{}, global...), "serve", "--listen", "127.0.0.1:0"), serveFlags...)
+		done <- runContext(ctx, args, io.Discard, &stderr)
 	}()
 	re := regexp.MustCompile(`serving (http://[0-9.:]+)`)
-	testkit.WaitFor(t, 10*time.Second, "serve to listen", func() bool { return re.MatchString(stderr.String()) })
-	base := re.FindStringSubmatch(stderr.String())[1]
-	get := func(method, path string) (int, string) {
-		req, _ := http.NewRequest(method, base+path, strings.NewReader(`{"filter":{"message_id":"m-01"},"mode":"to-queue"}`))
-		resp, err := http.DefaultClient.Do(req)
-		if err != nil {
-			t.Fatal(err)
+	testkit.WaitFor(t, 10*time.Second, "serve to listen", func() bool {
+		select {
+		case code := <-done:
+			t.Fatalf("serve exited %d: %s", code, stderr.String())
+		default:
 		}
-		defer resp.Body.Close()
-		b, _ := io.ReadAll(resp.Body)
-		return resp.StatusCode, string(b)
+		return re.MatchString(stderr.String())
+	})
+	var once sync.Once
+	stop = func() {
+		once.Do(func() {
+			cancel()
+			if code := testkit.Recv(t, done, 10*time.Second); code != exitOK {
+				t.Errorf("serve exit %d: %s", code, stderr.String())
+			}
+		})
 	}
-	code, body := get("GET", "/v1/messages?header=tenant=acme&limit=3")
+	t.Cleanup(stop)
+	return re.FindStringSubmatch(stderr.String())[1], stop
+}
+
+func httpDo(t *testing.T, method, url, auth, body string) (int, string) {
+	t.Helper()
+	req, _ := http.NewRequest(method, url, strings.NewReader(body))
+	if auth != "" {
+		req.Header.Set("Authorization", "Bearer "+auth)
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return resp.StatusCode, string(b)
+}
+
+func TestServe(t *testing.T) {
+	fx := newFixture(t, "orders", "order.created", "billing")
+	t.Setenv(readTokenEnv, "")
+	t.Setenv(tokenEnv, "")
+	base, stop := startServe(t, fx.base)
+	code, body := httpDo(t, "GET", base+"/v1/messages?header=tenant=acme&limit=3", "", "")
 	var sr httpapi.SearchResponse
 	if err := json.Unmarshal([]byte(body), &sr); code != 200 || err != nil || len(sr.Messages) != 3 || sr.Next == "" {
 		t.Fatalf("search: %d %s", code, body)
 	}
-	if code, body := get("GET", "/v1/messages/m-03"); code != 200 || !strings.Contains(body, `"message_id": "m-03"`) {
+	if code, body := httpDo(t, "GET", base+"/v1/messages/m-03", "", ""); code != 200 || !strings.Contains(body, `"message_id": "m-03"`) {
 		t.Fatalf("get: %d %s", code, body)
 	}
-	if code, body := get("GET", "/v1/stats"); code != 200 || !strings.Contains(body, `"arrivals": 10`) {
+	if code, body := httpDo(t, "GET", base+"/v1/stats", "", ""); code != 200 || !strings.Contains(body, `"arrivals": 10`) {
 		t.Fatalf("stats: %d %s", code, body)
 	}
-	if code, _ := get("POST", "/v1/resend"); code != 404 {
+	if code, _ := httpDo(t, "POST", base+"/v1/resend", "", `{"filter":{"message_id":"m-01"},"mode":"to-queue"}`); code != 404 {
 		t.Fatalf("resend on a read-only server: %d, want 404", code)
 	}
-	cancel()
-	if code := testkit.Recv(t, done, 10*time.Second); code != exitOK {
-		t.Fatalf("serve exit %d: %s", code, stderr.String())
+	stop()
+}
+
+func TestServeWithTokens(t *testing.T) {
+	fx := newFixture(t, "orders", "order.created", "billing")
+	const readTok, resendTok = "read-token-abcdefghijkl", "resend-token-abcdefghijkl"
+	t.Setenv(readTokenEnv, readTok)
+	t.Setenv(tokenEnv, resendTok)
+	global := append(append([]string{}, fx.base...), "--uri", "amqp://guest:guest@127.0.0.1:1/")
+	base, stop := startServe(t, global)
+	if code, _ := httpDo(t, "GET", base+"/v1/messages?queue=billing", "", ""); code != 401 {
+		t.Fatalf("read without token: %d", code)
+	}
+	if code, _ := httpDo(t, "GET", base+"/v1/messages?queue=billing", readTok, ""); code != 200 {
+		t.Fatalf("read with token: %d", code)
+	}
+	// Not enabled: 404 even with the right token.
+	req := `{"filter":{"message_id":"m-05"},"mode":"to-queue","dry_run":true}`
+	if code, _ := httpDo(t, "POST", base+"/v1/resend", resendTok, req); code != 404 {
+		t.Fatalf("resend not enabled: %d", code)
+	}
+	stop()
+	base, _ = startServe(t, global, "--enable-resend")
+	if code, _ := httpDo(t, "POST", base+"/v1/resend", readTok, req); code != 403 {
+		t.Fatalf("resend with the read token: %d", code)
+	}
+	code, body := httpDo(t, "POST", base+"/v1/resend", resendTok, req)
+	var rep audit.ResendReport
+	if err := json.Unmarshal([]byte(body), &rep); code != 200 || err != nil || rep.Sent != 1 || rep.Results[0].Queue != "billing" || !rep.DryRun {
+		t.Fatalf("dry-run resend: %d %s", code, body)
 	}
 }
