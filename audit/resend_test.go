@@ -493,3 +493,46 @@ func TestResendCanceledReportsUnsent(t *testing.T) {
 	tp.drain(t, tp.q1, 0)
 	tp.drain(t, tp.q2, 0)
 }
+
+// Within one pipelined batch, each message gets its own outcome: a queue
+// that takes 2 messages and refuses more (x-max-length=2,
+// x-overflow=reject-publish: the broker nacks) leaves 2 sent, 3 failed,
+// in order.
+func TestResendNackedInTheMiddleOfABatch(t *testing.T) {
+	tp := newResendTopology(t)
+	full := testkit.UniqueName(t, "full")
+	if _, err := tp.ch.QueueDeclare(full, false, true, false, false, amqp.Table{"x-max-length": int32(2), "x-overflow": "reject-publish"}); err != nil {
+		t.Fatal(err)
+	}
+	if err := tp.ch.QueueBind(full, full, tp.loopBack, false, nil); err != nil {
+		t.Fatal(err)
+	}
+	st := newResendMemStore()
+	var arr []audit.Arrival
+	for i := range 5 {
+		arr = append(arr, resendArrival(fmt.Sprintf("m-%d", i), tp.business, tp.key, nil, fmt.Sprint(i)))
+	}
+	_ = st.Write(context.Background(), arr, nil)
+	r := newTestResender(t, st, tp)
+	rep, err := r.Resend(context.Background(), audit.Filter{Exchange: tp.business}, audit.ResendOptions{Mode: audit.ResendToQueue, Queue: full})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var got []string
+	for _, res := range rep.Results {
+		got = append(got, res.MessageID+":"+res.Status)
+		if res.Status == audit.StatusFailed && !strings.Contains(res.Error, "nack") {
+			t.Errorf("%s: %q, want a nack", res.MessageID, res.Error)
+		}
+	}
+	if want := "m-0:sent m-1:sent m-2:failed m-3:failed m-4:failed"; strings.Join(got, " ") != want || rep.Sent != 2 || rep.Failed != 3 {
+		t.Fatalf("got %s, want %s (%+v)", strings.Join(got, " "), want, rep)
+	}
+	bodies := ""
+	for _, d := range tp.drain(t, full, 2) {
+		bodies += string(d.Body)
+	}
+	if bodies != "01" {
+		t.Fatalf("queue holds %q, want the two oldest in order", bodies)
+	}
+}
