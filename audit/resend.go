@@ -177,6 +177,7 @@ const (
 
 // ResendResult is what Resend did with one message.
 type ResendResult struct {
+	// MessageID is the message's id (the Watermill UUID).
 	MessageID string `json:"message_id"`
 	// Exchange and RoutingKey are where it was (or would be) published;
 	// Queue is the target queue of ResendToQueue.
@@ -184,7 +185,8 @@ type ResendResult struct {
 	RoutingKey string `json:"routing_key"`
 	Queue      string `json:"queue,omitempty"`
 	// Status is one of StatusSent, StatusWouldSend, StatusFailed,
-	// StatusSkipped; Error says why for failed and skipped.
+	// StatusSkipped, StatusUnsent; Error says why for all but the first
+	// two.
 	Status string `json:"status"`
 	Error  string `json:"error,omitempty"`
 }

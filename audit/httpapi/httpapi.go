@@ -55,8 +55,10 @@ import (
 
 // Search limits, as pgstore's.
 const (
+	// DefaultLimit is the page size of GET /v1/messages without limit=.
 	DefaultLimit = 100
-	MaxLimit     = 10000
+	// MaxLimit is the largest limit= (and filter.limit of a resend).
+	MaxLimit = 10000
 )
 
 // DefaultResendTimeout bounds one POST /v1/resend.
@@ -237,14 +239,23 @@ func (a *api) stats(w http.ResponseWriter, r *http.Request) {
 	writeJSON(w, http.StatusOK, s)
 }
 
-// ResendRequest is the body of POST /v1/resend.
+// ResendRequest is the body of POST /v1/resend; the fields are
+// audit.ResendOptions's.
 type ResendRequest struct {
-	Filter   audit.Filter     `json:"filter"`
-	Mode     audit.ResendMode `json:"mode"`
-	Queue    string           `json:"queue,omitempty"`
-	DryRun   bool             `json:"dry_run,omitempty"`
-	Limit    int              `json:"limit,omitempty"`
-	AllowAll bool             `json:"allow_all,omitempty"`
+	// Filter selects the messages (audit.Filter's JSON: message_id,
+	// headers, from/to as RFC 3339, ...); filter.limit is ignored.
+	Filter audit.Filter `json:"filter"`
+	// Mode is "to-queue" or "to-exchange". Required.
+	Mode audit.ResendMode `json:"mode"`
+	// Queue names the to-queue target (default: filter.queue, else the
+	// queue of the message's attempts).
+	Queue string `json:"queue,omitempty"`
+	// DryRun reports what would be sent, sending nothing.
+	DryRun bool `json:"dry_run,omitempty"`
+	// Limit caps the messages (default audit.DefaultResendLimit, 1000).
+	Limit int `json:"limit,omitempty"`
+	// AllowAll must be true for a filter that selects every message.
+	AllowAll bool `json:"allow_all,omitempty"`
 }
 
 // ResendErrorResponse is the body of a resend that stopped part-way (500):
@@ -360,7 +371,8 @@ func validateFilter(f audit.Filter) error {
 	return nil
 }
 
-// Outcomes lists the known attempt outcomes.
+// Outcomes lists the known attempt outcomes (the values of outcome= and
+// last_outcome=).
 var Outcomes = []audit.Outcome{
 	audit.OutcomeSuccess, audit.OutcomeRetry, audit.OutcomePoisoned,
 	audit.OutcomeDropped, audit.OutcomeNacked, audit.OutcomeRequeued,
