@@ -26,8 +26,8 @@ type PruneResult struct {
 // left, so neither table is locked for long and writers keep going. It
 // returns the number of records (arrivals + attempts) deleted; see
 // PruneDetail for the split. A message whose arrival is pruned but whose
-// later attempts are not keeps its attempts (Search then shows it without
-// arrival). Prune runs alongside Write: a record written while Prune runs
+// later attempts are not keeps its attempts: Search then shows it without
+// arrival, timed by its first remaining attempt. Prune runs alongside Write: a record written while Prune runs
 // is either pruned or stays findable (a message row Prune deletes under a
 // concurrent Write is put back in the same transaction). Errors: the database's, after which the batches already
 // deleted stay deleted and Prune can simply be run again.
@@ -63,31 +63,48 @@ func (s *Store) PruneDetail(ctx context.Context, olderThan time.Time, batch int)
 		` WHERE started_at < $1 LIMIT $2)`, &r.Attempts); err != nil {
 		return r, err
 	}
-	// Messages left without records. A Write that commits while this
-	// DELETE waits for its row lock is invisible to the NOT EXISTS checks
-	// (their snapshot is older), so the same transaction puts back, from a
-	// fresh snapshot, the rows of deleted messages that have records now.
-	del := `DELETE FROM ` + s.q.messages + ` WHERE message_id IN (SELECT m.message_id FROM ` + s.q.messages + ` m
-		WHERE m.message_time < $1
-		  AND NOT EXISTS (SELECT 1 FROM ` + s.q.arrivals + ` a WHERE a.message_key = m.message_id)
-		  AND NOT EXISTS (SELECT 1 FROM ` + s.q.attempts + ` t WHERE t.message_id = m.message_id)
-		LIMIT $2)
-		RETURNING message_id`
+	// The messages rows timed before the cutoff, in (message_time,
+	// message_id) order, batch rows a transaction: each is deleted, then
+	// rebuilt from the records it still has (a message whose arrival was
+	// pruned but not its later attempts is then timed by its first
+	// remaining attempt). Rebuilding from a fresh snapshot in the same
+	// transaction also keeps a message whose record a concurrent Write
+	// committed while this DELETE waited for the row: the DELETE's own
+	// snapshot could not see that record.
+	del := `WITH c AS (SELECT message_id FROM ` + s.q.messages + `
+		WHERE message_time < $1 AND (message_time, message_id) > ($2::timestamptz, $3::text)
+		ORDER BY message_time, message_id LIMIT $4)
+	DELETE FROM ` + s.q.messages + ` m USING c WHERE m.message_id = c.message_id
+	RETURNING m.message_time, m.message_id`
+	type key struct {
+		t  time.Time
+		id string
+	}
+	after := key{t: time.Unix(0, 0).AddDate(-3000, 0, 0)}
 	for {
-		var deleted []string
+		var deleted []key
 		var restored int64
 		err := pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
-			rows, err := tx.Query(ctx, del, olderThan, batch)
+			rows, err := tx.Query(ctx, del, olderThan, after.t, after.id, batch)
 			if err != nil {
 				return err
 			}
-			if deleted, err = pgx.CollectRows(rows, pgx.RowTo[string]); err != nil {
+			deleted, err = pgx.CollectRows(rows, func(r pgx.CollectableRow) (key, error) {
+				var k key
+				err := r.Scan(&k.t, &k.id)
+				return k, err
+			})
+			if err != nil || len(deleted) == 0 {
 				return err
 			}
-			if len(deleted) == 0 {
-				return nil
+			ids := make([]string, len(deleted))
+			for i, k := range deleted {
+				ids[i] = k.id
+				if k.t.After(after.t) || (k.t.Equal(after.t) && k.id > after.id) {
+					after = k
+				}
 			}
-			tag, err := tx.Exec(ctx, s.q.rebuildMessages, deleted)
+			tag, err := tx.Exec(ctx, s.q.rebuildMessages, ids)
 			restored = tag.RowsAffected()
 			return err
 		})

@@ -48,7 +48,8 @@ func TestPrune(t *testing.T) {
 	if res.Arrivals != nOld+1 || res.Attempts != nOld+1 || res.Messages != nOld {
 		t.Fatalf("deleted arrivals=%d attempts=%d messages=%d, want %d/%d/%d", res.Arrivals, res.Attempts, res.Messages, nOld+1, nOld+1, nOld)
 	}
-	// 3001 rows at 700 a statement: 5 for arrivals, 5 for attempts, 5 for messages.
+	// 3001 rows at 700 a statement: 5 for arrivals, 5 for attempts, 5 for
+	// the 3001 messages rows timed before the cutoff (3000 + straddle).
 	if res.Statements != 15 {
 		t.Fatalf("%d DELETE statements, want 15 (batches of 700)", res.Statements)
 	}
@@ -69,10 +70,18 @@ func TestPrune(t *testing.T) {
 	if !ok || msg.Arrival != nil || len(msg.Attempts) != 1 || msg.Attempts[0].Attempt != 2 {
 		t.Fatalf("straddle after Prune: %+v", msg)
 	}
-	// Search still finds the straddling message (by its attempt).
-	got, err := s.Search(ctx, audit.Filter{Queue: "orders-q", LastOutcome: audit.OutcomeSuccess, To: cutoff})
-	if err != nil || len(got) != 1 || got[0].MessageID != "straddle" {
-		t.Fatalf("Search after Prune = %v, %v", ids(got), err)
+	// Search still finds the straddling message, now timed by its
+	// remaining attempt (cutoff+1h: the newest), and Cursor agrees with
+	// SearchPage's cursor for it.
+	page, next, err := s.SearchPage(ctx, audit.Filter{Limit: 1})
+	if err != nil || len(page) != 1 || page[0].MessageID != "straddle" {
+		t.Fatalf("newest message after Prune = %v, %v; want straddle", ids(page), err)
+	}
+	if c, err := Cursor(page[0]); err != nil || c != next {
+		t.Fatalf("Cursor(straddle) = %q, %v; SearchPage's cursor %q", c, err, next)
+	}
+	if got, err := s.Search(ctx, audit.Filter{To: cutoff}); err != nil || len(got) != 0 {
+		t.Fatalf("messages timed before the cutoff after Prune: %v, %v", ids(got), err)
 	}
 	// Nothing left to prune: one statement per table, nothing deleted.
 	n, err := s.Prune(ctx, cutoff, 0)
@@ -121,7 +130,7 @@ func TestPruneRacesWrite(t *testing.T) {
 	testkit.WaitFor(t, 30*time.Second, "Prune waiting for the Write's lock on the messages row", func() bool {
 		var n int
 		err := s.pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity
-			WHERE wait_event_type = 'Lock' AND query LIKE 'DELETE FROM %messages%'`).Scan(&n)
+			WHERE wait_event_type = 'Lock' AND pid <> pg_backend_pid() AND query LIKE '%DELETE FROM%messages%' AND query LIKE '%' || $1 || '%'`, s.schema).Scan(&n)
 		return err == nil && n > 0
 	})
 	if err := tx.Commit(ctx); err != nil {
