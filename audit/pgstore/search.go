@@ -16,7 +16,10 @@ import (
 	"github.com/rabbitretry/rabbitretry/audit"
 )
 
-// Search returns the messages matching f, newest first by message time
+// Search returns the messages matching f (times in UTC, at microsecond
+// resolution; each message whole, bodies included, so a page of MaxLimit
+// messages holds up to MaxLimit arrival bodies in memory), newest first by
+// message time
 // (the first arrival's arrived_at, else the first attempt's started_at;
 // ties by message id, descending), each with its first arrival (nil if
 // none is stored) and its attempts oldest first (by started_at, then
@@ -157,8 +160,9 @@ func scanArrival(r pgx.CollectableRow, key *string) (audit.Arrival, error) {
 		return a, err
 	}
 	if pub.Valid {
-		a.PublishedAt = pub.Time
+		a.PublishedAt = pub.Time.UTC()
 	}
+	a.ArrivedAt = a.ArrivedAt.UTC()
 	a.BodySize = int(size)
 	if a.Body == nil {
 		a.Body = []byte{}
@@ -188,6 +192,7 @@ func scanAttempt(r pgx.CollectableRow) (audit.Attempt, error) {
 		return a, err
 	}
 	a.Attempt = int(num)
+	a.StartedAt = a.StartedAt.UTC()
 	a.Duration = time.Duration(dur) * time.Microsecond
 	a.Delay = time.Duration(delay) * time.Millisecond
 	a.Tier = time.Duration(tier) * time.Millisecond

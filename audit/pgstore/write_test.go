@@ -301,3 +301,27 @@ func TestWriteArrivalsWithoutMessageID(t *testing.T) {
 		t.Fatalf("Prune = %+v, %v; want 3 arrivals, 1 attempt, 4 messages", res, err)
 	}
 }
+
+// Times come back in UTC whatever zone they were written in.
+func TestReadTimesUTC(t *testing.T) {
+	s := newTestStore(t)
+	ctx := context.Background()
+	zone := time.FixedZone("X", 5*3600+1800)
+	a := arrival("z", t0.In(zone))
+	b := attempt("z", 1, t0.Add(time.Second).In(zone), audit.OutcomeSuccess)
+	if err := s.Write(ctx, []audit.Arrival{a}, []audit.Attempt{b}); err != nil {
+		t.Fatal(err)
+	}
+	m, _, err := s.Get(ctx, "z")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for name, tm := range map[string]time.Time{"arrived": m.Arrival.ArrivedAt, "published": m.Arrival.PublishedAt, "started": m.Attempts[0].StartedAt} {
+		if tm.Location() != time.UTC {
+			t.Errorf("%s at %v, want UTC", name, tm)
+		}
+	}
+	if !m.Arrival.ArrivedAt.Equal(t0) || !m.Attempts[0].StartedAt.Equal(t0.Add(time.Second)) {
+		t.Errorf("times %v %v", m.Arrival.ArrivedAt, m.Attempts[0].StartedAt)
+	}
+}
