@@ -12,7 +12,8 @@
 //	POST /v1/resend              audit.ResendReport; 404 unless
 //	                             Config.EnableResend, 401 without
 //	                             "Authorization: Bearer <token>", 403
-//	                             with a wrong token
+//	                             with a wrong token, 409 while another
+//	                             resend runs
 //
 // Filter parameters of /v1/messages (all optional, all must match; see
 // audit.Filter): message_id, correlation_id, from, to (RFC 3339), queue,
@@ -29,7 +30,8 @@
 // POST /v1/resend takes {"filter": audit.Filter, "mode": "to-queue" |
 // "to-exchange", "queue": "...", "dry_run": true, "limit": n, "allow_all":
 // false} (unknown fields are a 400) and runs audit.Resender.Resend, which
-// refuses an empty filter without allow_all. A resend that started runs to
+// refuses an empty filter without allow_all. One resend runs at a time (a
+// second request meanwhile gets 409 Conflict). A resend that started runs to
 // its end even if the client goes away (bounded by Config.ResendTimeout),
 // and is logged with its totals.
 package httpapi
@@ -46,6 +48,7 @@ import (
 	"net/url"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -144,8 +147,9 @@ func (c Config) Validate() error {
 
 type api struct {
 	cfg       Config
-	tokenHash [32]byte // of ResendToken
-	readHash  [32]byte // of ReadToken
+	resending sync.Mutex // one resend at a time
+	tokenHash [32]byte   // of ResendToken
+	readHash  [32]byte   // of ReadToken
 }
 
 // New validates cfg and returns the API handler.
@@ -334,6 +338,13 @@ func (a *api) resend(w http.ResponseWriter, r *http.Request) {
 		writeError(w, http.StatusBadRequest, audit.ErrEmptyFilter.Error())
 		return
 	}
+	// One at a time: two operators (or a retried request) must not send
+	// the same messages twice concurrently.
+	if !a.resending.TryLock() {
+		writeError(w, http.StatusConflict, "another resend is running; try again when it has finished")
+		return
+	}
+	defer a.resending.Unlock()
 	// A resend that started finishes even if the client goes away.
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(r.Context()), a.cfg.ResendTimeout)
 	defer cancel()

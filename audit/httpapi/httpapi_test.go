@@ -349,3 +349,44 @@ func TestReadToken(t *testing.T) {
 		t.Errorf("short ReadToken: %v", err)
 	}
 }
+
+// blockingResender holds every Resend until release is closed.
+type blockingResender struct {
+	started chan struct{}
+	release chan struct{}
+}
+
+func (b *blockingResender) Resend(_ context.Context, _ audit.Filter, o audit.ResendOptions) (audit.ResendReport, error) {
+	b.started <- struct{}{}
+	<-b.release
+	return audit.ResendReport{Mode: o.Mode}, nil
+}
+
+func TestOneResendAtATime(t *testing.T) {
+	b := &blockingResender{started: make(chan struct{}, 2), release: make(chan struct{})}
+	srv := serve(t, httpapi.Config{Store: sampleStore(), Resender: b, EnableResend: true, ResendToken: token})
+	req := `{"filter":{"message_id":"m-1"},"mode":"to-queue"}`
+	first := make(chan int, 1)
+	go func() { // no t.Fatal off the test goroutine
+		r, _ := http.NewRequest("POST", srv.URL+"/v1/resend", strings.NewReader(req))
+		r.Header.Set("Authorization", "Bearer "+token)
+		resp, err := http.DefaultClient.Do(r)
+		if err != nil {
+			first <- -1
+			return
+		}
+		resp.Body.Close()
+		first <- resp.StatusCode
+	}()
+	<-b.started
+	if code, body := do(t, "POST", srv.URL+"/v1/resend", "Bearer "+token, req); code != http.StatusConflict {
+		t.Fatalf("concurrent resend: %d %s, want 409", code, body)
+	}
+	close(b.release)
+	if code := <-first; code != 200 {
+		t.Fatalf("first resend: %d", code)
+	}
+	if code, _ := do(t, "POST", srv.URL+"/v1/resend", "Bearer "+token, req); code != 200 {
+		t.Fatalf("resend after the first finished: %d", code)
+	}
+}
