@@ -14,6 +14,7 @@ import (
 
 	amqp "github.com/rabbitmq/amqp091-go"
 
+	"github.com/rabbitretry/rabbitretry/amqpretry"
 	"github.com/rabbitretry/rabbitretry/audit"
 	"github.com/rabbitretry/rabbitretry/internal/testkit"
 )
@@ -302,7 +303,8 @@ func TestResendToQueueReachesOnlyThatQueue(t *testing.T) {
 func TestResendToExchangeReachesEveryBoundQueue(t *testing.T) {
 	tp := newResendTopology(t)
 	st := newResendMemStore()
-	_ = st.Write(context.Background(), []audit.Arrival{resendArrival("m-1", tp.business, tp.key, nil, "hello")}, nil)
+	_ = st.Write(context.Background(), []audit.Arrival{resendArrival("m-1", tp.business, tp.key,
+		map[string]any{"rabbitretry-original-exchange": "forged", "x-death": []any{}, "keep": "me"}, "hello")}, nil)
 	r := newTestResender(t, st, tp)
 	rep, err := r.Resend(context.Background(), audit.Filter{MessageID: "m-1"}, audit.ResendOptions{Mode: audit.ResendToExchange})
 	if err != nil || rep.Sent != 1 {
@@ -315,6 +317,11 @@ func TestResendToExchangeReachesEveryBoundQueue(t *testing.T) {
 		d := tp.drain(t, q, 1)[0]
 		if string(d.Body) != "hello" || d.MessageId != "m-1" {
 			t.Fatalf("%s got %q message-id %q (no UUID header: message-id carries the id)", q, d.Body, d.MessageId)
+		}
+		for k := range d.Headers {
+			if k != "keep" && k != audit.ResentKey && k != amqpretry.PublishIDHeader {
+				t.Fatalf("%s: header %s carried or added on a to-exchange resend: %#v", q, k, d.Headers)
+			}
 		}
 	}
 }
