@@ -46,7 +46,7 @@ SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::int[], 
                      $8::text[], $9::bigint[], $10::bigint[], $11::text[], $12::text[])
 ON CONFLICT (id) DO NOTHING`)
 	newer := `(EXCLUDED.last_attempt IS NOT NULL AND (m.last_attempt IS NULL OR
-	(EXCLUDED.last_attempt, EXCLUDED.last_started_at, EXCLUDED.last_attempt_id) > (m.last_attempt, m.last_started_at, m.last_attempt_id)))`
+	(EXCLUDED.last_attempt, EXCLUDED.last_started_at, EXCLUDED.last_attempt_id COLLATE "C") > (m.last_attempt, m.last_started_at, m.last_attempt_id COLLATE "C")))`
 	q.upsertMessages = r.Replace(`INSERT INTO {messages} AS m (message_id, first_arrival_at, first_started_at, last_attempt, last_started_at, last_attempt_id, last_outcome)
 SELECT * FROM unnest($1::text[], $2::timestamptz[], $3::timestamptz[], $4::int[], $5::timestamptz[], $6::text[], $7::text[])
 ON CONFLICT (message_id) DO UPDATE SET
@@ -70,7 +70,7 @@ SELECT k.id,
 	l.attempt, l.started_at, l.id, l.outcome
 FROM unnest($1::text[]) AS k(id)
 LEFT JOIN LATERAL (SELECT t.attempt, t.started_at, t.id, t.outcome FROM {attempts} t WHERE t.message_id = k.id
-	ORDER BY t.attempt DESC, t.started_at DESC, t.id DESC LIMIT 1) l ON true
+	ORDER BY t.attempt DESC, t.started_at DESC, t.id COLLATE "C" DESC LIMIT 1) l ON true
 WHERE EXISTS (SELECT 1 FROM {arrivals} a WHERE a.message_key = k.id)
    OR EXISTS (SELECT 1 FROM {attempts} t WHERE t.message_id = k.id)
 ON CONFLICT (message_id) DO NOTHING`)

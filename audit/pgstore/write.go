@@ -165,8 +165,8 @@ func buildWriteBatch(q queries, arrivals []audit.Arrival, attempts []audit.Attem
 	return b, nil
 }
 
-// newer orders attempts by (attempt number, start, id), the order the
-// messages table's last_* columns follow.
+// newer orders attempts by (attempt number, start, id in byte order), the
+// order the messages table's last_* columns follow (COLLATE "C" there).
 func newer(n int32, t time.Time, id string, on int32, ot time.Time, oid string) bool {
 	if n != on {
 		return n > on
