@@ -233,8 +233,9 @@ func (s *Store) searchSQL(f audit.Filter) (string, []any, int, error) {
 	}
 	if f.CorrelationID != "" {
 		p := a.add(f.CorrelationID)
-		conds = append(conds, "m.message_id IN (SELECT "+arrivalKey("")+" FROM "+s.q.arrivals+" WHERE correlation_id = "+p+
-			" UNION SELECT message_id FROM "+s.q.attempts+" WHERE correlation_id = "+p+")")
+		// "<> ''" lets generic plans use the partial indexes.
+		conds = append(conds, "m.message_id IN (SELECT "+arrivalKey("")+" FROM "+s.q.arrivals+" WHERE correlation_id = "+p+" AND correlation_id <> ''"+
+			" UNION SELECT message_id FROM "+s.q.attempts+" WHERE correlation_id = "+p+" AND correlation_id <> '')")
 	}
 	if !f.From.IsZero() {
 		conds = append(conds, "m.message_time >= "+a.add(f.From))
@@ -267,7 +268,7 @@ func (s *Store) searchSQL(f audit.Filter) (string, []any, int, error) {
 		tc = append(tc, "t.outcome = "+a.add(string(f.Outcome)))
 	}
 	if f.ErrorClass != "" {
-		tc = append(tc, "t.error_class = "+a.add(f.ErrorClass))
+		tc = append(tc, "t.error_class = "+a.add(f.ErrorClass)+" AND t.error_class <> ''")
 	}
 	if f.ErrorContains != "" {
 		tc = append(tc, "t.error ILIKE "+a.add("%"+likeEscape(f.ErrorContains)+"%"))
