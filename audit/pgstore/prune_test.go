@@ -3,6 +3,8 @@ package pgstore
 import (
 	"context"
 	"fmt"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -151,5 +153,115 @@ func TestPruneRacesWrite(t *testing.T) {
 	}
 	if res.r.Arrivals != 1 || res.r.Messages != 0 {
 		t.Fatalf("PruneDetail = %+v, want 1 arrival and no message deleted", res.r)
+	}
+}
+
+// Writers and Prune at once, records on both sides of the cutoff: no
+// record ever lacks its messages row (it would be invisible to Search),
+// every record at or after the cutoff survives, and once the writers stop
+// a last Prune leaves nothing before the cutoff.
+func TestPruneConcurrentWriters(t *testing.T) {
+	s := newTestStore(t)
+	ctx := context.Background()
+	cutoff := t0
+	const writers, batches, perBatch = 4, 15, 150
+	var wg sync.WaitGroup
+	var newRecords atomic.Int64
+	errs := make(chan error, writers+1)
+	for w := range writers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for b := range batches {
+				var arr []audit.Arrival
+				var att []audit.Attempt
+				for i := range perBatch / 3 {
+					// Messages shared across writers (same ids, other batches).
+					mid := fmt.Sprintf("w-%02d-%03d", (w+b)%writers, (b*perBatch/3+i)%200)
+					// Times from cutoff-30m to cutoff+30m.
+					at := cutoff.Add(time.Duration((w*7919+b*104729+i*31)%3600-1800) * time.Second)
+					a := arrival(mid, at)
+					a.ID = fmt.Sprintf("arr-%d-%d-%d", w, b, i)
+					arr = append(arr, a)
+					for k := 1; k <= 2; k++ {
+						x := attempt(mid, k, at.Add(time.Duration(k*90)*time.Second), audit.OutcomeRetry)
+						x.ID = fmt.Sprintf("att-%d-%d-%d-%d", w, b, i, k)
+						att = append(att, x)
+					}
+				}
+				n := int64(0)
+				for _, a := range arr {
+					if !a.ArrivedAt.Before(cutoff) {
+						n++
+					}
+				}
+				for _, a := range att {
+					if !a.StartedAt.Before(cutoff) {
+						n++
+					}
+				}
+				if err := s.Write(ctx, arr, att); err != nil {
+					errs <- err
+					return
+				}
+				newRecords.Add(n)
+			}
+		}()
+	}
+	stop := make(chan struct{})
+	pruned := make(chan PruneResult, 1)
+	go func() {
+		var total PruneResult
+		defer func() { pruned <- total }()
+		for {
+			r, err := s.PruneDetail(ctx, cutoff, 50)
+			if err != nil {
+				errs <- err
+				return
+			}
+			total.Arrivals += r.Arrivals
+			total.Attempts += r.Attempts
+			total.Messages += r.Messages
+			total.Statements += r.Statements
+			select {
+			case <-stop:
+				return
+			default:
+			}
+		}
+	}()
+	wg.Wait()
+	close(stop)
+	total := testkit.Recv(t, pruned, 60*time.Second)
+	close(errs)
+	for err := range errs {
+		t.Fatal(err)
+	}
+	orphans := func() int64 {
+		var n int64
+		if err := s.pool.QueryRow(ctx, `SELECT
+			(SELECT count(*) FROM `+s.q.arrivals+` a WHERE NOT EXISTS (SELECT 1 FROM `+s.q.messages+` m WHERE m.message_id = a.message_key)) +
+			(SELECT count(*) FROM `+s.q.attempts+` t WHERE NOT EXISTS (SELECT 1 FROM `+s.q.messages+` m WHERE m.message_id = t.message_id))`).Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		return n
+	}
+	if n := orphans(); n != 0 {
+		t.Fatalf("%d records without their messages row after concurrent Write and Prune", n)
+	}
+	if _, err := s.Prune(ctx, cutoff, 0); err != nil {
+		t.Fatal(err)
+	}
+	var old, kept int64
+	if err := s.pool.QueryRow(ctx, `SELECT
+		(SELECT count(*) FROM `+s.q.arrivals+` WHERE arrived_at < $1) + (SELECT count(*) FROM `+s.q.attempts+` WHERE started_at < $1) +
+		(SELECT count(*) FROM `+s.q.messages+` WHERE message_time < $1),
+		(SELECT count(*) FROM `+s.q.arrivals+`) + (SELECT count(*) FROM `+s.q.attempts+`)`, cutoff).Scan(&old, &kept); err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("ACCOUNT %s: written=%d records (%d at/after the cutoff), concurrent prunes deleted %d arrivals + %d attempts in %d statements, kept=%d, orphans=0, old left=%d",
+		t.Name(), writers*batches*perBatch, newRecords.Load(), total.Arrivals, total.Attempts, total.Statements, kept, old)
+	if old != 0 || kept != newRecords.Load() || orphans() != 0 {
+		t.Fatalf("after the last Prune: %d rows before the cutoff, %d records kept (want %d), %d orphans", old, kept, newRecords.Load(), orphans())
 	}
 }
