@@ -67,13 +67,14 @@ func (s *Store) PruneDetail(ctx context.Context, olderThan time.Time, batch int)
 	// message_id) order, batch rows a transaction: each is deleted, then
 	// rebuilt from the records it still has (a message whose arrival was
 	// pruned but not its later attempts is then timed by its first
-	// remaining attempt). Rebuilding from a fresh snapshot in the same
-	// transaction also keeps a message whose record a concurrent Write
-	// committed while this DELETE waited for the row: the DELETE's own
-	// snapshot could not see that record.
+	// remaining attempt). Rows a Write holds are skipped (SKIP LOCKED: the
+	// next Prune gets them), so Prune never waits for a writer and cannot
+	// deadlock with one (Writes lock messages rows in key order, Prune in
+	// time order). Rebuilding from a fresh snapshot in the same transaction
+	// keeps a message whose record a Write committed meanwhile.
 	del := `WITH c AS (SELECT message_id FROM ` + s.q.messages + `
 		WHERE message_time < $1 AND (message_time, message_id) > ($2::timestamptz, $3::text)
-		ORDER BY message_time, message_id LIMIT $4)
+		ORDER BY message_time, message_id LIMIT $4 FOR UPDATE SKIP LOCKED)
 	DELETE FROM ` + s.q.messages + ` m USING c WHERE m.message_id = c.message_id
 	RETURNING m.message_time, m.message_id`
 	type key struct {
