@@ -45,7 +45,9 @@ import (
 //     from the routing arithmetic (popcount of the grain count; 1 for a
 //     tier) and measured as the x-death entries of the delivered messages;
 //     publishes = 1 client publish + 1 broker dead-letter publish per hop.
-//  3. scheduling throughput: -n cascade-sched=N (default 20,000) confirmed
+//  3. scheduling latency and throughput: 1,000 confirmed schedules one at
+//     a time (latency p50/p99: what a handler waits per retry), then
+//     -n cascade-sched=N (default 20,000) confirmed
 //     schedules from -cascade-workers goroutines (default 64) on one
 //     amqpretry ConfirmPublisher, delays uniform in [1 h, 2 h): to a tier's
 //     wait queue (what amqpretry's Delayer does: marshal, publish to the
@@ -53,11 +55,13 @@ import (
 //     default queue type (tiers: classic wait queues, cascade: quorum
 //     levels) and with the other one (variants tiers-quorum,
 //     cascade-classic), to tell the topology's cost from the queue type's.
-//  4. memory: the same fill continued to -n cascade-mem=N (default
-//     100,000) waiting messages: broker queue memory (rabbitmqctl
-//     list_queues), node memory (rabbitmqctl status) before and after,
-//     and this process's RSS / heap after a GC, for the tiers' 1 h and 2 h
-//     wait queues vs the cascade's levels; then deleted.
+//     Three rounds, variants rotated, queues purged after each; medians.
+//  4. memory: variant by variant, -n cascade-mem=N (default 100,000)
+//     messages scheduled and left waiting: broker queue memory
+//     (rabbitmqctl list_queues), node memory (rabbitmqctl status) before
+//     and after, and this process's RSS / heap after a GC, for the tiers'
+//     1 h and 2 h wait queues vs the cascade's levels; then purged, and
+//     everything deleted at the end.
 //
 // Duration: the accuracy part waits for its longest tier (10 min with the
 // default bands), so the scenario takes about 13-15 minutes; it is not in
@@ -132,16 +136,24 @@ type cascadeHops struct {
 }
 
 type cascadeSched struct {
-	Variant      string  `json:"variant"`
-	Messages     int     `json:"messages"`
-	Workers      int     `json:"workers"`
-	Seconds      float64 `json:"seconds"`
-	RatePerS     float64 `json:"rate_per_s"`
-	RestRatePerS float64 `json:"rest_of_fill_rate_per_s,omitempty"` // the memory fill after the first Messages
+	Variant  string    `json:"variant"`
+	Messages int       `json:"messages"`
+	Workers  int       `json:"workers"`
+	Rounds   int       `json:"rounds"`
+	RatePerS float64   `json:"rate_per_s"` // median over the rounds
+	Rates    []float64 `json:"rates_per_s"`
+	// One goroutine, one schedule at a time (before the parallel phase of
+	// each round): what one handler waits per retry; latency percentiles
+	// over all rounds, rate the median.
+	SerialMessages int     `json:"serial_messages"`
+	SerialRatePerS float64 `json:"serial_rate_per_s"`
+	SerialP50Ms    float64 `json:"serial_latency_p50_ms"`
+	SerialP99Ms    float64 `json:"serial_latency_p99_ms"`
 }
 
 type cascadeMem struct {
 	Variant      string      `json:"variant"`
+	FillRatePerS float64     `json:"fill_rate_per_s"`
 	Waiting      int64       `json:"waiting_messages"` // list_queues messages, summed
 	Queues       int         `json:"queues_holding"`   // queues with messages
 	QueueMiB     float64     `json:"queue_memory_mib"` // list_queues memory, summed over the variant's queues
@@ -208,10 +220,8 @@ func (b *bench) scenarioCascade() error {
 		}
 	}
 	if slices.Contains(o.parts, "sched") || slices.Contains(o.parts, "memory") {
-		for _, v := range cascadeFillVariants {
-			if err := b.cascadeFill(res, v); err != nil {
-				errs = append(errs, fmt.Errorf("%s fill: %w", v, err))
-			}
+		if err := b.cascadeFill(res); err != nil {
+			errs = append(errs, fmt.Errorf("scheduling/memory: %w", err))
 		}
 	}
 	b.cascadeRows(res)
@@ -499,23 +509,21 @@ func retryLikeMessage(i int, origin string, d time.Duration) *message.Message {
 	return msg
 }
 
-// cascadeFill runs parts 3 and 4 for one variant: a consumer topology for
-// an originating queue (nothing consumes), then the first cascade-sched
-// schedules timed, the rest up to cascade-mem, and the memory read.
-func (b *bench) cascadeFill(res *cascadeResult, variant string) (err error) {
+// fillVariant is one variant of parts 3 and 4: the topology of an
+// originating queue q (nothing consumes it) and how a delayed message is
+// scheduled for q.
+type fillVariant struct {
+	name     string
+	q        string
+	schedule func(ctx context.Context, msg *message.Message, d time.Duration) error
+	holders  []string // queues holding the waiting messages
+	close    func()
+}
+
+func (b *bench) newFillVariant(res *cascadeResult, variant string) (*fillVariant, error) {
 	e := b.env
-	defer func() {
-		if cerr := e.cleanup(); cerr != nil && err == nil {
-			err = cerr
-		}
-	}()
-	nSched := b.size("cascade-sched", 20000)
-	nMem := b.size("cascade-mem", 100000)
-	if !slices.Contains(b.cascade.parts, "memory") {
-		nMem = nSched
-	}
-	nMem = max(nMem, nSched)
-	q := e.name("cas", "fill", variant)
+	v := &fillVariant{name: variant, q: e.name("cas", "fill", variant)}
+	q := v.q
 	cfg := amqpretry.Config{Subscriber: wamqp.NewDurableQueueConfig(e.uri), Logger: e.logger, Naming: e.naming("cas-fill-" + variant),
 		QueueName: func(context.Context) string { return q }}
 	tiers := strings.HasPrefix(variant, "tiers")
@@ -534,17 +542,15 @@ func (b *bench) cascadeFill(res *cascadeResult, variant string) (err error) {
 	}
 	retry, _, closeAll, err := e.retryConsumer(cfg, q) // declares q's topology and, for the cascade, the levels and q's binding
 	if err != nil {
-		return err
+		return nil, err
 	}
-	defer closeAll()
-	var schedule func(ctx context.Context, msg *message.Message, d time.Duration) error
-	var holders []string // queues holding the waiting messages
+	v.close = closeAll
 	if tiers {
 		topo := retry.Topology()
 		wx := topo.Naming().WaitExchange
 		m := retry.Marshaler()
 		pub := retry.Publisher()
-		schedule = func(ctx context.Context, msg *message.Message, d time.Duration) error {
+		v.schedule = func(ctx context.Context, msg *message.Message, d time.Duration) error {
 			// what amqpretry's Delayer.Schedule does for a delay > 0
 			p, err := m.Marshal(msg)
 			if err != nil {
@@ -552,92 +558,197 @@ func (b *bench) cascadeFill(res *cascadeResult, variant string) (err error) {
 			}
 			return pub.PublishRaw(ctx, wx, topo.Naming().WaitQueue(q, topo.TierFor(d)), p)
 		}
-		holders = topo.WaitQueues(q)
-	} else {
-		dcfg := cc
-		dcfg.Publisher, dcfg.Marshaler, dcfg.QueueName = retry.Publisher(), retry.Marshaler(), func(context.Context) string { return q }
-		d, err := cascade.NewDelayer(dcfg) // what cascade.DelayerFactory builds
-		if err != nil {
-			return err
-		}
-		defer func() { _ = d.Close() }()
-		if err := d.Bind(q); err != nil {
-			return err
-		}
-		schedule = d.Schedule
-		for n := range res.Levels {
-			holders = append(holders, cc.LevelName(n))
-		}
+		v.holders = topo.WaitQueues(q)
+		return v, nil
 	}
+	dcfg := cc
+	dcfg.Publisher, dcfg.Marshaler, dcfg.QueueName = retry.Publisher(), retry.Marshaler(), func(context.Context) string { return q }
+	d, err := cascade.NewDelayer(dcfg) // what cascade.DelayerFactory builds
+	if err != nil {
+		closeAll()
+		return nil, err
+	}
+	v.close = func() {
+		_ = d.Close()
+		closeAll()
+	}
+	if err := d.Bind(q); err != nil {
+		v.close()
+		return nil, err
+	}
+	v.schedule = d.Schedule
+	for n := range res.Levels {
+		v.holders = append(v.holders, cc.LevelName(n))
+	}
+	return v, nil
+}
+
+// fillDelays are the delays of parts 3 and 4: uniform in [1 h, 2 h).
+func fillDelays(n int) []time.Duration {
 	rng := rand.New(rand.NewPCG(7, 99))
-	delays := make([]time.Duration, nMem)
+	delays := make([]time.Duration, n)
 	for i := range delays {
 		delays[i] = cascadeMemMin + time.Duration(rng.Int64N(int64(cascadeMemMin)))
 	}
-	hopSum, hopMax := 0, 0
-	for _, d := range delays {
-		h := 1
-		if !tiers {
-			h = bits.OnesCount64(uint64((d + cascade.DefaultGrain - 1) / cascade.DefaultGrain))
-		}
-		hopSum += h
-		hopMax = max(hopMax, h)
-	}
-	if variant == "tiers" || variant == "cascade" { // the other queue type passes the same queues
-		res.Hops = append(res.Hops, cascadeHops{Variant: variant, Sample: fmt.Sprintf("%d delays uniform in [1h, 2h)", nMem),
-			HopsMean: float64(hopSum) / float64(nMem), HopsMax: hopMax, PublishesMean: 1 + float64(hopSum)/float64(nMem), PublishesMax: 1 + hopMax})
-	}
+	return delays
+}
 
+// scheduleRange schedules messages from..to-1 from workers goroutines and
+// returns the wall time.
+func (v *fillVariant) scheduleRange(delays []time.Duration, from, to, workers int) (time.Duration, error) {
+	var next atomic.Int64
+	next.Store(int64(from))
+	var firstErr atomic.Pointer[error]
+	var wg sync.WaitGroup
+	t0 := time.Now()
+	for range workers {
+		wg.Go(func() {
+			for {
+				i := int(next.Add(1) - 1)
+				if i >= to || firstErr.Load() != nil {
+					return
+				}
+				if err := v.schedule(context.Background(), retryLikeMessage(i, v.q, delays[i]), delays[i]); err != nil {
+					firstErr.CompareAndSwap(nil, &err)
+					return
+				}
+			}
+		})
+	}
+	wg.Wait()
+	if p := firstErr.Load(); p != nil {
+		return 0, *p
+	}
+	return time.Since(t0), nil
+}
+
+// purge empties the variant's holding queues.
+func (v *fillVariant) purge(e *env) error {
+	ch, err := e.channel()
+	if err != nil {
+		return err
+	}
+	defer func() { _ = ch.Close() }()
+	for _, h := range v.holders {
+		if _, err := ch.QueuePurge(h, false); err != nil {
+			return fmt.Errorf("purging %s: %w", h, err)
+		}
+	}
+	return nil
+}
+
+// cascadeFill runs parts 3 and 4: the four variants' topologies side by
+// side; cascadeRounds rounds, in each every variant in turn schedules
+// 1,000 messages one at a time and then cascade-sched from the workers
+// (purged after each round); medians are reported. Then, variant by
+// variant, cascade-mem messages are scheduled and left waiting, memory is
+// read, and the queues are purged.
+func (b *bench) cascadeFill(res *cascadeResult) (err error) {
+	e := b.env
+	defer func() {
+		if cerr := e.cleanup(); cerr != nil && err == nil {
+			err = cerr
+		}
+	}()
+	nSched := b.size("cascade-sched", 20000)
+	nMem := b.size("cascade-mem", 100000)
+	nSerial := min(1000, max(nSched/10, 2)) // one goroutine: the latency a handler sees per retry
+	workers := b.cascade.workers
+	delays := fillDelays(max(nMem, nSerial+nSched))
+	var vs []*fillVariant
+	defer func() {
+		for _, v := range vs {
+			v.close()
+		}
+	}()
+	for _, name := range cascadeFillVariants {
+		v, err := b.newFillVariant(res, name)
+		if err != nil {
+			return fmt.Errorf("%s: %w", name, err)
+		}
+		vs = append(vs, v)
+		tiers := strings.HasPrefix(name, "tiers")
+		if name == "tiers" || name == "cascade" { // the other queue type passes the same queues
+			hopSum, hopMax := 0, 0
+			for _, d := range delays {
+				h := 1
+				if !tiers {
+					h = bits.OnesCount64(uint64((d + cascade.DefaultGrain - 1) / cascade.DefaultGrain))
+				}
+				hopSum += h
+				hopMax = max(hopMax, h)
+			}
+			nd := len(delays)
+			res.Hops = append(res.Hops, cascadeHops{Variant: name, Sample: fmt.Sprintf("%d delays uniform in [1h, 2h)", nd),
+				HopsMean: float64(hopSum) / float64(nd), HopsMax: hopMax, PublishesMean: 1 + float64(hopSum)/float64(nd), PublishesMax: 1 + hopMax})
+		}
+	}
+	if slices.Contains(b.cascade.parts, "sched") {
+		rates := map[string][]float64{}
+		lats := map[string][]time.Duration{}
+		serialRates := map[string][]float64{}
+		for r := range cascadeRounds {
+			for k := range vs {
+				v := vs[(k+r)%len(vs)] // rotate the order each round
+				t0 := time.Now()
+				for i := range nSerial {
+					t := time.Now()
+					if err := v.schedule(context.Background(), retryLikeMessage(i, v.q, delays[i]), delays[i]); err != nil {
+						return fmt.Errorf("%s: %w", v.name, err)
+					}
+					lats[v.name] = append(lats[v.name], time.Since(t))
+				}
+				serialRates[v.name] = append(serialRates[v.name], float64(nSerial)/time.Since(t0).Seconds())
+				took, err := v.scheduleRange(delays, nSerial, nSerial+nSched, workers)
+				if err != nil {
+					return fmt.Errorf("%s: %w", v.name, err)
+				}
+				rates[v.name] = append(rates[v.name], float64(nSched)/took.Seconds())
+				logf("cascade %s round %d: %d schedules in %.1f s (%.0f msg/s, %d workers); serial %.0f msg/s",
+					v.name, r+1, nSched, took.Seconds(), float64(nSched)/took.Seconds(), workers, serialRates[v.name][r])
+				if err := v.purge(e); err != nil {
+					return err
+				}
+			}
+		}
+		for _, v := range vs {
+			l := lats[v.name]
+			slices.Sort(l)
+			res.Sched = append(res.Sched, cascadeSched{Variant: v.name, Messages: nSched, Workers: workers, Rounds: cascadeRounds,
+				RatePerS: median(rates[v.name]), Rates: rates[v.name],
+				SerialMessages: nSerial, SerialRatePerS: median(serialRates[v.name]),
+				SerialP50Ms: ms2(percentile(l, 50)), SerialP99Ms: ms2(percentile(l, 99))})
+		}
+	}
+	if !slices.Contains(b.cascade.parts, "memory") {
+		return nil
+	}
+	for _, v := range vs {
+		if err := b.cascadeMemory(res, v, delays[:nMem]); err != nil {
+			return fmt.Errorf("%s: %w", v.name, err)
+		}
+	}
+	return nil
+}
+
+// cascadeRounds is the number of throughput rounds (median reported).
+const cascadeRounds = 3
+
+// cascadeMemory fills v with len(delays) waiting messages, reads the
+// broker's and this process's memory, and purges v's queues.
+func (b *bench) cascadeMemory(res *cascadeResult, v *fillVariant, delays []time.Duration) error {
+	e := b.env
+	nMem := len(delays)
 	runtime.GC()
 	debug.FreeOSMemory()
 	memBefore := sampleMem(3)
 	nodeBefore, nodeOK := readNodeMemory()
-	workers := b.cascade.workers
-	run := func(from, to int) (time.Duration, error) {
-		var next atomic.Int64
-		next.Store(int64(from))
-		var firstErr atomic.Pointer[error]
-		var wg sync.WaitGroup
-		t0 := time.Now()
-		for range workers {
-			wg.Go(func() {
-				for {
-					i := int(next.Add(1) - 1)
-					if i >= to || firstErr.Load() != nil {
-						return
-					}
-					if err := schedule(context.Background(), retryLikeMessage(i, q, delays[i]), delays[i]); err != nil {
-						firstErr.CompareAndSwap(nil, &err)
-						return
-					}
-				}
-			})
-		}
-		wg.Wait()
-		if p := firstErr.Load(); p != nil {
-			return 0, *p
-		}
-		return time.Since(t0), nil
-	}
-	took, err := run(0, nSched)
+	took, err := v.scheduleRange(delays, 0, nMem, b.cascade.workers)
 	if err != nil {
 		return err
 	}
-	s := cascadeSched{Variant: variant, Messages: nSched, Workers: workers, Seconds: took.Seconds(), RatePerS: float64(nSched) / took.Seconds()}
-	logf("cascade %s: %d schedules in %.1f s (%.0f msg/s, %d workers)", variant, nSched, took.Seconds(), s.RatePerS, workers)
-	if nMem > nSched {
-		rest, err := run(nSched, nMem)
-		if err != nil {
-			return err
-		}
-		s.RestRatePerS = float64(nMem-nSched) / rest.Seconds()
-		logf("cascade %s: %d more in %.1f s (%.0f msg/s)", variant, nMem-nSched, rest.Seconds(), s.RestRatePerS)
-	}
-	res.Sched = append(res.Sched, s)
-	if !slices.Contains(b.cascade.parts, "memory") {
-		return nil
-	}
-	m := cascadeMem{Variant: variant}
+	m := cascadeMem{Variant: v.name, FillRatePerS: float64(nMem) / took.Seconds()}
+	logf("cascade %s: %d scheduled in %.1f s (%.0f msg/s)", v.name, nMem, took.Seconds(), m.FillRatePerS)
 	// Quorum queues report their counts a moment after the confirms: wait
 	// until list_queues shows every message (bounded).
 	var st map[string]brokerQueue
@@ -649,7 +760,7 @@ func (b *bench) cascadeFill(res *cascadeResult, variant string) (err error) {
 			break
 		}
 		var total int64
-		for _, h := range holders {
+		for _, h := range v.holders {
 			total += st[h].Messages
 		}
 		if total >= int64(nMem) || time.Now().After(deadline) {
@@ -658,7 +769,7 @@ func (b *bench) cascadeFill(res *cascadeResult, variant string) (err error) {
 		time.Sleep(time.Second) // polling the broker's counters
 	}
 	var levels []string
-	for _, h := range holders {
+	for _, h := range v.holders {
 		q, ok := st[h]
 		if !ok {
 			continue
@@ -667,7 +778,7 @@ func (b *bench) cascadeFill(res *cascadeResult, variant string) (err error) {
 		m.QueueMiB += mib(q.MemoryBytes)
 		if q.Messages > 0 {
 			m.Queues++
-			if !tiers {
+			if !strings.HasPrefix(v.name, "tiers") {
 				levels = append(levels, fmt.Sprintf("%s:%d", h[strings.LastIndex(h, ".")+1:], q.Messages))
 			}
 		}
@@ -679,9 +790,9 @@ func (b *bench) cascadeFill(res *cascadeResult, variant string) (err error) {
 	runtime.GC()
 	debug.FreeOSMemory()
 	m.ClientBefore, m.ClientAfter = memBefore, sampleMem(3)
-	logf("cascade %s memory: %d waiting in %d queues, queue memory %.1f MiB (%s)", variant, m.Waiting, m.Queues, m.QueueMiB, m.Levels)
+	logf("cascade %s memory: %d waiting in %d queues, queue memory %.1f MiB %s", v.name, m.Waiting, m.Queues, m.QueueMiB, m.Levels)
 	res.Memory = append(res.Memory, m)
-	return nil
+	return v.purge(e)
 }
 
 // brokerQueuesStats is brokerQueueStats for every queue at once (one
@@ -742,22 +853,21 @@ func (b *bench) cascadeRows(res *cascadeResult) {
 		b.row(sc, fmt.Sprintf("hops per delayed message, %s, %s", h.Variant, h.Sample), v, "", "")
 	}
 	for _, s := range res.Sched {
-		v := fmt.Sprintf("%s (%d in %.1f s, %d goroutines)", fmtRate(s.RatePerS), s.Messages, s.Seconds, s.Workers)
-		if s.RestRatePerS > 0 {
-			v += fmt.Sprintf("; rest of the memory fill %s", fmtRate(s.RestRatePerS))
-		}
+		v := fmt.Sprintf("%s (median of %d rounds of %d, %d goroutines: %s)", fmtRate(s.RatePerS), s.Rounds, s.Messages, s.Workers, fmtRatesUnit(s.Rates))
 		what := s.Variant + ": to the tier's wait queue (amqpretry Delayer's publish)"
 		if !strings.HasPrefix(s.Variant, "tiers") {
 			what = s.Variant + ": cascade.Delayer.Schedule"
 		}
 		b.row(sc, fmt.Sprintf("scheduling throughput, confirmed, %s", what), v, "", "")
+		b.row(sc, fmt.Sprintf("one schedule at a time (%d, 1 goroutine), %s: latency p50 / p99; rate", s.SerialMessages, s.Variant),
+			fmt.Sprintf("%.2f / %.2f ms; %s", s.SerialP50Ms, s.SerialP99Ms, fmtRate(s.SerialRatePerS)), "", "")
 	}
 	for _, m := range res.Memory {
 		where := fmt.Sprintf("%s: %d %s wait queues (tiers %s)", m.Variant, len(cascadeMemTiers), cascadeVariantType[m.Variant], fmtDurs(cascadeMemTiers))
 		if !strings.HasPrefix(m.Variant, "tiers") {
 			where = fmt.Sprintf("%s: %s levels (%s)", m.Variant, cascadeVariantType[m.Variant], m.Levels)
 		}
-		b.row(sc, fmt.Sprintf("broker memory, %d waiting in %s", m.Waiting, where), fmtBrokerMem(m.QueueMiB, m.NodeBefore, m.NodeAfter), "", "")
+		b.row(sc, fmt.Sprintf("broker memory, %d waiting in %s (filled at %s)", m.Waiting, where, fmtRate(m.FillRatePerS)), fmtBrokerMem(m.QueueMiB, m.NodeBefore, m.NodeAfter), "", "")
 		if m.NodeBefore != nil && m.NodeAfter != nil {
 			b.row(sc, fmt.Sprintf("broker node breakdown delta, %s: quorum_queue_procs / quorum_ets / queue_procs / binary", m.Variant),
 				fmt.Sprintf("%+.1f / %+.1f / %+.1f / %+.1f MiB", mib(m.NodeAfter.QuorumProcs-m.NodeBefore.QuorumProcs), mib(m.NodeAfter.QuorumETS-m.NodeBefore.QuorumETS),
@@ -803,7 +913,9 @@ dead-lettering), under the run's prefix.
    the accuracy messages, measured as the number of x-death entries the
    delivered message carries (one per queue it expired from). Publishes =
    1 client publish + one dead-letter publish per hop.
-3. **Scheduling throughput**: 64 goroutines share the Retry's
+3. **Scheduling latency and throughput**: first 1,000 schedules one at a
+   time from one goroutine (the latency of each: what a handler waits per
+   retry), then 20,000 from 64 goroutines sharing the Retry's
    ConfirmPublisher (mandatory, publisher confirms; each call returns once
    confirmed); a retry-like watermill message (attempt 2, failure metadata)
    with a delay uniform in [1 h, 2 h). Tiers: marshal + publish to the wait
@@ -812,9 +924,11 @@ dead-lettering), under the run's prefix.
    (what DelayerFactory installs). Each with its default queue type (tiers:
    classic wait queues; cascade: quorum levels) and with the other one
    (tiers-quorum: ` + "`QueueType: quorum`" + `; cascade-classic: ` + "`cascade.Config{QueueType: classic}`" + `,
-   at-most-once between levels). Rate = messages / wall time of the first
-   20,000, queues empty at the start; variants run one after the other.
-4. **Memory**: the fill continues to 100,000 waiting per variant (nothing
+   at-most-once between levels). The four topologies exist side by side;
+   3 rounds, each variant in turn (order rotated each round), queues purged
+   after each turn; the median rate (messages / wall time) is reported.
+4. **Memory**: variant by variant, 100,000 scheduled (64 goroutines) and
+   left waiting, then purged (nothing
    expires during the measurement: the shortest wait is 1 h, in the cascade
    a message first waits in level 15 (54.6 min) or 16). Broker: ` + "`rabbitmqctl list_queues name memory messages`" + `
    summed over the variant's queues (for a quorum queue its Ra server
@@ -826,3 +940,87 @@ dead-lettering), under the run's prefix.
    variant's queues are deleted before the next variant starts; node
    figures include what the allocators keep from before and are indicative.
 `
+
+// cascadeGlance is the "at a glance" part of the Markdown report: the
+// accuracy per band, and the cost figures per variant, as two tables.
+func cascadeGlance(res *cascadeResult) string {
+	if res == nil {
+		return ""
+	}
+	var sb strings.Builder
+	sb.WriteString("\n## Tiers vs the delay cascade at a glance\n\n")
+	if len(res.Accuracy) > 0 {
+		fmt.Fprintf(&sb, "Observed - asked delay, p50 / p99 / max, %d messages per band and variant, the three variants at the same time (%.0f s):\n\n", res.PerBand, res.AccuracyS)
+		sb.WriteString("| asked | tiers: waits | tiers (classic wait queues) | cascade retry (quorum levels) | hops | cascade.Publisher (scheduled) |\n|---|---|---|---|---|---|\n")
+		acc := map[string]cascadeDelayStats{}
+		for _, a := range res.Accuracy {
+			acc[a.Variant+strconv.FormatInt(a.AskedMs, 10)] = a
+		}
+		f := func(x cascadeDelayStats) string {
+			return fmt.Sprintf("%s / %s / %s", fmtErrMs(x.P50Ms), fmtErrMs(x.P99Ms), fmtErrMs(x.MaxMs))
+		}
+		for _, ms := range res.Bands {
+			k := strconv.FormatInt(ms, 10)
+			t, c, s := acc["tiers"+k], acc["cascade"+k], acc["scheduled"+k]
+			fmt.Fprintf(&sb, "| %s | %s | %s | %s | %d | %s |\n", fmtDur(time.Duration(ms)*time.Millisecond), fmtDur(time.Duration(t.WaitMs)*time.Millisecond), f(t), f(c), c.HopsComputed, f(s))
+		}
+		sb.WriteString("\n")
+	}
+	if len(res.Sched) == 0 {
+		return sb.String()
+	}
+	cols := []string{}
+	for _, s := range res.Sched {
+		cols = append(cols, s.Variant)
+	}
+	sb.WriteString("| per variant | " + strings.Join(cols, " | ") + " |\n|---|" + strings.Repeat("---|", len(cols)) + "\n")
+	line := func(name string, cell func(v string) string) {
+		cells := make([]string, len(cols))
+		for i, v := range cols {
+			cells[i] = cell(v)
+		}
+		sb.WriteString("| " + name + " | " + strings.Join(cells, " | ") + " |\n")
+	}
+	line("queue type", func(v string) string { return cascadeVariantType[v] })
+	sched := map[string]cascadeSched{}
+	for _, s := range res.Sched {
+		sched[s.Variant] = s
+	}
+	line(fmt.Sprintf("confirmed schedules/s, %d goroutines", sched[cols[0]].Workers), func(v string) string { return fmtRate(sched[v].RatePerS) })
+	line("one at a time: latency p50 / p99", func(v string) string {
+		return fmt.Sprintf("%.2f / %.2f ms", sched[v].SerialP50Ms, sched[v].SerialP99Ms)
+	})
+	hops := map[string]cascadeHops{}
+	for _, h := range res.Hops {
+		if strings.Contains(h.Sample, "[1h, 2h)") {
+			hops[h.Variant] = h
+		}
+	}
+	base := func(v string) string { return strings.TrimSuffix(strings.TrimSuffix(v, "-quorum"), "-classic") }
+	line("queues passed (1-2 h delays): mean / max", func(v string) string {
+		h := hops[base(v)]
+		return fmt.Sprintf("%.2f / %d", h.HopsMean, h.HopsMax)
+	})
+	line("publishes per message (client + dead-letter): mean", func(v string) string { return fmt.Sprintf("%.2f", hops[base(v)].PublishesMean) })
+	mem := map[string]cascadeMem{}
+	for _, m := range res.Memory {
+		mem[m.Variant] = m
+	}
+	if len(mem) > 0 {
+		n := res.Memory[0].Waiting
+		line(fmt.Sprintf("broker: queue memory, %d waiting", n), func(v string) string { return fmt.Sprintf("%.1f MiB", mem[v].QueueMiB) })
+		line("fill rate (64 goroutines)", func(v string) string { return fmtRate(mem[v].FillRatePerS) })
+		line("broker: node memory delta, erlang / rss", func(v string) string {
+			m := mem[v]
+			if m.NodeBefore == nil || m.NodeAfter == nil {
+				return "n/a"
+			}
+			return fmt.Sprintf("%+.1f / %+.1f MiB", mib(m.NodeAfter.Erlang-m.NodeBefore.Erlang), mib(m.NodeAfter.RSS-m.NodeBefore.RSS))
+		})
+		line("client: RSS delta after GC", func(v string) string {
+			m := mem[v]
+			return fmt.Sprintf("%+.1f MiB", m.ClientAfter.RSSMiB-m.ClientBefore.RSSMiB)
+		})
+	}
+	return sb.String()
+}

@@ -65,12 +65,12 @@ import (
 var allScenarios = []string{"overhead", "storm", "retry", "delay", "memory", "concurrency"}
 
 // extraScenarios run only when named in -scenarios (they take long).
-var extraScenarios = []string{"cascade"}
+var extraScenarios = []string{"cascade", "audit"}
 
 // defaultSizes are the message counts of each scenario (-n overrides).
 var defaultSizes = map[string]int{
 	"overhead": 20000, "storm": 2000, "retry": 5000, "delay": 200, "memory": 100000, "concurrency": 20000,
-	"cascade": 20, "cascade-sched": 20000, "cascade-mem": 100000,
+	"cascade": 20, "cascade-sched": 20000, "cascade-mem": 100000, "audit": 10000,
 }
 
 type row struct {
@@ -104,6 +104,7 @@ type summary struct {
 	Memory      *memoryResult      `json:"memory,omitempty"`
 	Concurrency *concurrencyResult `json:"concurrency,omitempty"`
 	Cascade     *cascadeResult     `json:"tiers_vs_cascade,omitempty"`
+	Audit       *auditResult       `json:"audit,omitempty"`
 	Table       []row              `json:"table"`
 }
 
@@ -232,6 +233,7 @@ func main() {
 		"overhead": b.scenarioOverhead, "storm": b.scenarioStorm, "retry": b.scenarioRetryPath,
 		"delay": b.scenarioDelay, "memory": b.scenarioMemory, "concurrency": b.scenarioConcurrency,
 		"cascade": b.scenarioCascade,
+		"audit":   b.scenarioAudit,
 	}
 	start := time.Now()
 	logf("bench run %s against %s (queues and exchanges %s.*)", e.prefix, redact(*uri), e.prefix)
@@ -332,6 +334,7 @@ func markdownReport(s summary, table string) string {
 		sb.WriteString(methodNotes)
 	}
 	if slices.Contains(s.Scenarios, "cascade") {
+		sb.WriteString(cascadeGlance(s.Cascade))
 		sb.WriteString(cascadeNotes)
 	}
 	return sb.String()
