@@ -262,7 +262,9 @@ func TestAuditPostgresRestartMidStorm(t *testing.T) {
 		if w == 2 {
 			break
 		}
-		target := uint64(w*n/3 + n/6)
+		// Restart as soon as this wave's arrivals are being written, while
+		// its attempt records are still coming in.
+		target := uint64(w*n/3 + 20)
 		waitFor(t, 60*time.Second, fmt.Sprintf("%d arrivals written before restart %d", target, w+1), func() bool { return cons.Stats().Arrivals >= target })
 		t0 := time.Now()
 		if err := pg.restart(); err != nil {
