@@ -83,6 +83,15 @@ type ConsumerConfig struct {
 	// ReconnectBackoff paces reconnecting after the connection or a channel
 	// was lost. Default: exponential from 100 ms, factor 2, capped at 10 s.
 	ReconnectBackoff func() backoff.BackOff
+	// AmqpConfig, when set, is the amqp091-go configuration every
+	// connection is dialled with (TLSClientConfig, Heartbeat, Dial, Vhost,
+	// SASL, ...); it is copied, and its connection_name property set to
+	// ConnectionName. Default: heartbeat 10 s, dial timeout 10 s.
+	AmqpConfig *amqp.Config
+	// ConnectionName is the client-provided connection name shown by
+	// rabbitmqctl list_connections and the management UI ("Connections").
+	// Default "rabbitretry-audit-consumer".
+	ConnectionName string
 	// Logger logs outages and malformed records. Default NopLogger.
 	Logger watermill.LoggerAdapter
 }
@@ -123,6 +132,9 @@ func (c *ConsumerConfig) setDefaults() {
 	}
 	if c.Logger == nil {
 		c.Logger = watermill.NopLogger{}
+	}
+	if c.ConnectionName == "" {
+		c.ConnectionName = "rabbitretry-audit-consumer"
 	}
 	for i := range c.Exchanges {
 		if c.Exchanges[i].RoutingKey == "" {
@@ -224,9 +236,17 @@ func (c *Consumer) Stats() ConsumerStats {
 var ErrExchangeMissing = errors.New("audit: business exchange does not exist")
 
 func (c *Consumer) dial() (*amqp.Connection, error) {
+	cfg := amqp.Config{Dial: amqp.DefaultDial(10 * time.Second), Heartbeat: 10 * time.Second}
+	if c.cfg.AmqpConfig != nil {
+		cfg = *c.cfg.AmqpConfig
+	}
 	props := amqp.NewConnectionProperties()
-	props.SetClientConnectionName("rabbitretry-audit-consumer")
-	return amqp.DialConfig(c.cfg.URI, amqp.Config{Properties: props, Dial: amqp.DefaultDial(10 * time.Second), Heartbeat: 10 * time.Second})
+	for k, v := range cfg.Properties {
+		props[k] = v
+	}
+	props.SetClientConnectionName(c.cfg.ConnectionName)
+	cfg.Properties = props
+	return amqp.DialConfig(c.cfg.URI, cfg)
 }
 
 // Declare connects, checks that every audited exchange exists

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"net"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -574,5 +575,79 @@ func TestConsumerConfigValidate(t *testing.T) {
 		if err == nil || !strings.Contains(err.Error(), c.want) {
 			t.Errorf("%+v: error %v, want one containing %q", c.cfg, err, c.want)
 		}
+	}
+}
+
+// gateStore holds its first Write until released, then commits it.
+type gateStore struct {
+	audit.Store
+	once    sync.Once
+	entered chan struct{}
+	release chan struct{}
+}
+
+func (s *gateStore) Write(ctx context.Context, arr []audit.Arrival, att []audit.Attempt) error {
+	first := false
+	s.once.Do(func() {
+		close(s.entered)
+		<-s.release
+		first = true
+	})
+	if first {
+		// The commit completes although the consumer has gone meanwhile
+		// (it was already on its way in PostgreSQL).
+		ctx = context.WithoutCancel(ctx)
+	}
+	return s.Store.Write(ctx, arr, att)
+}
+
+// The connection dies (its socket closed) while a batch is being
+// written: the batch commits but cannot be acked; the broker requeues it,
+// the Consumer reconnects, and the redelivered records are written again
+// without duplicates.
+func TestConsumerConnectionLostMidBatch(t *testing.T) {
+	e := newBrokerEnv(t)
+	mem := audittest.NewMemoryStore()
+	store := &gateStore{Store: mem, entered: make(chan struct{}), release: make(chan struct{})}
+	var mu sync.Mutex
+	var sockets []net.Conn
+	dial := func(network, addr string) (net.Conn, error) {
+		c, err := net.DialTimeout(network, addr, 10*time.Second)
+		if err == nil {
+			mu.Lock()
+			sockets = append(sockets, c)
+			mu.Unlock()
+		}
+		return c, err
+	}
+	const n = 100
+	cons, stop := e.consumer(store, func(c *audit.ConsumerConfig) {
+		c.BatchSize = 40
+		c.AmqpConfig = &amqp.Config{Dial: dial}
+		c.ReconnectBackoff = func() backoff.BackOff { return backoff.NewConstantBackOff(50 * time.Millisecond) }
+	})
+	msgs := make([]*message.Message, n)
+	for i := range msgs {
+		msgs[i] = message.NewMessage(watermill.NewUUID(), []byte(fmt.Sprint(i)))
+	}
+	e.publish(msgs...)
+	testkit.Recv(t, store.entered, 10*time.Second)
+	mu.Lock()
+	_ = sockets[len(sockets)-1].Close() // the session's connection
+	mu.Unlock()
+	close(store.release)
+	testkit.WaitFor(t, 20*time.Second, "all arrivals stored", func() bool { a, _, _, _, _ := mem.Counts(); return a == n })
+	testkit.WaitFor(t, 10*time.Second, "arrivals queue empty", func() bool { return e.ready(e.naming.ArrivalsQueue) == 0 })
+	stop()
+	a, _, rewrites, _, _ := mem.Counts()
+	dups := 0
+	for _, v := range mem.Arrivals() {
+		dups += len(v) - 1
+	}
+	st := cons.Stats()
+	t.Logf("accounting: published %d, arrivals %d, rewritten on redelivery %d, duplicates %d, lost %d; reconnects %d",
+		n, a, rewrites, dups, n-a, st.Reconnects)
+	if st.Reconnects < 1 || rewrites < 1 || dups != 0 || a != n {
+		t.Fatalf("reconnects %d, rewrites %d, duplicates %d, arrivals %d", st.Reconnects, rewrites, dups, a)
 	}
 }
