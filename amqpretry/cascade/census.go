@@ -10,6 +10,7 @@ import (
 	"sort"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
@@ -33,8 +34,12 @@ type CensusOptions struct {
 	// still takes each message out and puts it back: a dry run is as
 	// disturbing as a census.
 	DryRun bool
-	// Concurrency is the number of put-back publishes awaiting their
-	// confirms at once. Default 32.
+	// Concurrency is the number of messages taken out and not yet put
+	// back at once: the census consumer's prefetch, and the put-back
+	// publishes awaiting their confirms. Default 128. Measured on a
+	// 2-core machine, 10,000 messages in 12 quorum levels: about 6,000
+	// messages/s with 32 and 9,000 with 128 on RabbitMQ 4.3.6 (4,800 and
+	// 6,900 on 3.10).
 	Concurrency int
 }
 
@@ -65,17 +70,19 @@ type CensusReport struct {
 	Entries []CensusEntry `json:"entries"`
 	// Destinations totals Entries per destination, by queue name.
 	Destinations []CensusEntry `json:"destinations"`
-	// Taken is the number of messages taken out of the level queues,
-	// Counted those counted in Entries (Taken less Recounted and Foreign),
-	// PutBack those put back (confirmed) and acknowledged: after a
-	// successful census PutBack == Taken.
+	// Taken is the number of messages taken out of the level queues and
+	// put back or tried to, Counted those counted in Entries (Taken less
+	// Foreign), PutBack those put back (confirmed) and acknowledged: after
+	// a successful census PutBack == Taken.
 	Taken, Counted, PutBack int
 	// Moved is the number of counted messages addressed to a destination of
 	// CensusOptions.Move (put back to the new destination, unless DryRun).
 	Moved int
-	// Recounted is the number of messages this census had already put back
-	// and met again in a lower level (put back again, not counted twice).
-	Recounted int
+	// Returned is the number of deliveries the census consumer got after
+	// deciding to stop (its own put-back copies, mostly) and left to the
+	// broker to return to the level queue, untouched, when it cancelled
+	// (at most Concurrency per level).
+	Returned int
 	// Foreign is the number of messages in a level queue whose routing key
 	// is not a cascade key of this Config (a cascade declared with other
 	// Levels, or a message published there by hand): put back into the
@@ -101,13 +108,26 @@ type CensusReport struct {
 // exchange when nothing remains, and the original is acknowledged only
 // after the confirm. So it is at-least-once: if Census or its connection
 // dies between the confirm and the ack, the message is in the cascade twice
-// and its destination gets it twice; nothing is lost. Messages are taken
-// with basic.get, never rejected or requeued: on RabbitMQ 4.x every requeue
-// of a quorum queue message counts against the queue's delivery limit
-// (x-delivery-count, default 20), and a message over the limit would be
+// and its destination gets it twice; nothing is lost.
+//
+// Messages are taken by a consumer (manual acks, prefetch Concurrency),
+// never rejected or requeued by Census: on RabbitMQ 4.x every return of a
+// quorum queue message counts against the queue's delivery limit
+// (x-delivery-count, default 20), and a message over the limit is
 // dead-lettered, i.e. passed to the next level early ("Quorum Queues",
-// poison message handling). Only when Census dies holding messages does
-// the broker return them (once; they are not lost).
+// poison message handling). When a level is done (its count at start put
+// back, or a message of this census met, or the queue empty, or ctx
+// ended), Census waits until every put-back is confirmed and acked, then
+// cancels the consumer: the deliveries it received after deciding to stop
+// (at most Concurrency, CensusReport.Returned; mostly its own put-back
+// copies) go back to the queue untouched, which on RabbitMQ 4.x counts one
+// delivery attempt each (measured on 4.3.6: x-delivery-count 1). The next
+// census puts such a message back as a fresh copy (count 0), so the counts
+// do not add up across censuses. (Acks sent after the cancel would not
+// help: RabbitMQ 4.3 returns a cancelled consumer's unacked messages at
+// once and ignores later acks, which duplicated messages in our tests.)
+// While a message is held it does not expire; its put-back copy has its
+// remaining delay, so the hold costs no lateness.
 //
 // Timing: a message is exact to the grain plus the time it was held
 // (milliseconds) when it carries DueHeader (the Delayer and Publisher stamp
@@ -117,11 +137,11 @@ type CensusReport struct {
 // to that level's TTL (2^n grains) late, never early. The put-back copy
 // carries DueHeader from then on.
 //
-// Which messages are counted: Census reads, per level, at most the number
-// of messages the level held when its turn came (passive queue.declare),
-// and stops at the first message it put back itself (CensusHeader = this
-// run's id, which it puts back again uncounted): the queue is FIFO, so it
-// has then gone round. On a quiescent cascade the counts are exact. On a
+// Which messages are counted: Census reads, per level, the number of
+// messages the level held when its turn came (passive queue.declare), and
+// stops at the first message it put back itself (CensusHeader = this run's
+// id; it leaves that one in the queue): the queue is FIFO, so it has then
+// gone round. On a quiescent cascade the counts are exact. On a
 // live one they are not a snapshot: a message that moves to a lower level
 // before that level's turn is counted there (once), one that moves to a
 // level already read is not counted; none is lost or counted twice.
@@ -132,7 +152,8 @@ type CensusReport struct {
 // error (*amqpretry.DeclareError, e.g. 404 for a missing new destination),
 // the publisher's error for a put-back (the message stays in its level
 // queue, returned by the broker when Census closes its channel), or ctx's
-// (Census stops taking messages and waits for the put-backs in flight).
+// (Census stops taking messages, finishes the put-backs in flight and
+// returns what it holds beyond them, see above).
 func Census(ctx context.Context, cfg Config, opts CensusOptions) (CensusReport, error) {
 	rep := CensusReport{Started: time.Now()}
 	c, err := newCore(cfg)
@@ -165,7 +186,7 @@ func Census(ctx context.Context, cfg Config, opts CensusOptions) (CensusReport, 
 	}
 	concurrency := opts.Concurrency
 	if concurrency <= 0 {
-		concurrency = 32
+		concurrency = 128
 	}
 	run := censusRun{c: c, opts: opts, id: newRunID(), rep: &rep, sem: make(chan struct{}, concurrency),
 		entries: map[levelQueue]*CensusEntry{}}
@@ -225,49 +246,103 @@ func newRunID() string {
 	return hex.EncodeToString(b[:])
 }
 
-// level takes out and puts back the messages of level n.
+// level takes out and puts back the messages of level n with a consumer
+// (prefetch = the put-back concurrency). It stops once it has put back the
+// level's count at start, met a message of its own, found the queue empty,
+// or ctx ended; it then waits until every put-back is confirmed and acked
+// and only then cancels the consumer, which returns the deliveries it got
+// after deciding to stop, untouched (RabbitMQ 4.x quorum queues return a
+// cancelled consumer's unacknowledged messages at once and ignore later
+// acks: acking after the cancel would duplicate them).
 func (r *censusRun) level(ctx context.Context, n int) error {
 	cfg := &r.c.cfg
 	ch, err := r.c.pub.Channel()
 	if err != nil {
 		return err
 	}
-	var wg sync.WaitGroup
-	defer func() {
-		wg.Wait() // acks first, then close: a held message is returned only on failure
-		_ = ch.Close()
-	}()
+	defer ch.Close()
 	q, err := ch.QueueDeclarePassive(cfg.LevelName(n), true, false, false, false, cfg.levelArgs(n))
 	if err != nil {
 		return fmt.Errorf("cascade: inspecting level queue %q: %w", cfg.LevelName(n), err)
 	}
-	for taken := 0; taken < q.Messages; taken++ {
-		if err := ctx.Err(); err != nil {
-			return err
-		}
-		if err := r.failed(); err != nil {
-			return err
-		}
-		d, ok, err := ch.Get(q.Name, false)
-		if err != nil {
-			return fmt.Errorf("cascade: taking a message from %q: %w", q.Name, err)
-		}
-		if !ok {
-			return nil // empty: the rest expired to a lower level meanwhile
-		}
-		own := d.Headers[CensusHeader] == r.id
-		r.sem <- struct{}{}
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			defer func() { <-r.sem }()
-			r.putBack(n, d)
-		}()
-		if own {
-			return nil // gone round: what follows was put back by this run, or came later
+	if q.Messages == 0 {
+		return nil
+	}
+	if err := ch.Qos(cap(r.sem), 0, false); err != nil {
+		return fmt.Errorf("cascade: setting the prefetch on %q: %w", q.Name, err)
+	}
+	tag := "rabbitretry-census-" + r.id
+	ds, err := ch.Consume(q.Name, tag, false, false, false, false, nil)
+	if err != nil {
+		return fmt.Errorf("cascade: consuming %q: %w", q.Name, err)
+	}
+	var wg sync.WaitGroup
+	var inFlight atomic.Int64
+	// An empty level delivers nothing: stop waiting once the queue has
+	// nothing ready and nothing of ours is in flight.
+	idle := time.NewTicker(200 * time.Millisecond)
+	defer idle.Stop()
+	taken := 0
+	closed := false
+loop:
+	for {
+		select {
+		case d, open := <-ds:
+			if !open {
+				closed = true
+				break loop
+			}
+			if d.Headers[CensusHeader] == r.id || ctx.Err() != nil || r.failed() != nil {
+				r.returned(1) // gone round (or stopping): left to the cancel, which returns it
+				break loop
+			}
+			taken++
+			r.sem <- struct{}{}
+			inFlight.Add(1)
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				defer func() { <-r.sem }()
+				r.putBack(n, d)
+				inFlight.Add(-1)
+			}()
+			if taken >= q.Messages {
+				break loop
+			}
+		case <-idle.C:
+			if ctx.Err() != nil || r.failed() != nil {
+				break loop
+			}
+			if inFlight.Load() == 0 {
+				if st, err := ch.QueueDeclarePassive(q.Name, true, false, false, false, cfg.levelArgs(n)); err != nil || st.Messages == 0 {
+					break loop // empty: the rest moved to a lower level meanwhile
+				}
+			}
 		}
 	}
-	return nil
+	wg.Wait() // every put-back confirmed and acked before the cancel
+	if closed {
+		return fmt.Errorf("cascade: the census consumer on %q ended (channel closed): the messages it held go back to the level queue", q.Name)
+	}
+	if err := ch.Cancel(tag, false); err != nil {
+		return fmt.Errorf("cascade: cancelling the census consumer on %q: %w", q.Name, err)
+	}
+	extra := 0
+	for range ds { // sent before the cancel: returned by the broker, not put back
+		extra++
+	}
+	r.returned(extra)
+	if err := r.failed(); err != nil {
+		return err
+	}
+	return ctx.Err()
+}
+
+// returned counts deliveries left to the broker to return.
+func (r *censusRun) returned(k int) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.rep.Returned += k
 }
 
 func (r *censusRun) failed() error {
@@ -289,7 +364,6 @@ func (r *censusRun) putBack(n int, d amqp.Delivery) {
 	if p.Headers == nil {
 		p.Headers = amqp.Table{}
 	}
-	own := p.Headers[CensusHeader] == r.id
 	p.Headers[CensusHeader] = r.id
 
 	var exchange, key string
@@ -350,8 +424,6 @@ func (r *censusRun) putBack(n int, d amqp.Delivery) {
 	switch {
 	case perr != nil:
 		r.rep.Foreign++
-	case own:
-		r.rep.Recounted++
 	default:
 		r.rep.Counted++
 		if movedTo != "" {

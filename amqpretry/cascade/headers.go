@@ -19,8 +19,9 @@ const DueHeader = "rabbitretry-cascade-due"
 
 // CensusHeader marks a message Census put back into the cascade, with the
 // census run's id, so that the same run, reaching it again at the tail of a
-// level queue, knows it has gone round the whole queue and does not count
-// it twice. Later runs ignore other runs' ids.
+// level queue, knows it has gone round the whole queue and stops there
+// (it does not count it twice). Later runs ignore other runs' ids; a new
+// Schedule removes it.
 const CensusHeader = "rabbitretry-cascade-census"
 
 // headerBytes estimates the size of h encoded as an AMQP field table (a

@@ -206,8 +206,8 @@ func printCensus(w io.Writer, cfg cascade.Config, sub string, co *cascadeOptions
 	}
 	fmt.Fprintf(w, "Counted %d message(s) in %v; each taken out and put back with its remaining delay",
 		rep.Counted, rep.Finished.Sub(rep.Started).Round(time.Millisecond))
-	if rep.Recounted > 0 {
-		fmt.Fprintf(w, " (%d met again in a lower level and put back again, not counted twice)", rep.Recounted)
+	if rep.Returned > 0 {
+		fmt.Fprintf(w, " (%d more deliveries, mostly its own put-back copies, left in their level queues)", rep.Returned)
 	}
 	if rep.Foreign > 0 {
 		fmt.Fprintf(w, "; %d with a key that is not this cascade's (wrong --levels?) put back unchanged", rep.Foreign)
