@@ -359,8 +359,8 @@ type LevelCount struct {
 // Waiting reports, per level (level 0 first), how many messages wait in
 // the level queue, with a passive queue.declare each. A message is counted
 // in the level it is in now; how long it still waits, and for which
-// destination, is in its routing key, which can only be read by consuming
-// it (see ParseRoutingKey), so Waiting gives no per-destination counts. It
+// destination, is in its routing key and DueHeader, which can only be read
+// by consuming it: Census does, and gives per-destination counts. It
 // returns Validate's error, ctx's error (checked between declares), or the
 // broker's error (a missing level queue: 404 NOT_FOUND, which closes ch).
 func (c Config) Waiting(ctx context.Context, ch *amqp.Channel) ([]LevelCount, error) {

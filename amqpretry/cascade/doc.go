@@ -135,11 +135,19 @@
 // # Operators
 //
 // Config.Waiting (and Delayer.Waiting, Publisher.Waiting) gives each level
-// queue's ready count (passive queue.declare). Counts per destination or
-// per remaining delay are not available without consuming the messages:
-// both are in the routing key only (ParseRoutingKey decodes one, e.g. from
-// the management UI's "Get messages"). Config.Delete removes the cascade
-// with every waiting message.
+// queue's ready count (passive queue.declare): instant, and it touches no
+// message. Counts per destination, with the earliest and latest due time,
+// come from Census: it takes the waiting messages out of the level queues
+// and puts each back with its remaining delay (every message the Delayer
+// and Publisher send carries its due time in DueHeader), acking the
+// original only after the confirmed put-back, so a crash can duplicate a
+// message, never lose it; CensusOptions.Move readdresses a queue's waiting
+// messages to another queue on the way. Config.Redirect is the instant
+// alternative for a decommissioned queue: it binds the new queue with the
+// old one's delivery pattern and unbinds the old one, so the waiting
+// messages arrive at the new queue when due, untouched. The command
+// rabbitretry-topology has both (cascade waiting|census|move|redirect).
+// Config.Delete removes the cascade with every waiting message.
 //
 // RabbitMQ pages relied upon: "Time-To-Live and Expiration" (queue TTL,
 // expiry at the head, FIFO), "Dead Letter Exchanges" (dead-lettering keeps
