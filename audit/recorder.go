@@ -263,7 +263,11 @@ type stateKey struct{}
 // chain runs. Observer events and the HandlerMiddleware run on the
 // handler's goroutine, but a handler may hand its message to others: mu
 // guards it anyway.
+//
+// It is also the message's context for the rest of the chain (the parent
+// context plus itself under stateKey): one allocation instead of two.
 type attemptState struct {
+	context.Context
 	mu        sync.Mutex
 	start     time.Time
 	ran       bool
@@ -276,6 +280,14 @@ type attemptState struct {
 	failText  string // why a retry or poison copy was not held
 	failed    bool
 	poisonCls string
+}
+
+// Value returns the state itself for stateKey, else the parent's value.
+func (st *attemptState) Value(key any) any {
+	if _, ok := key.(stateKey); ok {
+		return st
+	}
+	return st.Context.Value(key)
 }
 
 func stateOf(msg *message.Message) *attemptState {
@@ -299,8 +311,8 @@ func stateOf(msg *message.Message) *attemptState {
 // are waiting, this call blocks until there is room (never drops).
 func (r *Recorder) Middleware(h message.HandlerFunc) message.HandlerFunc {
 	return func(msg *message.Message) ([]*message.Message, error) {
-		st := &attemptState{start: time.Now()}
-		msg.SetContext(context.WithValue(msg.Context(), stateKey{}, st))
+		st := &attemptState{Context: msg.Context(), start: time.Now()}
+		msg.SetContext(st)
 		out, err := h(msg)
 		r.record(r.attemptFrom(msg, st, err))
 		return out, err
