@@ -310,6 +310,7 @@ func (e errFatal) Unwrap() error { return e.error }
 func (c *Consumer) Run(ctx context.Context) error {
 	var bo backoff.BackOff
 	for {
+		began := time.Now()
 		err := c.session(ctx)
 		if ctx.Err() != nil {
 			return nil
@@ -319,8 +320,8 @@ func (c *Consumer) Run(ctx context.Context) error {
 			return fatal.error
 		}
 		c.reconnects.Add(1)
-		if bo == nil {
-			bo = c.cfg.ReconnectBackoff()
+		if bo == nil || time.Since(began) > time.Minute {
+			bo = c.cfg.ReconnectBackoff() // a session that lasted starts the backoff over
 		}
 		wait := bo.NextBackOff()
 		if wait == backoff.Stop {
@@ -333,9 +334,6 @@ func (c *Consumer) Run(ctx context.Context) error {
 			t.Stop()
 			return nil
 		case <-t.C:
-		}
-		if err == nil {
-			bo.Reset()
 		}
 	}
 }

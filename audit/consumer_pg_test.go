@@ -160,3 +160,29 @@ func TestConsumerThroughputPostgres(t *testing.T) {
 		2*half, st.Arrivals, st.Attempts, took.Round(time.Millisecond), float64(2*half)/took.Seconds(), st.Batches,
 		float64(2*half)/float64(st.Batches), st.LastWriteLatency.Round(time.Microsecond))
 }
+
+// The same message published twice (a publisher retrying after a lost
+// confirm) gives two identical deliveries, often in one batch: one arrival
+// record, and the batch is not refused.
+func TestConsumerSamePublishTwicePostgres(t *testing.T) {
+	e := newBrokerEnv(t)
+	store, check := pgStore(t)
+	cons, stop := e.consumer(store, nil)
+	p := amqp.Publishing{Headers: amqp.Table{audit.DefaultUUIDHeader: "dup-1"}, Body: []byte("same"), Timestamp: time.Now(), DeliveryMode: amqp.Persistent}
+	for i := 0; i < 2; i++ {
+		if err := e.ch.PublishWithContext(context.Background(), e.exchange, routingKey, true, false, p); err != nil {
+			t.Fatal(err)
+		}
+	}
+	testkit.WaitFor(t, 10*time.Second, "both deliveries written and acked", func() bool {
+		return cons.Stats().Arrivals == 2 && e.ready(e.naming.ArrivalsQueue) == 0
+	})
+	stop()
+	arr, _ := check()
+	if len(arr["dup-1"]) != 1 {
+		t.Fatalf("%d arrival records for one message published twice, want 1", len(arr["dup-1"]))
+	}
+	if st := cons.Stats(); st.WriteFailures != 0 {
+		t.Fatalf("%d write failures", st.WriteFailures)
+	}
+}
