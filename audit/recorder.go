@@ -38,11 +38,12 @@ type RecorderConfig struct {
 	// URI is the AMQP URI of the broker the records are published to.
 	// Required unless Publisher is set.
 	URI string
-	// Publisher, when set, publishes the records (e.g. amqpretry's
-	// Retry.Publisher(), to share its connection); the Recorder does not
-	// close it. Default: the Recorder's own ConfirmPublisher on URI
-	// (mandatory publishes with publisher confirms, reconnecting), closed by
-	// Close.
+	// Publisher, when set, publishes the records (a ConfirmPublisher shared
+	// with other code; amqpretry's own is made after the Recorder, which
+	// its Config.Observer needs, so it cannot be passed here); the Recorder
+	// does not close it. Default: the Recorder's own ConfirmPublisher on URI
+	// (mandatory publishes with publisher confirms, reconnecting, connection
+	// name "rabbitretry-audit-recorder"), closed by Close.
 	Publisher *amqpretry.ConfirmPublisher
 	// Naming names the audit exchange and attempts queue; the Consumer must
 	// use the same. Default: DefaultExchange, DefaultAttemptsQueue.
