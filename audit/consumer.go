@@ -204,6 +204,12 @@ type ConsumerStats struct {
 // it durably. If the connection is lost or the process dies, the broker
 // requeues the unacked deliveries and they are written again: Store.Write
 // is idempotent on the record IDs, so nothing is duplicated or lost.
+//
+// Once declared, the arrivals queue receives a copy of every publish to
+// the audited exchanges whether or not a Consumer runs, and the attempts
+// queue every record the Recorders publish: they grow (durably, on disk)
+// while no Consumer runs or the store is down. No length limit is set, as
+// one would drop records; watch their depth.
 type Consumer struct {
 	cfg ConsumerConfig
 
