@@ -2,6 +2,7 @@ package audit_test
 
 import (
 	"context"
+	"strings"
 	"testing"
 	"time"
 
@@ -51,4 +52,21 @@ func newMessage(id string) *message.Message {
 	m := message.NewMessage(id, nil)
 	m.SetContext(context.Background())
 	return m
+}
+
+// An attempts queue that exists with another type is a clear error at
+// NewRecorder (and the classic type can be chosen).
+func TestRecorderQueueTypeMismatch(t *testing.T) {
+	e := newBrokerEnv(t)
+	rec, err := audit.NewRecorder(audit.RecorderConfig{URI: e.uri, Naming: e.naming, QueueType: audit.QueueTypeClassic})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := rec.Close(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	_, err = audit.NewRecorder(audit.RecorderConfig{URI: e.uri, Naming: e.naming}) // quorum by default
+	if err == nil || !strings.Contains(err.Error(), e.naming.AttemptsQueue) || !strings.Contains(err.Error(), "exists with other arguments") {
+		t.Fatalf("NewRecorder over a classic attempts queue: %v", err)
+	}
 }
