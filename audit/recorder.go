@@ -60,6 +60,11 @@ type RecorderConfig struct {
 	// their confirms are awaited. Default DefaultPublishBatch (256); range
 	// 1..512.
 	PublishBatch int
+	// Publishers is the number of goroutines publishing batches
+	// concurrently (each waits for its batch's confirms), so that one
+	// batch's confirm round trip does not stall the next. Default 2; range
+	// 1..16.
+	Publishers int
 	// QueueName names the originating queue of a message. Default the
 	// router's subscribe topic (message.SubscribeTopicFromCtx); with
 	// amqpretry pass the same function as amqpretry.Config.QueueName.
@@ -96,6 +101,9 @@ func (c *RecorderConfig) setDefaults() {
 	}
 	if c.PublishBatch == 0 {
 		c.PublishBatch = DefaultPublishBatch
+	}
+	if c.Publishers == 0 {
+		c.Publishers = 2
 	}
 	if c.QueueName == nil {
 		c.QueueName = message.SubscribeTopicFromCtx
@@ -137,6 +145,9 @@ func (c RecorderConfig) Validate() error {
 	}
 	if c.PublishBatch < 1 || c.PublishBatch > 512 {
 		return fmt.Errorf("audit: RecorderConfig.PublishBatch %d is outside 1..512", c.PublishBatch)
+	}
+	if c.Publishers < 1 || c.Publishers > 16 {
+		return fmt.Errorf("audit: RecorderConfig.Publishers %d is outside 1..16", c.Publishers)
 	}
 	if err := checkQueueType("RecorderConfig", c.QueueType); err != nil {
 		return err
@@ -246,7 +257,18 @@ func newRecorder(cfg RecorderConfig) *Recorder {
 
 func (r *Recorder) start() {
 	r.abortCtx, r.abort = context.WithCancel(context.Background())
-	go r.run()
+	var wg sync.WaitGroup
+	for range r.cfg.Publishers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			r.run()
+		}()
+	}
+	go func() {
+		wg.Wait()
+		close(r.flushed)
+	}()
 }
 
 func (r *Recorder) declare() error {
@@ -511,7 +533,6 @@ func (r *Recorder) Stats() RecorderStats {
 
 // run is the background publisher.
 func (r *Recorder) run() {
-	defer close(r.flushed)
 	batch := make([]Attempt, 0, r.cfg.PublishBatch)
 	for {
 		batch = batch[:0]
@@ -553,7 +574,7 @@ func (r *Recorder) fill(batch *[]Attempt) {
 // publish publishes batch until the broker confirmed all of it; false if
 // Close gave up first.
 func (r *Recorder) publish(batch []Attempt) bool {
-	r.inFlight.Store(int64(len(batch)))
+	r.inFlight.Add(int64(len(batch)))
 	msgs := make([]amqp.Publishing, 0, len(batch))
 	now := time.Now()
 	for i := range batch {
@@ -575,7 +596,7 @@ func (r *Recorder) publish(batch []Attempt) bool {
 		err := r.send(r.abortCtx, msgs)
 		if err == nil {
 			r.published.Add(uint64(len(msgs)))
-			r.inFlight.Store(0)
+			r.inFlight.Add(-int64(len(batch)))
 			if bo != nil {
 				r.cfg.Logger.Info("Audit records published again", watermill.LogFields{"records": len(msgs)})
 			}

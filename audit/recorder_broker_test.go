@@ -2,7 +2,12 @@ package audit_test
 
 import (
 	"context"
+	"fmt"
+	"os"
+	"runtime"
+	"strconv"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -69,4 +74,49 @@ func TestRecorderQueueTypeMismatch(t *testing.T) {
 	if err == nil || !strings.Contains(err.Error(), e.naming.AttemptsQueue) || !strings.Contains(err.Error(), "exists with other arguments") {
 		t.Fatalf("NewRecorder over a classic attempts queue: %v", err)
 	}
+}
+
+// TestRecorderPublishThroughput measures how many attempt records per
+// second the background publisher gets confirmed by the broker
+// (AUDIT_RECORDER_N records, default 20,000, made by as many goroutines as
+// CPUs through the Middleware).
+func TestRecorderPublishThroughput(t *testing.T) {
+	n := 20_000
+	if v := os.Getenv("AUDIT_RECORDER_N"); v != "" {
+		n, _ = strconv.Atoi(v)
+	}
+	e := newBrokerEnv(t)
+	rec, err := audit.NewRecorder(audit.RecorderConfig{URI: e.uri, Naming: e.naming})
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := rec.Middleware(rec.HandlerMiddleware(func(*message.Message) ([]*message.Message, error) { return nil, nil }))
+	workers := runtime.GOMAXPROCS(0)
+	start := time.Now()
+	var wg sync.WaitGroup
+	for w := 0; w < workers; w++ {
+		wg.Add(1)
+		go func(w int) {
+			defer wg.Done()
+			for i := w; i < n; i += workers {
+				if _, err := h(newMessage(fmt.Sprintf("m-%d", i))); err != nil {
+					t.Error(err)
+					return
+				}
+			}
+		}(w)
+	}
+	wg.Wait()
+	made := time.Since(start)
+	if err := rec.Close(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	took := time.Since(start)
+	st := rec.Stats()
+	if st.Published != uint64(n) {
+		t.Fatalf("published %d of %d", st.Published, n)
+	}
+	testkit.WaitFor(t, 30*time.Second, "all records in the attempts queue", func() bool { return e.ready(e.naming.AttemptsQueue) == n })
+	t.Logf("recorder: %d records made in %v, all confirmed after %v: %.0f records/s; %d publish failures",
+		n, made.Round(time.Millisecond), took.Round(time.Millisecond), float64(n)/took.Seconds(), st.PublishFailures)
 }

@@ -18,7 +18,7 @@ import (
 func TestRecorderBackpressureBlocksNeverDrops(t *testing.T) {
 	gate := make(chan struct{})
 	s := &sink{}
-	cfg := RecorderConfig{URI: "amqp://unused/", Buffer: 2, PublishBatch: 1}
+	cfg := RecorderConfig{URI: "amqp://unused/", Buffer: 2, PublishBatch: 1, Publishers: 1}
 	cfg.setDefaults()
 	r := newRecorder(cfg)
 	r.send = func(ctx context.Context, msgs []amqp.Publishing) error {
