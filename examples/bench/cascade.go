@@ -177,6 +177,7 @@ type cascadeResult struct {
 	Hops      []cascadeHops       `json:"hops,omitempty"`
 	Sched     []cascadeSched      `json:"scheduling,omitempty"`
 	Memory    []cascadeMem        `json:"memory,omitempty"`
+	Probe     *cascadeProbe       `json:"routing_probe,omitempty"`
 }
 
 // cascadeConfig is the bench's cascade: the defaults, under the run's
@@ -222,6 +223,11 @@ func (b *bench) scenarioCascade() error {
 	if slices.Contains(o.parts, "sched") || slices.Contains(o.parts, "memory") {
 		if err := b.cascadeFill(res); err != nil {
 			errs = append(errs, fmt.Errorf("scheduling/memory: %w", err))
+		}
+	}
+	if slices.Contains(o.parts, "sched") {
+		if err := b.cascadeRoutingProbe(res, b.size("cascade-sched", 20000)); err != nil {
+			errs = append(errs, fmt.Errorf("routing probe: %w", err))
 		}
 	}
 	b.cascadeRows(res)
@@ -862,6 +868,10 @@ func (b *bench) cascadeRows(res *cascadeResult) {
 		b.row(sc, fmt.Sprintf("one schedule at a time (%d, 1 goroutine), %s: latency p50 / p99; rate", s.SerialMessages, s.Variant),
 			fmt.Sprintf("%.2f / %.2f ms; %s", s.SerialP50Ms, s.SerialP99Ms, fmtRate(s.SerialRatePerS)), "", "")
 	}
+	if p := res.Probe; p != nil {
+		b.row(sc, fmt.Sprintf("routing probe, raw amqp091, %d confirmed publishes of cascade keys (1-2 h), 256 in flight: to the first exchange (level %d, as the Delayer) vs to the highest set bit's level exchange", p.Messages, res.Levels-1),
+			fmt.Sprintf("%s vs %s (medians; rounds %s vs %s)", fmtRate(p.FirstMedian), fmtRate(p.TopBitMedian), fmtRatesUnit(p.FirstRates), fmtRatesUnit(p.TopBitRates)), "", "")
+	}
 	for _, m := range res.Memory {
 		where := fmt.Sprintf("%s: %d %s wait queues (tiers %s)", m.Variant, len(cascadeMemTiers), cascadeVariantType[m.Variant], fmtDurs(cascadeMemTiers))
 		if !strings.HasPrefix(m.Variant, "tiers") {
@@ -927,6 +937,13 @@ dead-lettering), under the run's prefix.
    at-most-once between levels). The four topologies exist side by side;
    3 rounds, each variant in turn (order rotated each round), queues purged
    after each turn; the median rate (messages / wall time) is reported.
+   **Routing probe** (no library): raw amqp091 confirmed publishes (256 in
+   flight, mandatory) of the cascade keys of the same 1-2 h delays, to the
+   cascade's first exchange (level 25: the message passes each
+   leading-zero level's topic exchange through exchange-to-exchange
+   bindings before its first level queue) vs straight to the exchange of
+   the level of the delay's highest set bit (same routing key, same
+   queues); 3 rounds alternating, level queues purged after each.
 4. **Memory**: variant by variant, 100,000 scheduled (64 goroutines) and
    left waiting, then purged (nothing
    expires during the measurement: the shortest wait is 1 h, in the cascade
@@ -1022,5 +1039,145 @@ func cascadeGlance(res *cascadeResult) string {
 			return fmt.Sprintf("%+.1f MiB", m.ClientAfter.RSSMiB-m.ClientBefore.RSSMiB)
 		})
 	}
+	if p := res.Probe; p != nil {
+		fmt.Fprintf(&sb, "\nRouting probe (raw amqp091, %d confirmed publishes of cascade keys for 1-2 h, 256 in flight, quorum levels): to the first exchange (level %d, what the Delayer and Publisher do) %s; to the exchange of the delay's highest set bit (same key, same queues) %s.\n",
+			p.Messages, res.Levels-1, fmtRate(p.FirstMedian), fmtRate(p.TopBitMedian))
+	}
 	return sb.String()
+}
+
+// cascadeProbe is the routing probe of part 3 (raw amqp091, no library):
+// confirmed publishes of cascade keys for 1-2 h delays, 256 in flight, to
+// the cascade's first exchange (level Levels-1, what the Delayer and the
+// Publisher do: the message passes every leading-zero level's topic
+// exchange by exchange-to-exchange bindings) vs straight to the exchange
+// of the level of the highest set bit (the same queues, the same routing
+// key). Rates are medians of cascadeRounds rounds, alternating.
+type cascadeProbe struct {
+	Messages     int       `json:"messages"`
+	FirstRates   []float64 `json:"first_exchange_rates_per_s"`
+	TopBitRates  []float64 `json:"highest_bit_exchange_rates_per_s"`
+	FirstMedian  float64   `json:"first_exchange_rate_per_s"`
+	TopBitMedian float64   `json:"highest_bit_exchange_rate_per_s"`
+}
+
+func (b *bench) cascadeRoutingProbe(res *cascadeResult, n int) (err error) {
+	e := b.env
+	defer func() {
+		if cerr := e.cleanup(); cerr != nil && err == nil {
+			err = cerr
+		}
+	}()
+	cc, levels := e.cascadeConfig(amqpretry.QueueTypeQuorum)
+	ch, err := e.channel()
+	if err != nil {
+		return err
+	}
+	defer func() { _ = ch.Close() }()
+	if err := cc.Declare(ch); err != nil {
+		return err
+	}
+	q := e.name("cas", "probe")
+	e.trackQueues(q)
+	if _, err := ch.QueueDeclare(q, true, false, false, false, nil); err != nil {
+		return err
+	}
+	if err := cc.BindDestination(ch, q); err != nil {
+		return err
+	}
+	delays := fillDelays(n)
+	keys := make([]string, n)
+	for i, d := range delays {
+		if keys[i], err = cc.RoutingKey(d, q); err != nil {
+			return err
+		}
+	}
+	grain := func(d time.Duration) uint64 { return uint64((d + cascade.DefaultGrain - 1) / cascade.DefaultGrain) }
+	first := func(int) string { return cc.FirstExchange() }
+	topBit := func(i int) string { return cc.LevelName(bits.Len64(grain(delays[i])) - 1) }
+	purge := func() error {
+		for l := range levels {
+			if _, err := ch.QueuePurge(cc.LevelName(l), false); err != nil {
+				return err
+			}
+		}
+		return nil
+	}
+	e.mu.Lock()
+	conn := e.admin
+	e.mu.Unlock()
+	p := &cascadeProbe{Messages: n}
+	for r := range cascadeRounds {
+		for k := range 2 {
+			exch, rates := first, &p.FirstRates
+			if (k+r)%2 == 1 {
+				exch, rates = topBit, &p.TopBitRates
+			}
+			took, err := fillKeys(conn, n, exch, func(i int) string { return keys[i] })
+			if err != nil {
+				return err
+			}
+			*rates = append(*rates, float64(n)/took.Seconds())
+			if err := purge(); err != nil {
+				return err
+			}
+		}
+	}
+	p.FirstMedian, p.TopBitMedian = median(p.FirstRates), median(p.TopBitRates)
+	logf("cascade routing probe: via the first exchange %s, via the highest set bit's level %s", fmtRatesUnit(p.FirstRates), fmtRatesUnit(p.TopBitRates))
+	res.Probe = p
+	return nil
+}
+
+// fillKeys publishes n persistent 128-byte messages, message i to exchange
+// exch(i) with key key(i), mandatory, 256 awaiting their confirm at once.
+func fillKeys(conn *amqp.Connection, n int, exch func(int) string, key func(int) string) (time.Duration, error) {
+	ch, err := conn.Channel()
+	if err != nil {
+		return 0, err
+	}
+	defer func() { _ = ch.Close() }()
+	if err := ch.Confirm(false); err != nil {
+		return 0, err
+	}
+	confirms := ch.NotifyPublish(make(chan amqp.Confirmation, 512))
+	returns := ch.NotifyReturn(make(chan amqp.Return, 1))
+	body := []byte(`{"pad":"` + padding + `"}`)
+	out := 0
+	await := func() error {
+		c, ok := <-confirms
+		if !ok {
+			return errors.New("channel closed while waiting for confirms")
+		}
+		if !c.Ack {
+			return fmt.Errorf("publish %d nacked", c.DeliveryTag)
+		}
+		out--
+		return nil
+	}
+	t0 := time.Now()
+	for i := range n {
+		if out >= 256 {
+			if err := await(); err != nil {
+				return 0, err
+			}
+		}
+		if err := ch.PublishWithContext(context.Background(), exch(i), key(i), true, false,
+			amqp.Publishing{DeliveryMode: amqp.Persistent, Body: body}); err != nil {
+			return 0, err
+		}
+		out++
+	}
+	for out > 0 {
+		if err := await(); err != nil {
+			return 0, err
+		}
+	}
+	took := time.Since(t0)
+	select {
+	case r := <-returns:
+		return 0, fmt.Errorf("a probe message was returned unroutable: %s %s", r.Exchange, r.RoutingKey)
+	default:
+	}
+	return took, nil
 }
