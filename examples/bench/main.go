@@ -17,7 +17,7 @@
 //	             waiting in a wait queue; broker memory for them, and for
 //	             100,000 held in a quorum queue's native delayed state
 //	concurrency  retry chain throughput with 1, 2, 4, 8 handlers
-//	cascade      (not in the default list: ~13-15 min) amqpretry's tiered
+//	cascade      (not in the default list: ~12 min) amqpretry's tiered
 //	             wait queues vs the delay cascade (amqpretry/cascade):
 //	             delay accuracy for RetryAfter 1 s .. 10 min, hops and
 //	             publishes per delayed message, scheduling throughput, and
@@ -143,7 +143,7 @@ func fmtRate(r float64) string { return fmt.Sprintf("%.0f msg/s", r) }
 
 func main() {
 	uri := flag.String("uri", envOr("AMQP_URI", "amqp://guest:guest@127.0.0.1:5672/"), "AMQP URI of the broker")
-	scenarios := flag.String("scenarios", strings.Join(allScenarios, ","), "comma list of scenarios: "+strings.Join(allScenarios, ",")+" (the default), and "+strings.Join(extraScenarios, ",")+" (long: only when named; cascade takes 13-15 min)")
+	scenarios := flag.String("scenarios", strings.Join(allScenarios, ","), "comma list of scenarios: "+strings.Join(allScenarios, ",")+" (the default), and "+strings.Join(extraScenarios, ",")+" (long: only when named; cascade takes ~12 min)")
 	jsonOut := flag.String("json", "-", "write the JSON summary to this file; - prints it to stdout after the table; empty: none")
 	mdOut := flag.String("md", "", "also write a Markdown report (machine info + table) to this file, e.g. examples/bench/RESULTS.md")
 	sizes := flag.String("n", "", "message counts, comma list of scenario=N (defaults: overhead=20000,storm=2000,retry=5000,delay=200 per tier and for the native retry,memory=100000 in the wait queue and in the native delayed state,concurrency=20000; cascade=20 messages per delay band per variant, cascade-sched=20000 schedules timed per variant, cascade-mem=100000 waiting per variant)")
