@@ -10,6 +10,7 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -24,6 +25,8 @@ import (
 const (
 	// DefaultBatchSize is the default number of records per Store.Write.
 	DefaultBatchSize = 500
+	// DefaultWriters is the default number of Store.Write calls in flight.
+	DefaultWriters = 4
 	// DefaultBatchWait is the default longest wait for a batch to fill.
 	DefaultBatchWait = 200 * time.Millisecond
 	// DefaultBodyLimit is the default number of body bytes kept per arrival.
@@ -56,8 +59,20 @@ type ConsumerConfig struct {
 	// bound to each. May be empty (then only attempt records are consumed).
 	Exchanges []Binding
 	// BatchSize is the most records per Store.Write. Default 500; the
-	// prefetch (basic.qos) of each of the two channels is 2×BatchSize.
+	// prefetch (basic.qos) of each of the two channels is
+	// (Writers+1)×BatchSize: Writers batches being written plus one
+	// filling. Must be 1..32000, and (Writers+1)×BatchSize at most 65535
+	// (basic.qos takes a 16-bit prefetch count).
 	BatchSize int
+	// Writers is how many batches are written concurrently (Store.Write
+	// calls in flight, each in its own transaction; the Store must allow
+	// concurrent Writes, as pgstore does). Default 4; must be >= 1.
+	// Deliveries are still acked in batch order: a batch that committed is
+	// acked only after every earlier batch was acked, so an ack with
+	// multiple=true never covers a delivery whose batch has not committed
+	// ("Consumer Acknowledgements and Publisher Confirms"). With Writers 1
+	// the batches are written one at a time while the next fills.
+	Writers int
 	// BatchWait is how long a batch may wait to fill before it is written.
 	// Default 200 ms.
 	BatchWait time.Duration
@@ -112,6 +127,9 @@ func (c *ConsumerConfig) setDefaults() {
 	if c.BatchSize == 0 {
 		c.BatchSize = DefaultBatchSize
 	}
+	if c.Writers == 0 {
+		c.Writers = DefaultWriters
+	}
 	if c.BatchWait == 0 {
 		c.BatchWait = DefaultBatchWait
 	}
@@ -163,6 +181,12 @@ func (c ConsumerConfig) Validate() error {
 	if c.BatchSize < 1 || c.BatchSize > 32_000 {
 		return fmt.Errorf("audit: ConsumerConfig.BatchSize %d is outside 1..32000", c.BatchSize)
 	}
+	if c.Writers < 1 || c.Writers > 64 {
+		return fmt.Errorf("audit: ConsumerConfig.Writers %d is outside 1..64", c.Writers)
+	}
+	if (c.Writers+1)*c.BatchSize > 65_535 {
+		return fmt.Errorf("audit: ConsumerConfig (Writers+1)×BatchSize = %d exceeds the prefetch limit 65535", (c.Writers+1)*c.BatchSize)
+	}
 	if c.BatchWait < 0 {
 		return fmt.Errorf("audit: ConsumerConfig.BatchWait %v is negative", c.BatchWait)
 	}
@@ -199,7 +223,9 @@ type ConsumerStats struct {
 // Delivery guarantee: records are acked only after Store.Write returned nil
 // (the transaction committed), per channel with one ack with multiple=true
 // of the batch's highest delivery tag ("Consumer Acknowledgements and
-// Publisher Confirms"). While Write fails (PostgreSQL down) the batch stays
+// Publisher Confirms"). Up to Writers batches are written at once and may
+// commit in any order; they are acked in the order they were filled, so a
+// multiple ack never covers a batch that has not committed. While Write fails (PostgreSQL down) the batch stays
 // unacked and is retried with backoff; the queues hold everything behind
 // it durably. If the connection is lost or the process dies, the broker
 // requeues the unacked deliveries and they are written again: Store.Write
@@ -345,12 +371,13 @@ func (c *Consumer) Run(ctx context.Context) error {
 }
 
 // batch is what one Store.Write carries, with the highest delivery tag of
-// each channel it acks.
+// each channel it acks; committed is closed once Write returned nil.
 type batch struct {
 	arrivals         []Arrival
 	attempts         []Attempt
 	arrTag, attTag   uint64
 	records, pending int // records; deliveries (incl. malformed)
+	committed        chan struct{}
 }
 
 func (c *Consumer) session(ctx context.Context) error {
@@ -371,7 +398,7 @@ func (c *Consumer) session(ctx context.Context) error {
 		if err != nil {
 			return nil, nil, err
 		}
-		if err := ch.Qos(2*c.cfg.BatchSize, 0, false); err != nil {
+		if err := ch.Qos((c.cfg.Writers+1)*c.cfg.BatchSize, 0, false); err != nil {
 			return nil, nil, err
 		}
 		d, err := ch.Consume(queue, "", false, false, false, false, nil)
@@ -393,18 +420,48 @@ func (c *Consumer) session(ctx context.Context) error {
 		"arrivals_queue": c.cfg.Naming.ArrivalsQueue, "attempts_queue": c.cfg.Naming.AttemptsQueue,
 	})
 
-	// One writer goroutine writes and acks batches in order, while the
-	// next batch fills (the prefetch of 2×BatchSize per channel allows
-	// it); a multiple ack never covers a delivery of an unwritten batch.
+	// Writers goroutines write batches concurrently while the next one
+	// fills (the prefetch of (Writers+1)×BatchSize per channel allows
+	// it). Each batch goes to the acker too, in the order it was filled;
+	// the acker waits for each one's commit in that order before acking
+	// it, so a multiple ack never covers a delivery of an unwritten batch.
 	batches := make(chan batch)
+	toAck := make(chan batch, c.cfg.Writers+1)
 	werr := make(chan error, 1)
+	fail := func(err error) {
+		select {
+		case werr <- err:
+		default: // the session is ending already
+		}
+	}
 	wctx, wcancel := context.WithCancel(ctx)
-	wdone := make(chan struct{})
+	var wg sync.WaitGroup
+	for range c.cfg.Writers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for b := range batches {
+				if b.records > 0 {
+					if err := c.write(wctx, conn, b.arrivals, b.attempts); err != nil {
+						fail(err)
+						return
+					}
+				}
+				close(b.committed)
+			}
+		}()
+	}
+	wg.Add(1)
 	go func() {
-		defer close(wdone)
-		for b := range batches {
-			if err := c.writeAndAck(wctx, conn, arrCh, attCh, b); err != nil {
-				werr <- err
+		defer wg.Done()
+		for b := range toAck {
+			select {
+			case <-b.committed:
+			case <-wctx.Done():
+				return
+			}
+			if err := c.ack(arrCh, attCh, b); err != nil {
+				fail(err)
 				return
 			}
 		}
@@ -412,7 +469,8 @@ func (c *Consumer) session(ctx context.Context) error {
 	defer func() {
 		wcancel()
 		close(batches)
-		<-wdone
+		close(toAck)
+		wg.Wait()
 	}()
 
 	var b batch
@@ -426,12 +484,17 @@ func (c *Consumer) session(ctx context.Context) error {
 		if b.pending == 0 {
 			return nil
 		}
-		select {
-		case batches <- b:
-		case err := <-werr:
-			return err
-		case <-ctx.Done():
-			return ctx.Err()
+		b.committed = make(chan struct{})
+		for _, q := range []chan batch{toAck, batches} { // toAck first: the acker sees batches in fill order
+			select {
+			case q <- b:
+			case err := <-werr:
+				return err
+			case err := <-closed:
+				return fmt.Errorf("audit: connection closed: %v", err)
+			case <-ctx.Done():
+				return ctx.Err()
+			}
 		}
 		b = batch{} // fresh slices: the writer and the Store own the old ones
 		return nil
@@ -493,14 +556,9 @@ func (c *Consumer) session(ctx context.Context) error {
 	}
 }
 
-// writeAndAck writes b (unless it holds only malformed records) and acks
-// its deliveries.
-func (c *Consumer) writeAndAck(ctx context.Context, conn *amqp.Connection, arrCh, attCh *amqp.Channel, b batch) error {
-	if b.records > 0 {
-		if err := c.write(ctx, conn, b.arrivals, b.attempts); err != nil {
-			return err
-		}
-	}
+// ack acks b's deliveries (one multiple ack per channel); called only
+// once b and every batch filled before it committed and were acked.
+func (c *Consumer) ack(arrCh, attCh *amqp.Channel, b batch) error {
 	if b.arrTag > 0 {
 		if err := arrCh.Ack(b.arrTag, true); err != nil {
 			return fmt.Errorf("audit: acking arrivals: %w", err)

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"os"
 	"strconv"
+	"strings"
 	"testing"
 	"time"
 
@@ -95,17 +96,38 @@ func TestStormEndToEndPostgres(t *testing.T) {
 	runStorm(t, e, store, check, 300, nil)
 }
 
-// TestConsumerThroughputPostgres measures the Consumer into pgstore: the
-// audit queues are filled first (AUDIT_THROUGHPUT_N records, half arrivals
-// of 1 KiB bodies, half attempt records; default 10,000), then drained.
+// TestConsumerThroughputPostgres measures the Consumer into pgstore with
+// Writers 1 and 4 (AUDIT_THROUGHPUT_WRITERS, comma-separated, overrides):
+// for each, fresh audit queues are filled first (AUDIT_THROUGHPUT_N
+// records, half arrivals of 1 KiB bodies, half attempt records; default
+// 10,000), then drained into a fresh schema.
 func TestConsumerThroughputPostgres(t *testing.T) {
 	n := 10_000
 	if v := os.Getenv("AUDIT_THROUGHPUT_N"); v != "" {
 		n, _ = strconv.Atoi(v)
 	}
+	writers := []int{1, 4}
+	if v := os.Getenv("AUDIT_THROUGHPUT_WRITERS"); v != "" {
+		writers = nil
+		for _, f := range strings.Split(v, ",") {
+			w, err := strconv.Atoi(strings.TrimSpace(f))
+			if err != nil {
+				t.Fatalf("AUDIT_THROUGHPUT_WRITERS: %v", err)
+			}
+			writers = append(writers, w)
+		}
+	}
+	rates := map[int]float64{}
+	for _, w := range writers {
+		t.Run(fmt.Sprintf("writers=%d", w), func(t *testing.T) { rates[w] = consumerThroughput(t, n, w) })
+	}
+	t.Logf("throughput summary (records/s into pgstore): %v", rates)
+}
+
+func consumerThroughput(t *testing.T, n, writers int) float64 {
 	e := newBrokerEnv(t)
 	store, _ := pgStore(t)
-	c, err := audit.NewConsumer(audit.ConsumerConfig{URI: e.uri, Store: store, Naming: e.naming,
+	c, err := audit.NewConsumer(audit.ConsumerConfig{URI: e.uri, Store: store, Naming: e.naming, Writers: writers,
 		Exchanges: []audit.Binding{{Exchange: e.exchange, RoutingKey: routingKey}}})
 	if err != nil {
 		t.Fatal(err)
@@ -156,9 +178,14 @@ func TestConsumerThroughputPostgres(t *testing.T) {
 		t.Fatal(err)
 	}
 	st := c.Stats()
-	t.Logf("throughput: %d records (%d arrivals with 1 KiB bodies, %d attempts) into pgstore in %v: %.0f records/s; %d batches (%.0f records/batch), last Write %v",
-		2*half, st.Arrivals, st.Attempts, took.Round(time.Millisecond), float64(2*half)/took.Seconds(), st.Batches,
-		float64(2*half)/float64(st.Batches), st.LastWriteLatency.Round(time.Microsecond))
+	rate := float64(2*half) / took.Seconds()
+	t.Logf("throughput: Writers %d: %d records (%d arrivals with 1 KiB bodies, %d attempts) into pgstore in %v: %.0f records/s; %d batches (%.0f records/batch), %d write failures, last Write %v",
+		writers, 2*half, st.Arrivals, st.Attempts, took.Round(time.Millisecond), rate, st.Batches,
+		float64(2*half)/float64(st.Batches), st.WriteFailures, st.LastWriteLatency.Round(time.Microsecond))
+	if st.WriteFailures != 0 {
+		t.Errorf("%d write failures (deadlocks between concurrent Writes?)", st.WriteFailures)
+	}
+	return rate
 }
 
 // The same message published twice (a publisher retrying after a lost

@@ -569,6 +569,8 @@ func TestConsumerConfigValidate(t *testing.T) {
 		{audit.ConsumerConfig{URI: "amqp://x/"}, "Store is nil"},
 		{audit.ConsumerConfig{URI: "amqp://x/", Store: store, Exchanges: []audit.Binding{{}}}, "Exchanges[0].Exchange is empty"},
 		{audit.ConsumerConfig{URI: "amqp://x/", Store: store, BatchSize: -1}, "BatchSize -1"},
+		{audit.ConsumerConfig{URI: "amqp://x/", Store: store, Writers: -1}, "Writers -1"},
+		{audit.ConsumerConfig{URI: "amqp://x/", Store: store, Writers: 8, BatchSize: 8000}, "(Writers+1)×BatchSize = 72000"},
 		{audit.ConsumerConfig{URI: "amqp://x/", Store: store, QueueType: "stream"}, "QueueType \"stream\""},
 	} {
 		_, err := audit.NewConsumer(c.cfg)
@@ -649,5 +651,102 @@ func TestConsumerConnectionLostMidBatch(t *testing.T) {
 		n, a, rewrites, dups, n-a, st.Reconnects)
 	if st.Reconnects < 1 || rewrites < 1 || dups != 0 || a != n {
 		t.Fatalf("reconnects %d, rewrites %d, duplicates %d, arrivals %d", st.Reconnects, rewrites, dups, a)
+	}
+}
+
+// holdFirstBatch holds the Write of the batch carrying the arrival of
+// message first until released, then fails it (the commit never
+// happened); every other Write commits at once, so later batches commit
+// before the first one.
+type holdFirstBatch struct {
+	*audittest.MemoryStore
+	first   string
+	once    sync.Once
+	entered chan struct{}
+	release chan struct{}
+}
+
+func (s *holdFirstBatch) Write(ctx context.Context, arr []audit.Arrival, att []audit.Attempt) error {
+	for _, a := range arr {
+		if a.MessageID != s.first {
+			continue
+		}
+		held := false
+		s.once.Do(func() {
+			close(s.entered)
+			<-s.release
+			held = true
+		})
+		if held {
+			return errors.New("store connection lost before commit")
+		}
+	}
+	return s.MemoryStore.Write(ctx, arr, att)
+}
+
+// With Writers 4, batches commit out of order: the first batch is held
+// while the four after it commit. None of them may be acked (a multiple
+// ack of a later batch would cover the first one's deliveries): when the
+// connection dies then, the broker redelivers all of them, and the first
+// batch's records land after the reconnect.
+func TestConsumerWritersAckInBatchOrder(t *testing.T) {
+	e := newBrokerEnv(t)
+	const n, batchSize = 200, 40
+	msgs := make([]*message.Message, n)
+	for i := range msgs {
+		msgs[i] = message.NewMessage(watermill.NewUUID(), []byte(fmt.Sprint(i)))
+	}
+	mem := audittest.NewMemoryStore()
+	store := &holdFirstBatch{MemoryStore: mem, first: msgs[0].UUID, entered: make(chan struct{}), release: make(chan struct{})}
+	var mu sync.Mutex
+	var sockets []net.Conn
+	dial := func(network, addr string) (net.Conn, error) {
+		c, err := net.DialTimeout(network, addr, 10*time.Second)
+		if err == nil {
+			mu.Lock()
+			sockets = append(sockets, c)
+			mu.Unlock()
+		}
+		return c, err
+	}
+	cons, stop := e.consumer(store, func(c *audit.ConsumerConfig) {
+		c.BatchSize, c.Writers = batchSize, 4
+		c.AmqpConfig = &amqp.Config{Dial: dial}
+		c.ReconnectBackoff = func() backoff.BackOff { return backoff.NewConstantBackOff(50 * time.Millisecond) }
+	})
+	e.publish(msgs...)
+	testkit.Recv(t, store.entered, 10*time.Second)
+	// The first batch is held; the other four commit meanwhile (the
+	// prefetch of (4+1)×40 lets all 200 deliveries out).
+	testkit.WaitFor(t, 10*time.Second, "the 4 later batches committed", func() bool {
+		a, _, _, w, _ := mem.Counts()
+		return w == 4 && a == n-batchSize
+	})
+	committedLater, _, _, _, _ := mem.Counts()
+	mu.Lock()
+	_ = sockets[len(sockets)-1].Close() // the session's connection
+	mu.Unlock()
+	close(store.release)
+	testkit.WaitFor(t, 20*time.Second, "all arrivals stored", func() bool { a, _, _, _, _ := mem.Counts(); return a == n })
+	testkit.WaitFor(t, 10*time.Second, "arrivals queue empty", func() bool { return e.ready(e.naming.ArrivalsQueue) == 0 })
+	stop()
+	a, _, rewrites, _, _ := mem.Counts()
+	arr := mem.Arrivals()
+	dups, lost := 0, 0
+	for _, m := range msgs {
+		switch len(arr[m.UUID]) {
+		case 0:
+			lost++
+		case 1:
+		default:
+			dups += len(arr[m.UUID]) - 1
+		}
+	}
+	st := cons.Stats()
+	t.Logf("accounting: published %d, committed before the first batch %d, arrivals %d, rewritten on redelivery %d, duplicates %d, lost %d; reconnects %d",
+		n, committedLater, a, rewrites, dups, lost, st.Reconnects)
+	// Every record of the later batches was redelivered (not acked).
+	if st.Reconnects < 1 || rewrites != committedLater || dups != 0 || lost != 0 {
+		t.Fatalf("reconnects %d, rewrites %d (want %d), duplicates %d, lost %d", st.Reconnects, rewrites, committedLater, dups, lost)
 	}
 }
