@@ -333,10 +333,10 @@ type errFatal struct{ error }
 
 func (e errFatal) Unwrap() error { return e.error }
 
-// Run consumes until ctx ends, then returns nil (the unacked batch in
-// flight is requeued by the broker). It reconnects with ReconnectBackoff
-// after a lost connection or channel (the batch in memory is dropped; the
-// broker redelivers it). It returns at once, with the error, for what
+// Run consumes until ctx ends, then returns nil (the unacked batches in
+// flight are requeued by the broker). It reconnects with ReconnectBackoff
+// after a lost connection or channel (the batches in memory, committed or
+// not, are dropped unacked; the broker redelivers them). It returns at once, with the error, for what
 // reconnecting cannot fix: a missing business exchange
 // (ErrExchangeMissing) or an audit queue that exists with other arguments.
 func (c *Consumer) Run(ctx context.Context) error {
