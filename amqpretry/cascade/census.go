@@ -396,10 +396,7 @@ func (r *censusRun) putBack(n int, d amqp.Delivery) {
 			grains = maxN
 		}
 		key, _ = cfg.routingKey(grains, target) // target was checked
-		exchange = cfg.FirstExchange()
-		if grains == 0 {
-			exchange = cfg.DeliveryExchange()
-		}
+		exchange = cfg.EntryExchange(grains)
 	}
 	err := r.c.pub.PublishRaw(context.WithoutCancel(context.Background()), exchange, key, p)
 	if err == nil {

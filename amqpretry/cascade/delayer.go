@@ -119,10 +119,9 @@ func (c *core) send(ctx context.Context, msg *message.Message, n uint64, queue s
 		return fmt.Errorf("%w: the delayed copy's headers take about %d bytes, more than the %d that stay deliverable once the broker adds an x-death entry per level",
 			middleware.ErrCannotDelay, size, limit)
 	}
-	exchange := c.cfg.FirstExchange()
-	if n == 0 {
-		exchange = c.cfg.DeliveryExchange() // straight to the queue; mandatory checks its binding
-	}
+	// The highest set bit's level (or, n = 0, the delivery exchange:
+	// straight to the queue, mandatory checks its binding).
+	exchange := c.cfg.EntryExchange(n)
 	if err := c.ensure(queue); err != nil {
 		return fmt.Errorf("cascade: declaring the cascade for %q: %w", queue, err)
 	}

@@ -37,7 +37,9 @@
 //
 //	0.0.0.0.0.0.0.0.0.0.0.0.0.0.0.0.0.0.0.0.0.0.1.1.1.1.orders
 //
-// A delayed message is published to level L-1's exchange. At each level n
+// A delayed message is published to the exchange of the level of its
+// highest set bit (EntryExchange; the levels above it would only pass it
+// on). At each level n
 // the key's bit n (word L-1-n) decides: 1, the message waits in level n's
 // queue for 2^n × g and is then dead-lettered, with its routing key kept
 // (no x-dead-letter-routing-key), to level n-1's exchange; 0, the exchange

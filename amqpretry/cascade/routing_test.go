@@ -157,6 +157,12 @@ func checkDelay(t *testing.T, s *sim, d time.Duration, queue string) {
 	if got != queue || total != want {
 		t.Fatalf("delay %v, key %q: reached %q after %v (via %v), want %q after %v", d, key, got, total, path, queue, want)
 	}
+	// What the Delayer and Publisher do: enter at the highest set bit's
+	// level; the same destination, delay and levels passed.
+	entry := s.cfg.EntryExchange(uint64(want / s.cfg.Grain))
+	if got, total, epath := s.deliver(t, entry, key); got != queue || total != want || len(epath) != len(path) {
+		t.Fatalf("delay %v, key %q entered at %q: reached %q after %v (via %v), want %q after %v", d, key, entry, got, total, epath, queue, want)
+	}
 	// The all-zero key also goes through every exchange when published to
 	// the first one (Schedule publishes it to the delivery exchange).
 	if want == 0 {
