@@ -870,7 +870,7 @@ func (b *bench) cascadeRows(res *cascadeResult) {
 			fmt.Sprintf("%.2f / %.2f ms; %s", s.SerialP50Ms, s.SerialP99Ms, fmtRate(s.SerialRatePerS)), "", "")
 	}
 	if p := res.Probe; p != nil {
-		b.row(sc, fmt.Sprintf("routing probe, raw amqp091, %d confirmed publishes of cascade keys (1-2 h), 256 in flight: to the first exchange (level %d, as the Delayer) vs to the highest set bit's level exchange", p.Messages, res.Levels-1),
+		b.row(sc, fmt.Sprintf("routing probe, raw amqp091, %d confirmed publishes of cascade keys (1-2 h), 256 in flight: to the top exchange (level %d, FirstExchange) vs to the highest set bit's level exchange (EntryExchange, what the Delayer uses)", p.Messages, res.Levels-1),
 			fmt.Sprintf("%s vs %s (medians; rounds %s vs %s)", fmtRate(p.FirstMedian), fmtRate(p.TopBitMedian), fmtRatesUnit(p.FirstRates), fmtRatesUnit(p.TopBitRates)), "", "")
 	}
 	for _, m := range res.Memory {
@@ -940,11 +940,11 @@ dead-lettering), under the run's prefix.
    after each turn; the median rate (messages / wall time) is reported.
    **Routing probe** (no library): raw amqp091 confirmed publishes (256 in
    flight, mandatory) of the cascade keys of the same 1-2 h delays, to the
-   cascade's first exchange (level 25: the message passes each
-   leading-zero level's topic exchange through exchange-to-exchange
+   cascade's top exchange (level 25, FirstExchange: the message passes
+   each leading-zero level's topic exchange through exchange-to-exchange
    bindings before its first level queue) vs straight to the exchange of
-   the level of the delay's highest set bit (same routing key, same
-   queues); 3 rounds alternating, level queues purged after each.
+   the level of the delay's highest set bit (EntryExchange, which the
+   Delayer and Publisher use; same routing key, same queues); 3 rounds alternating, level queues purged after each.
 4. **Memory**: variant by variant, 100,000 scheduled (64 goroutines) and
    left waiting, then purged (nothing
    expires during the measurement: the shortest wait is 1 h, in the cascade
@@ -1041,7 +1041,7 @@ func cascadeGlance(res *cascadeResult) string {
 		})
 	}
 	if p := res.Probe; p != nil {
-		fmt.Fprintf(&sb, "\nRouting probe (raw amqp091, %d confirmed publishes of cascade keys for 1-2 h, 256 in flight, quorum levels): to the first exchange (level %d, what the Delayer and Publisher do) %s; to the exchange of the delay's highest set bit (same key, same queues) %s.\n",
+		fmt.Fprintf(&sb, "\nRouting probe (raw amqp091, %d confirmed publishes of cascade keys for 1-2 h, 256 in flight, quorum levels): to the top exchange (level %d, FirstExchange; what the Delayer and Publisher did before they used EntryExchange) %s; to the exchange of the delay's highest set bit (EntryExchange, same key, same queues) %s.\n",
 			p.Messages, res.Levels-1, fmtRate(p.FirstMedian), fmtRate(p.TopBitMedian))
 	}
 	return sb.String()
@@ -1049,11 +1049,11 @@ func cascadeGlance(res *cascadeResult) string {
 
 // cascadeProbe is the routing probe of part 3 (raw amqp091, no library):
 // confirmed publishes of cascade keys for 1-2 h delays, 256 in flight, to
-// the cascade's first exchange (level Levels-1, what the Delayer and the
-// Publisher do: the message passes every leading-zero level's topic
-// exchange by exchange-to-exchange bindings) vs straight to the exchange
-// of the level of the highest set bit (the same queues, the same routing
-// key). Rates are medians of cascadeRounds rounds, alternating.
+// the cascade's top exchange (level Levels-1, FirstExchange: the message
+// passes every leading-zero level's topic exchange by exchange-to-exchange
+// bindings; what the Delayer and Publisher did before they used
+// EntryExchange) vs straight to the exchange of the level of the highest
+// set bit (EntryExchange: the same queues, the same routing key). Rates are medians of cascadeRounds rounds, alternating.
 type cascadeProbe struct {
 	Messages     int       `json:"messages"`
 	FirstRates   []float64 `json:"first_exchange_rates_per_s"`
@@ -1095,7 +1095,7 @@ func (b *bench) cascadeRoutingProbe(res *cascadeResult, n int) (err error) {
 	}
 	grain := func(d time.Duration) uint64 { return uint64((d + cascade.DefaultGrain - 1) / cascade.DefaultGrain) }
 	first := func(int) string { return cc.FirstExchange() }
-	topBit := func(i int) string { return cc.LevelName(bits.Len64(grain(delays[i])) - 1) }
+	topBit := func(i int) string { return cc.EntryExchange(grain(delays[i])) }
 	purge := func() error {
 		for l := range levels {
 			if _, err := ch.QueuePurge(cc.LevelName(l), false); err != nil {
