@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sort"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -46,6 +47,9 @@ func (s *sink) send(_ context.Context, msgs []amqp.Publishing) error {
 	return nil
 }
 
+// of returns uuid's records in attempt order (attempt number, then start
+// time), as the store lists them: the Recorder's publishers run
+// concurrently, so records arrive in any order.
 func (s *sink) of(uuid string) []Attempt {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -55,6 +59,12 @@ func (s *sink) of(uuid string) []Attempt {
 			out = append(out, a)
 		}
 	}
+	sort.SliceStable(out, func(i, j int) bool {
+		if out[i].Attempt != out[j].Attempt {
+			return out[i].Attempt < out[j].Attempt
+		}
+		return out[i].StartedAt.Before(out[j].StartedAt)
+	})
 	return out
 }
 
