@@ -20,6 +20,7 @@ done
 	exit 1
 }
 awk '
+	BEGIN { split("published handled poisoned duplicates lost", w, " "); for (i in w) want[w[i]] = 1 }
 	FNR == 1 {
 		b = FILENAME; sub(/.*test-/, "", b); sub(/\.log$/, "", b)
 		brokers[++nb] = b
@@ -32,8 +33,10 @@ awk '
 		n = split(line, f, " ")
 		for (i = 2; i <= n; i++) {
 			split(f[i], kv, "=")
+			sub(/[;,]$/, "", kv[2])
 			if (kv[1] ~ /^(published|handled|poisoned|duplicates|lost)$/) v[kv[1]] = kv[2]
 		}
+		for (k in want) if (!(k in v)) v[k] = "–" # a field the test does not count
 		cell = v["published"] " / " v["handled"] " / " v["poisoned"] " / " v["duplicates"] " / **" v["lost"] "**"
 		if (!(name in seen)) { seen[name] = 1; order[++nt] = name }
 		cells[name, b] = cell
