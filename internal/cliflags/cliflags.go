@@ -1,5 +1,5 @@
 // Package cliflags holds flag helpers shared by the project's commands
-// (poisonctl, rabbitretry-topology).
+// (poisonctl, auditctl, rabbitretry-topology).
 package cliflags
 
 import "flag"

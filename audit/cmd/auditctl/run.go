@@ -231,9 +231,7 @@ Exit status: 0 ok, 1 operation failed, 2 usage error.
 }
 
 func usageErr(stderr io.Writer, format string, args ...any) int {
-	fmt.Fprintf(stderr, "auditctl: "+format+"\n", args...)
-	fmt.Fprintln(stderr, `Run "auditctl -h" for usage.`)
-	return exitUsage
+	return cliflags.Tool{Name: "auditctl"}.UsageError(stderr, format, args...)
 }
 
 func fail(stderr io.Writer, err error) int {
@@ -243,62 +241,31 @@ func fail(stderr io.Writer, err error) int {
 
 func runContext(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	o := &options{}
-	global := flag.NewFlagSet("auditctl", flag.ContinueOnError)
-	global.SetOutput(stderr)
-	global.Usage = func() {
-		printUsage(stderr)
-		fmt.Fprintln(stderr, "\nGlobal flags:")
-		global.PrintDefaults()
-	}
-	o.globalFlags(global)
-	if err := global.Parse(args); err != nil {
-		if errors.Is(err, flag.ErrHelp) {
-			return exitOK
-		}
-		return exitUsage
-	}
-	rest := global.Args()
-	if len(rest) == 0 {
-		return usageErr(stderr, "missing command (one of %s)", strings.Join(commandOrder, ", "))
-	}
-	name := rest[0]
-	if name == "help" {
-		global.Usage()
-		return exitOK
-	}
-	cmd, ok := commands[name]
+	name, pos, code, ok := cliflags.Tool{
+		Name: "auditctl", Order: commandOrder, Global: o.globalFlags, PrintUsage: printUsage,
+		Lookup: func(name string) (cliflags.Command, bool) {
+			cmd, found := commands[name]
+			if !found {
+				return cliflags.Command{}, false
+			}
+			return cliflags.Command{Summary: cmd.summary, Args: cmd.args, NArgs: cmd.nargs, Flags: func(fs *flag.FlagSet) {
+				if cmd.filter {
+					o.filterFlags(fs)
+				}
+				if cmd.flags != nil {
+					cmd.flags(fs, o)
+				}
+			}}, true
+		},
+	}.Parse(args, stderr)
 	if !ok {
-		return usageErr(stderr, "unknown command %q (want one of %s)", name, strings.Join(commandOrder, ", "))
+		return code
 	}
-	fs := flag.NewFlagSet("auditctl "+name, flag.ContinueOnError)
-	fs.SetOutput(stderr)
-	o.globalFlags(fs)
-	if cmd.filter {
-		o.filterFlags(fs)
-	}
-	if cmd.flags != nil {
-		cmd.flags(fs, o)
-	}
-	fs.Usage = func() {
-		fmt.Fprintf(stderr, "Usage: auditctl %s [flags] %s\n\n%s.\n\nFlags:\n", name, cmd.args, cmd.summary)
-		fs.PrintDefaults()
-	}
-	pos, err := cliflags.ParseInterleaved(fs, rest[1:])
-	if err != nil {
-		if errors.Is(err, flag.ErrHelp) {
-			return exitOK
-		}
-		return exitUsage
-	}
-	if len(pos) != cmd.nargs {
-		if cmd.nargs == 0 {
-			return usageErr(stderr, "%s: unexpected argument %q", name, pos[0])
-		}
-		return usageErr(stderr, "%s: want %d argument(s) %s, got %d", name, cmd.nargs, cmd.args, len(pos))
-	}
+	cmd := commands[name]
 	now := time.Now()
 	var f audit.Filter
 	if cmd.filter {
+		var err error
 		if f, err = o.filter(now, name); err != nil {
 			return usageErr(stderr, "%s: %v", name, err)
 		}

@@ -150,9 +150,7 @@ Exit status: 0 ok, 1 operation failed, 2 usage error.
 
 // usageErr prints a usage error and returns exitUsage.
 func usageErr(stderr io.Writer, format string, args ...any) int {
-	fmt.Fprintf(stderr, "poisonctl: "+format+"\n", args...)
-	fmt.Fprintln(stderr, `Run "poisonctl -h" for usage.`)
-	return exitUsage
+	return cliflags.Tool{Name: "poisonctl"}.UsageError(stderr, format, args...)
 }
 
 // fail prints an operation error and returns exitFail.
@@ -163,60 +161,27 @@ func fail(stderr io.Writer, err error) int {
 
 func runContext(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	o := &options{}
-	global := flag.NewFlagSet("poisonctl", flag.ContinueOnError)
-	global.SetOutput(stderr)
-	global.Usage = func() {
-		printUsage(stderr)
-		fmt.Fprintln(stderr, "\nGlobal flags:")
-		global.PrintDefaults()
-	}
-	o.globalFlags(global)
-	if err := global.Parse(args); err != nil {
-		if errors.Is(err, flag.ErrHelp) {
-			return exitOK
-		}
-		return exitUsage
-	}
-	rest := global.Args()
-	if len(rest) == 0 {
-		return usageErr(stderr, "missing command (one of %s)", strings.Join(commandOrder, ", "))
-	}
-	name := rest[0]
-	if name == "help" {
-		global.Usage()
-		return exitOK
-	}
-	cmd, ok := commands[name]
+	name, pos, code, ok := cliflags.Tool{
+		Name: "poisonctl", Order: commandOrder, Global: o.globalFlags, PrintUsage: printUsage,
+		Lookup: func(name string) (cliflags.Command, bool) {
+			cmd, found := commands[name]
+			if !found {
+				return cliflags.Command{}, false
+			}
+			return cliflags.Command{Summary: cmd.summary, Args: cmd.args, NArgs: cmd.nargs, Flags: func(fs *flag.FlagSet) {
+				if cmd.filter {
+					o.filterFlags(fs)
+				}
+				if cmd.flags != nil {
+					cmd.flags(fs, o)
+				}
+			}}, true
+		},
+	}.Parse(args, stderr)
 	if !ok {
-		return usageErr(stderr, "unknown command %q (want one of %s)", name, strings.Join(commandOrder, ", "))
+		return code
 	}
-
-	fs := flag.NewFlagSet("poisonctl "+name, flag.ContinueOnError)
-	fs.SetOutput(stderr)
-	o.globalFlags(fs)
-	if cmd.filter {
-		o.filterFlags(fs)
-	}
-	if cmd.flags != nil {
-		cmd.flags(fs, o)
-	}
-	fs.Usage = func() {
-		fmt.Fprintf(stderr, "Usage: poisonctl %s [flags] %s\n\n%s.\n\nFlags:\n", name, cmd.args, cmd.summary)
-		fs.PrintDefaults()
-	}
-	pos, err := cliflags.ParseInterleaved(fs, rest[1:])
-	if err != nil {
-		if errors.Is(err, flag.ErrHelp) {
-			return exitOK
-		}
-		return exitUsage // the flag package printed the error and usage
-	}
-	if len(pos) != cmd.nargs {
-		if cmd.nargs == 0 {
-			return usageErr(stderr, "%s: unexpected argument %q", name, pos[0])
-		}
-		return usageErr(stderr, "%s: want %d argument(s) %s, got %d", name, cmd.nargs, cmd.args, len(pos))
-	}
+	cmd := commands[name]
 	if o.queue == "" {
 		return usageErr(stderr, "%s: --queue is required (the poison queue, e.g. orders.poison)", name)
 	}
