@@ -728,6 +728,15 @@ func TestConsumerWritersAckInBatchOrder(t *testing.T) {
 	mu.Unlock()
 	close(store.release)
 	testkit.WaitFor(t, 20*time.Second, "all arrivals stored", func() bool { a, _, _, _, _ := mem.Counts(); return a == n })
+	// The first batch's records complete the arrivals as soon as they are
+	// written; the later batches' redeliveries may still be in flight
+	// (delivered, not yet rewritten: not "ready" in the queue). Had they
+	// been acked before the first batch committed, they would never come
+	// back and this wait would time out.
+	testkit.WaitFor(t, 20*time.Second, "the later batches redelivered and rewritten", func() bool {
+		_, _, rw, _, _ := mem.Counts()
+		return rw >= committedLater
+	})
 	testkit.WaitFor(t, 10*time.Second, "arrivals queue empty", func() bool { return e.ready(e.naming.ArrivalsQueue) == 0 })
 	stop()
 	a, _, rewrites, _, _ := mem.Counts()
