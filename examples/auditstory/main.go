@@ -308,7 +308,7 @@ func run(ctx context.Context, cfg config) (sum summary, err error) {
 	r.AddMiddleware(rec.Middleware)        // outside the chain: one record per attempt
 	r.AddMiddleware(retry.Middleware)      // the retry chain
 	r.AddMiddleware(rec.HandlerMiddleware) // inside: handler duration and error
-	r.AddNoPublisherHandler("billing", billingQ, sub, svc.handle)
+	r.AddConsumerHandler("billing", billingQ, sub, svc.handle)
 	go func() { _ = r.Run(ctx) }()
 	defer r.Close()
 	select {

@@ -174,11 +174,11 @@ func Run(ctx context.Context, cfg Config) (Result, error) {
 	if err != nil {
 		return Result{}, err
 	}
-	router.AddNoPublisherHandler("reminders", reminders, sub, func(msg *message.Message) error {
+	router.AddConsumerHandler("reminders", reminders, sub, func(msg *message.Message) error {
 		arrived(msg, reminders)
 		return nil
 	})
-	router.AddNoPublisherHandler("invoices", invoices, sub, func(msg *message.Message) error {
+	router.AddConsumerHandler("invoices", invoices, sub, func(msg *message.Message) error {
 		arrived(msg, invoices)
 		return nil
 	})
@@ -191,7 +191,7 @@ func Run(ctx context.Context, cfg Config) (Result, error) {
 		return Result{}, err
 	}
 	delayOnError := &wmw.DelayOnError{InitialInterval: cfg.Minute, MaxInterval: 10 * cfg.Minute, Multiplier: 2}
-	jobHandler := router.AddNoPublisherHandler("jobs", jobs, sub, func(msg *message.Message) error {
+	jobHandler := router.AddConsumerHandler("jobs", jobs, sub, func(msg *message.Message) error {
 		mu.Lock()
 		res.JobAttempts++
 		attempt := res.JobAttempts
