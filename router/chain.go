@@ -13,6 +13,8 @@
 //	                             schedules retries through the Delayer (confirmed, then ack)
 //	          Classifier           wraps the handler error with retry / poison / drop,
 //	                               or nack when the delivery was already given back
+//	            [Pause]              optional: holds messages, uncharged, while a
+//	                                 dependency is down; probes, then resumes
 //	            [Recoverer, Timeout, ...]  Watermill middlewares that turn panics and
 //	                                       deadlines into errors go inside the chain
 //	              handler
@@ -89,6 +91,13 @@ type Config struct {
 	// broker is not hammered. Default DefaultFallbackPause (1 s); negative:
 	// no pause (tests).
 	FallbackPause time.Duration
+	// Pause, when set, pauses consumption while a dependency is down instead
+	// of charging attempts (see middleware.Pause): it goes just inside the
+	// Classifier. Its Delayer defaults to Config.Delayer, its Counts to "the
+	// Classifier would retry it", its Logger to Config.Logger, and its
+	// Observer to Config.Observer when that implements
+	// middleware.PauseObserver (metrics.Metrics does). Default nil (off).
+	Pause *middleware.PauseConfig
 	// Observer is told of retries, poisonings and drops (e.g. metrics).
 	Observer middleware.Observer
 	// Logger receives structured logs (use watermill.NewSlogLogger for slog).
@@ -115,7 +124,9 @@ type Chain struct {
 	Guard       *middleware.RedeliveryGuard
 	Republisher *middleware.Republisher
 	Classifier  *middleware.Classifier
-	fallback    *fallback
+	// Pause is nil unless Config.Pause was set.
+	Pause    *middleware.Pause
+	fallback *fallback
 }
 
 // New builds the chain. It returns the first configuration error, naming the
@@ -184,12 +195,37 @@ func New(cfg Config) (*Chain, error) {
 	if fb.logger == nil {
 		fb.logger = watermill.NopLogger{}
 	}
-	return &Chain{Counter: counter, Forwarder: fwd, Guard: guard, Republisher: rep, Classifier: classifier, fallback: fb}, nil
+	var pause *middleware.Pause
+	if cfg.Pause != nil {
+		if pause, err = newPause(*cfg.Pause, cfg, classifier); err != nil {
+			return nil, err
+		}
+	}
+	return &Chain{Counter: counter, Forwarder: fwd, Guard: guard, Republisher: rep, Classifier: classifier, Pause: pause, fallback: fb}, nil
+}
+
+func newPause(pc middleware.PauseConfig, cfg Config, classifier *middleware.Classifier) (*middleware.Pause, error) {
+	if pc.Delayer == nil {
+		pc.Delayer = cfg.Delayer
+	}
+	if pc.Counts == nil {
+		pc.Counts = func(err error) bool { return classifier.Classify(err).Action == middleware.ActionRetry }
+	}
+	if pc.Logger == nil {
+		pc.Logger = cfg.Logger
+	}
+	if po, ok := cfg.Observer.(middleware.PauseObserver); ok && pc.Observer == nil {
+		pc.Observer = po
+	}
+	return middleware.NewPause(pc)
 }
 
 // Middleware runs h inside the whole chain; use it with
 // (*message.Router).AddMiddleware or (*message.Handler).AddMiddleware.
 func (c *Chain) Middleware(h message.HandlerFunc) message.HandlerFunc {
+	if c.Pause != nil {
+		h = c.Pause.Middleware(h)
+	}
 	return c.Counter.Middleware(c.fallback.Middleware(c.Forwarder.Middleware(c.Guard.Middleware(c.Republisher.Middleware(c.Classifier.Middleware(h))))))
 }
 
