@@ -86,6 +86,9 @@ type Config struct {
 	// of charging attempts: see router.Config.Pause and middleware.Pause.
 	// Default nil (off).
 	Pause *middleware.PauseConfig
+	// Tracing, when set, traces every attempt with OpenTelemetry: see
+	// router.Config.Tracing and middleware.Tracing. Default nil (off).
+	Tracing *middleware.TracingConfig
 	// Observer is told of retries and poisonings (metrics).
 	Observer middleware.Observer
 	// DeadLetterFirstRetry makes retries that fall in the first tier go to
@@ -394,6 +397,7 @@ func New(cfg Config) (*Retry, error) {
 		Observer:        cfg.Observer,
 		Logger:          cfg.Logger,
 		Pause:           cfg.Pause,
+		Tracing:         cfg.Tracing,
 
 		// Native delayed retry: each retry is a redelivery, counted by
 		// x-acquired-count (nil sources: the router's defaults).

@@ -98,6 +98,11 @@ type Config struct {
 	// Observer to Config.Observer when that implements
 	// middleware.PauseObserver (metrics.Metrics does). Default nil (off).
 	Pause *middleware.PauseConfig
+	// Tracing, when set, makes an OpenTelemetry span per attempt and keeps
+	// all attempts of a message in one trace (see middleware.Tracing): it
+	// goes outermost, and its span events are added to Observer. Its
+	// MaxAttempts and QueueName default to this Config's. Default nil (off).
+	Tracing *middleware.TracingConfig
 	// Observer is told of retries, poisonings and drops (e.g. metrics).
 	Observer middleware.Observer
 	// Logger receives structured logs (use watermill.NewSlogLogger for slog).
@@ -125,7 +130,9 @@ type Chain struct {
 	Republisher *middleware.Republisher
 	Classifier  *middleware.Classifier
 	// Pause is nil unless Config.Pause was set.
-	Pause    *middleware.Pause
+	Pause *middleware.Pause
+	// Tracing is nil unless Config.Tracing was set.
+	Tracing  *middleware.Tracing
 	fallback *fallback
 }
 
@@ -138,6 +145,25 @@ func New(cfg Config) (*Chain, error) {
 	queueName := cfg.QueueName
 	if queueName == nil {
 		queueName = message.SubscribeTopicFromCtx
+	}
+	var tracing *middleware.Tracing
+	if cfg.Tracing != nil {
+		tc := *cfg.Tracing
+		if tc.MaxAttempts == 0 {
+			tc.MaxAttempts = cfg.MaxAttempts
+			if tc.MaxAttempts == 0 {
+				tc.MaxAttempts = middleware.DefaultMaxAttempts
+			}
+		}
+		if tc.QueueName == nil {
+			tc.QueueName = queueName
+		}
+		tracing = middleware.NewTracing(tc)
+		if cfg.Observer != nil {
+			cfg.Observer = middleware.Observers(cfg.Observer, tracing.Observer())
+		} else {
+			cfg.Observer = tracing.Observer()
+		}
 	}
 	sources := cfg.AttemptSources
 	if len(sources) == 0 {
@@ -201,7 +227,7 @@ func New(cfg Config) (*Chain, error) {
 			return nil, err
 		}
 	}
-	return &Chain{Counter: counter, Forwarder: fwd, Guard: guard, Republisher: rep, Classifier: classifier, Pause: pause, fallback: fb}, nil
+	return &Chain{Counter: counter, Forwarder: fwd, Guard: guard, Republisher: rep, Classifier: classifier, Pause: pause, Tracing: tracing, fallback: fb}, nil
 }
 
 func newPause(pc middleware.PauseConfig, cfg Config, classifier *middleware.Classifier) (*middleware.Pause, error) {
@@ -226,7 +252,11 @@ func (c *Chain) Middleware(h message.HandlerFunc) message.HandlerFunc {
 	if c.Pause != nil {
 		h = c.Pause.Middleware(h)
 	}
-	return c.Counter.Middleware(c.fallback.Middleware(c.Forwarder.Middleware(c.Guard.Middleware(c.Republisher.Middleware(c.Classifier.Middleware(h))))))
+	h = c.Counter.Middleware(c.fallback.Middleware(c.Forwarder.Middleware(c.Guard.Middleware(c.Republisher.Middleware(c.Classifier.Middleware(h))))))
+	if c.Tracing != nil {
+		h = c.Tracing.Middleware(h)
+	}
+	return h
 }
 
 // AddTo adds the chain to r, followed by extra middlewares (which end up
