@@ -96,9 +96,9 @@ func TestE2E_TracingOneTracePerMessage(t *testing.T) {
 			}
 			for key, want := range map[string]string{
 				"messaging.system": "rabbitmq", "messaging.operation.type": "process",
-				"messaging.destination.name": e.exchange + ":order.created:" + q,
+				"messaging.destination.name":                 e.exchange + ":order.created:" + q,
 				"messaging.rabbitmq.destination.routing_key": "order.created",
-				middleware.AttrOutcome: outcomes[i],
+				middleware.AttrOutcome:                       outcomes[i],
 			} {
 				if v, _ := spanAttr(s, key); v.AsString() != want {
 					t.Errorf("%s attempt %d: %s = %q, want %q", id, i+1, key, v.AsString(), want)
