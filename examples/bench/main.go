@@ -17,6 +17,8 @@
 //	             waiting in a wait queue; broker memory for them, and for
 //	             100,000 held in a quorum queue's native delayed state
 //	concurrency  retry chain throughput with 1, 2, 4, 8 handlers
+//	tracing      (not in the default list: ~1 min) the retry chain with and
+//	             without middleware.Tracing on the no-op TracerProvider
 //	cascade      (not in the default list: ~12 min) amqpretry's tiered
 //	             wait queues vs the delay cascade (amqpretry/cascade):
 //	             delay accuracy for RetryAfter 1 s .. 10 min, hops and
@@ -65,12 +67,12 @@ import (
 var allScenarios = []string{"overhead", "storm", "retry", "delay", "memory", "concurrency"}
 
 // extraScenarios run only when named in -scenarios (they take long).
-var extraScenarios = []string{"cascade", "audit"}
+var extraScenarios = []string{"cascade", "audit", "tracing"}
 
 // defaultSizes are the message counts of each scenario (-n overrides).
 var defaultSizes = map[string]int{
 	"overhead": 20000, "storm": 2000, "retry": 5000, "delay": 200, "memory": 100000, "concurrency": 20000,
-	"cascade": 20, "cascade-sched": 20000, "cascade-mem": 100000, "audit": 10000,
+	"cascade": 20, "cascade-sched": 20000, "cascade-mem": 100000, "audit": 10000, "tracing": 20000,
 }
 
 type row struct {
@@ -105,6 +107,7 @@ type summary struct {
 	Concurrency *concurrencyResult `json:"concurrency,omitempty"`
 	Cascade     *cascadeResult     `json:"tiers_vs_cascade,omitempty"`
 	Audit       *auditResult       `json:"audit,omitempty"`
+	Tracing     *tracingResult     `json:"tracing,omitempty"`
 	Table       []row              `json:"table"`
 }
 
@@ -234,6 +237,7 @@ func main() {
 		"delay": b.scenarioDelay, "memory": b.scenarioMemory, "concurrency": b.scenarioConcurrency,
 		"cascade": b.scenarioCascade,
 		"audit":   b.scenarioAudit,
+		"tracing": b.scenarioTracing,
 	}
 	start := time.Now()
 	logf("bench run %s against %s (queues and exchanges %s.*)", e.prefix, redact(*uri), e.prefix)
