@@ -69,8 +69,10 @@ type TracingConfig struct {
 // attempt that made it, which the next attempt's span links to. Retries and
 // the poison forward are span events (as Observer, combined by router.New).
 //
-// It needs only the OpenTelemetry API: with no SDK installed the spans are
-// no-ops.
+// It needs only the OpenTelemetry API: with no SDK installed (or a span not
+// sampled) the span is not recording and the middleware does nothing but
+// carry the creation context. Attributes and links are set after the span
+// starts, so a sampler sees only the parent, the kind and the name "process".
 type Tracing struct {
 	tracer     trace.Tracer
 	prop       propagation.TextMapPropagator
@@ -127,32 +129,39 @@ func (tr *Tracing) Middleware(h message.HandlerFunc) message.HandlerFunc {
 		}
 		carrier := metadataCarrier(msg.Metadata)
 		creation := trace.SpanContextFromContext(tr.prop.Extract(context.Background(), carrier))
-		opts := []trace.SpanStartOption{trace.WithSpanKind(trace.SpanKindConsumer), trace.WithAttributes(tr.attributes(msg)...)}
 		parent := ctx
 		if creation.IsValid() {
 			parent = trace.ContextWithRemoteSpanContext(ctx, creation)
-			opts = append(opts, trace.WithLinks(trace.Link{SpanContext: creation}))
+		}
+		spanCtx, span := tr.tracer.Start(parent, "process", trace.WithSpanKind(trace.SpanKindConsumer))
+		if !creation.IsValid() && span.SpanContext().IsValid() {
+			// The first attempt's context becomes the message's creation
+			// context for every copy.
+			tr.prop.Inject(spanCtx, carrier)
+		}
+		if !span.IsRecording() {
+			// No SDK, or not sampled: nothing to record. The creation
+			// context travels in the metadata all the same.
+			span.End()
+			return h(msg)
+		}
+		defer span.End()
+		span.SetName("process " + tr.destination(msg))
+		span.SetAttributes(tr.attributes(msg)...)
+		if creation.IsValid() {
+			span.AddLink(trace.Link{SpanContext: creation})
 		}
 		if prevTP := msg.Metadata.Get(TracePrevKey); prevTP != "" {
 			prev := trace.SpanContextFromContext(propagation.TraceContext{}.Extract(context.Background(),
 				propagation.MapCarrier{"traceparent": prevTP}))
 			if prev.IsValid() {
-				opts = append(opts, trace.WithLinks(trace.Link{SpanContext: prev,
-					Attributes: []attribute.KeyValue{attribute.String("rabbitretry.link", "previous_attempt")}}))
+				span.AddLink(trace.Link{SpanContext: prev,
+					Attributes: []attribute.KeyValue{attribute.String("rabbitretry.link", "previous_attempt")}})
 			}
 		}
-		spanCtx, span := tr.tracer.Start(parent, "process "+tr.destination(msg), opts...)
-		defer span.End()
-		if !creation.IsValid() {
-			// The first attempt's context becomes the message's creation
-			// context for every copy.
-			tr.prop.Inject(spanCtx, carrier)
-		}
-		if sc := span.SpanContext(); sc.IsValid() {
-			tp := propagation.MapCarrier{}
-			propagation.TraceContext{}.Inject(spanCtx, tp)
-			msg.Metadata.Set(TracePrevKey, tp["traceparent"])
-		}
+		tp := propagation.MapCarrier{}
+		propagation.TraceContext{}.Inject(spanCtx, tp)
+		msg.Metadata.Set(TracePrevKey, tp["traceparent"])
 		st := &attemptTrace{}
 		msg.SetContext(context.WithValue(trace.ContextWithSpan(ctx, span), attemptTraceKey{}, st))
 		out, err := h(msg)
