@@ -79,6 +79,7 @@ type Tracing struct {
 	system     string
 	queue      func(ctx context.Context) string
 	maxAttempt int
+	fields     []string // the propagator's header names
 }
 
 // NewTracing returns a Tracing.
@@ -102,7 +103,7 @@ func NewTracing(cfg TracingConfig) *Tracing {
 	}
 	return &Tracing{
 		tracer: tp.Tracer(TracingScope), prop: prop, system: cfg.System,
-		queue: cfg.QueueName, maxAttempt: cfg.MaxAttempts,
+		queue: cfg.QueueName, maxAttempt: cfg.MaxAttempts, fields: prop.Fields(),
 	}
 }
 
@@ -128,12 +129,15 @@ func (tr *Tracing) Middleware(h message.HandlerFunc) message.HandlerFunc {
 			msg.Metadata = message.Metadata{}
 		}
 		carrier := metadataCarrier(msg.Metadata)
-		creation := trace.SpanContextFromContext(tr.prop.Extract(context.Background(), carrier))
+		var creation trace.SpanContext
+		if tr.carries(msg.Metadata) {
+			creation = trace.SpanContextFromContext(tr.prop.Extract(context.Background(), carrier))
+		}
 		parent := ctx
 		if creation.IsValid() {
 			parent = trace.ContextWithRemoteSpanContext(ctx, creation)
 		}
-		spanCtx, span := tr.tracer.Start(parent, "process", trace.WithSpanKind(trace.SpanKindConsumer))
+		spanCtx, span := tr.tracer.Start(parent, "process", consumerKind...)
 		if !creation.IsValid() && span.SpanContext().IsValid() {
 			// The first attempt's context becomes the message's creation
 			// context for every copy.
@@ -191,6 +195,20 @@ func (tr *Tracing) Middleware(h message.HandlerFunc) message.HandlerFunc {
 		}
 		return out, err
 	}
+}
+
+// consumerKind is the one start option, made once.
+var consumerKind = []trace.SpanStartOption{trace.WithSpanKind(trace.SpanKindConsumer)}
+
+// carries reports whether md holds any of the propagator's fields (a cheap
+// check that spares the extraction on untraced messages).
+func (tr *Tracing) carries(md message.Metadata) bool {
+	for _, f := range tr.fields {
+		if _, ok := md[f]; ok {
+			return true
+		}
+	}
+	return false
 }
 
 // attemptTrace is what the Observer learnt during one attempt.
