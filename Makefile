@@ -6,7 +6,7 @@ GOFMT ?= gofmt
 export PATH := $(PATH):/usr/local/go/bin
 SHELL := /bin/bash
 
-.PHONY: all broker test test-faults demo bench fuzz lint test-brokers brokers-up brokers-down
+.PHONY: all broker monitoring test test-faults demo bench fuzz lint test-brokers brokers-up brokers-down
 
 all: lint test
 
@@ -18,7 +18,11 @@ broker:
 postgres:
 	bash scripts/ensure-postgres.sh >/dev/null
 
-test: broker postgres
+# promtool check rules on monitoring/alerts.yml (installs promtool when root).
+monitoring:
+	bash scripts/check-monitoring.sh
+
+test: broker postgres monitoring
 	$(GO) vet ./...
 	$(GO) test -race -count=1 -timeout 15m ./...
 

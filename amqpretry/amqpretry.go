@@ -82,6 +82,13 @@ type Config struct {
 	// ErrorText renders errors into headers; redact secrets here. Default:
 	// err.Error() cut to 1 KiB.
 	ErrorText func(error) string
+	// Pause, when set, pauses consumption while a dependency is down instead
+	// of charging attempts: see router.Config.Pause and middleware.Pause.
+	// Default nil (off).
+	Pause *middleware.PauseConfig
+	// Tracing, when set, traces every attempt with OpenTelemetry: see
+	// router.Config.Tracing and middleware.Tracing. Default nil (off).
+	Tracing *middleware.TracingConfig
 	// Observer is told of retries and poisonings (metrics).
 	Observer middleware.Observer
 	// DeadLetterFirstRetry makes retries that fall in the first tier go to
@@ -389,6 +396,8 @@ func New(cfg Config) (*Retry, error) {
 		ErrorText:       cfg.ErrorText,
 		Observer:        cfg.Observer,
 		Logger:          cfg.Logger,
+		Pause:           cfg.Pause,
+		Tracing:         cfg.Tracing,
 
 		// Native delayed retry: each retry is a redelivery, counted by
 		// x-acquired-count (nil sources: the router's defaults).

@@ -141,15 +141,21 @@ type Metrics struct {
 	poisoned         *prometheus.CounterVec
 	poisonFailures   *prometheus.CounterVec
 	dropped          *prometheus.CounterVec
+	paused           *prometheus.GaugeVec
+	pauses           *prometheus.CounterVec
+	pausedSeconds    *prometheus.CounterVec
 }
 
-var _ middleware.Observer = (*Metrics)(nil)
+var (
+	_ middleware.Observer      = (*Metrics)(nil)
+	_ middleware.PauseObserver = (*Metrics)(nil)
+)
 
 // Description describes one metric.
 type Description struct {
 	// Name is the full metric name, namespace included.
 	Name string
-	// Type is "counter" or "histogram".
+	// Type is "counter", "gauge" or "histogram".
 	Type string
 	// Labels are the label names, in order.
 	Labels []string
@@ -168,6 +174,9 @@ const (
 	namePoisoned         = "poisoned_total"
 	namePoisonFailures   = "poison_failures_total"
 	nameDropped          = "dropped_total"
+	namePaused           = "paused"
+	namePauses           = "pauses_total"
+	namePausedSeconds    = "paused_seconds_total"
 )
 
 type spec struct {
@@ -195,6 +204,12 @@ var specs = []spec{
 		"Poison-queue publishes that failed; the message was nacked."},
 	{nameDropped, "counter", []string{"queue"},
 		"Messages acked and discarded on a drop verdict."},
+	{namePaused, "gauge", nil,
+		"1 while consumption is paused because a dependency is down (middleware.Pause), else 0."},
+	{namePauses, "counter", []string{"reason"},
+		`Times consumption paused, by reason ("dependency-unavailable" or "failure-rate").`},
+	{namePausedSeconds, "counter", nil,
+		"Seconds consumption spent paused, added when it resumes."},
 }
 
 // Descriptions returns the metrics New registers, with full names for
@@ -245,6 +260,10 @@ func New(cfg Config) (*Metrics, error) {
 			Namespace: ns, Name: s.name, Help: s.help, Buckets: append([]float64(nil), buckets...),
 		}, s.labels)
 	}
+	gauge := func(name string) *prometheus.GaugeVec {
+		s := specFor(name)
+		return prometheus.NewGaugeVec(prometheus.GaugeOpts{Namespace: ns, Name: s.name, Help: s.help}, s.labels)
+	}
 	m := &Metrics{
 		queueName:        cfg.QueueName,
 		tier:             cfg.Tier,
@@ -257,6 +276,9 @@ func New(cfg Config) (*Metrics, error) {
 		poisoned:         counter(namePoisoned),
 		poisonFailures:   counter(namePoisonFailures),
 		dropped:          counter(nameDropped),
+		paused:           gauge(namePaused),
+		pauses:           counter(namePauses),
+		pausedSeconds:    counter(namePausedSeconds),
 	}
 	collectors := []struct {
 		name string
@@ -271,6 +293,9 @@ func New(cfg Config) (*Metrics, error) {
 		{namePoisoned, m.poisoned},
 		{namePoisonFailures, m.poisonFailures},
 		{nameDropped, m.dropped},
+		{namePaused, m.paused},
+		{namePauses, m.pauses},
+		{namePausedSeconds, m.pausedSeconds},
 	}
 	for i, c := range collectors {
 		if err := cfg.Registerer.Register(c.c); err != nil {
@@ -346,6 +371,20 @@ func (m *Metrics) PoisonFailed(msg *message.Message, attempt int, err error) {
 // Dropped implements middleware.Observer: it counts dropped_total.
 func (m *Metrics) Dropped(msg *message.Message, attempt int) {
 	m.dropped.WithLabelValues(m.queue(msg)).Inc()
+}
+
+// PauseStarted implements middleware.PauseObserver: paused = 1 and
+// pauses_total{reason} + 1.
+func (m *Metrics) PauseStarted(reason string) {
+	m.paused.WithLabelValues().Set(1)
+	m.pauses.WithLabelValues(reason).Inc()
+}
+
+// PauseEnded implements middleware.PauseObserver: paused = 0 and d added to
+// paused_seconds_total.
+func (m *Metrics) PauseEnded(d time.Duration) {
+	m.paused.WithLabelValues().Set(0)
+	m.pausedSeconds.WithLabelValues().Add(d.Seconds())
 }
 
 // queue returns the queue label of msg.

@@ -712,6 +712,8 @@ func TestDescriptions(t *testing.T) {
 	m.Poisoned(msg, 1, "permanent")
 	m.PoisonFailed(msg, 1, errTransient)
 	m.Dropped(msg, 1)
+	m.PauseStarted("dependency-unavailable")
+	m.PauseEnded(time.Second)
 
 	mfs, err := reg.Gather()
 	if err != nil {

@@ -52,6 +52,10 @@ func (f DelayerFunc) Schedule(ctx context.Context, msg *message.Message, delay t
 	return f(ctx, msg, delay)
 }
 
+// DefaultMaxAttempts is the default of RepublisherConfig.MaxAttempts (and
+// router.Config.MaxAttempts): the first attempt and four retries.
+const DefaultMaxAttempts = 5
+
 // ExhaustedError is returned by the republisher when a retryable error
 // happened on the last allowed attempt. The poison forwarder sends such
 // messages to the poison queue with class "exhausted".
@@ -280,7 +284,7 @@ type RepublisherConfig struct {
 
 func (c *RepublisherConfig) setDefaults() {
 	if c.MaxAttempts == 0 {
-		c.MaxAttempts = 5
+		c.MaxAttempts = DefaultMaxAttempts
 	}
 	if c.Backoff == nil {
 		c.Backoff = DefaultBackoff

@@ -13,6 +13,8 @@
 //	                             schedules retries through the Delayer (confirmed, then ack)
 //	          Classifier           wraps the handler error with retry / poison / drop,
 //	                               or nack when the delivery was already given back
+//	            [Pause]              optional: holds messages, uncharged, while a
+//	                                 dependency is down; probes, then resumes
 //	            [Recoverer, Timeout, ...]  Watermill middlewares that turn panics and
 //	                                       deadlines into errors go inside the chain
 //	              handler
@@ -89,6 +91,18 @@ type Config struct {
 	// broker is not hammered. Default DefaultFallbackPause (1 s); negative:
 	// no pause (tests).
 	FallbackPause time.Duration
+	// Pause, when set, pauses consumption while a dependency is down instead
+	// of charging attempts (see middleware.Pause): it goes just inside the
+	// Classifier. Its Delayer defaults to Config.Delayer, its Counts to "the
+	// Classifier would retry it", its Logger to Config.Logger, and its
+	// Observer to Config.Observer when that implements
+	// middleware.PauseObserver (metrics.Metrics does). Default nil (off).
+	Pause *middleware.PauseConfig
+	// Tracing, when set, makes an OpenTelemetry span per attempt and keeps
+	// all attempts of a message in one trace (see middleware.Tracing): it
+	// goes outermost, and its span events are added to Observer. Its
+	// MaxAttempts and QueueName default to this Config's. Default nil (off).
+	Tracing *middleware.TracingConfig
 	// Observer is told of retries, poisonings and drops (e.g. metrics).
 	Observer middleware.Observer
 	// Logger receives structured logs (use watermill.NewSlogLogger for slog).
@@ -115,7 +129,11 @@ type Chain struct {
 	Guard       *middleware.RedeliveryGuard
 	Republisher *middleware.Republisher
 	Classifier  *middleware.Classifier
-	fallback    *fallback
+	// Pause is nil unless Config.Pause was set.
+	Pause *middleware.Pause
+	// Tracing is nil unless Config.Tracing was set.
+	Tracing  *middleware.Tracing
+	fallback *fallback
 }
 
 // New builds the chain. It returns the first configuration error, naming the
@@ -127,6 +145,25 @@ func New(cfg Config) (*Chain, error) {
 	queueName := cfg.QueueName
 	if queueName == nil {
 		queueName = message.SubscribeTopicFromCtx
+	}
+	var tracing *middleware.Tracing
+	if cfg.Tracing != nil {
+		tc := *cfg.Tracing
+		if tc.MaxAttempts == 0 {
+			tc.MaxAttempts = cfg.MaxAttempts
+			if tc.MaxAttempts == 0 {
+				tc.MaxAttempts = middleware.DefaultMaxAttempts
+			}
+		}
+		if tc.QueueName == nil {
+			tc.QueueName = queueName
+		}
+		tracing = middleware.NewTracing(tc)
+		if cfg.Observer != nil {
+			cfg.Observer = middleware.Observers(cfg.Observer, tracing.Observer())
+		} else {
+			cfg.Observer = tracing.Observer()
+		}
 	}
 	sources := cfg.AttemptSources
 	if len(sources) == 0 {
@@ -184,13 +221,42 @@ func New(cfg Config) (*Chain, error) {
 	if fb.logger == nil {
 		fb.logger = watermill.NopLogger{}
 	}
-	return &Chain{Counter: counter, Forwarder: fwd, Guard: guard, Republisher: rep, Classifier: classifier, fallback: fb}, nil
+	var pause *middleware.Pause
+	if cfg.Pause != nil {
+		if pause, err = newPause(*cfg.Pause, cfg, classifier); err != nil {
+			return nil, err
+		}
+	}
+	return &Chain{Counter: counter, Forwarder: fwd, Guard: guard, Republisher: rep, Classifier: classifier, Pause: pause, Tracing: tracing, fallback: fb}, nil
+}
+
+func newPause(pc middleware.PauseConfig, cfg Config, classifier *middleware.Classifier) (*middleware.Pause, error) {
+	if pc.Delayer == nil {
+		pc.Delayer = cfg.Delayer
+	}
+	if pc.Counts == nil {
+		pc.Counts = func(err error) bool { return classifier.Classify(err).Action == middleware.ActionRetry }
+	}
+	if pc.Logger == nil {
+		pc.Logger = cfg.Logger
+	}
+	if po, ok := cfg.Observer.(middleware.PauseObserver); ok && pc.Observer == nil {
+		pc.Observer = po
+	}
+	return middleware.NewPause(pc)
 }
 
 // Middleware runs h inside the whole chain; use it with
 // (*message.Router).AddMiddleware or (*message.Handler).AddMiddleware.
 func (c *Chain) Middleware(h message.HandlerFunc) message.HandlerFunc {
-	return c.Counter.Middleware(c.fallback.Middleware(c.Forwarder.Middleware(c.Guard.Middleware(c.Republisher.Middleware(c.Classifier.Middleware(h))))))
+	if c.Pause != nil {
+		h = c.Pause.Middleware(h)
+	}
+	h = c.Counter.Middleware(c.fallback.Middleware(c.Forwarder.Middleware(c.Guard.Middleware(c.Republisher.Middleware(c.Classifier.Middleware(h))))))
+	if c.Tracing != nil {
+		h = c.Tracing.Middleware(h)
+	}
+	return h
 }
 
 // AddTo adds the chain to r, followed by extra middlewares (which end up

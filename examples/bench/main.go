@@ -17,6 +17,11 @@
 //	             waiting in a wait queue; broker memory for them, and for
 //	             100,000 held in a quorum queue's native delayed state
 //	concurrency  retry chain throughput with 1, 2, 4, 8 handlers
+//	tracing      (not in the default list: ~1 min) the retry chain with and
+//	             without middleware.Tracing on the no-op TracerProvider
+//	compare      (not in the default list; needs -baseline) the healthy path
+//	             (overhead scenario, retry chain, prefetch 256 and 1) of this
+//	             build vs a baseline build, interleaved in one run
 //	cascade      (not in the default list: ~12 min) amqpretry's tiered
 //	             wait queues vs the delay cascade (amqpretry/cascade):
 //	             delay accuracy for RetryAfter 1 s .. 10 min, hops and
@@ -65,12 +70,12 @@ import (
 var allScenarios = []string{"overhead", "storm", "retry", "delay", "memory", "concurrency"}
 
 // extraScenarios run only when named in -scenarios (they take long).
-var extraScenarios = []string{"cascade", "audit"}
+var extraScenarios = []string{"cascade", "audit", "tracing", "compare"}
 
 // defaultSizes are the message counts of each scenario (-n overrides).
 var defaultSizes = map[string]int{
 	"overhead": 20000, "storm": 2000, "retry": 5000, "delay": 200, "memory": 100000, "concurrency": 20000,
-	"cascade": 20, "cascade-sched": 20000, "cascade-mem": 100000, "audit": 10000,
+	"cascade": 20, "cascade-sched": 20000, "cascade-mem": 100000, "audit": 10000, "tracing": 20000,
 }
 
 type row struct {
@@ -105,10 +110,15 @@ type summary struct {
 	Concurrency *concurrencyResult `json:"concurrency,omitempty"`
 	Cascade     *cascadeResult     `json:"tiers_vs_cascade,omitempty"`
 	Audit       *auditResult       `json:"audit,omitempty"`
+	Tracing     *tracingResult     `json:"tracing,omitempty"`
+	Compare     *compareResult     `json:"compare,omitempty"`
 	Table       []row              `json:"table"`
 }
 
 type bench struct {
+	baseline      string
+	compareRounds int
+	uri           string
 	env           *env
 	sizes         map[string]int
 	runs          int
@@ -158,6 +168,8 @@ func main() {
 	cascadePartsFlag := flag.String("cascade-parts", strings.Join(cascadeParts, ","), "cascade scenario: comma list of parts to run: "+strings.Join(cascadeParts, ","))
 	cascadeWorkers := flag.Int("cascade-workers", 64, "cascade scenario: goroutines scheduling concurrently in the throughput and memory parts")
 	fillChildSpec := flag.String("fill-child", "", "internal: run as the memory scenario's publishing child process")
+	baseline := flag.String("baseline", "", "compare scenario: the bench binary built from the baseline commit (see scripts/bench-compare.sh)")
+	compareRounds := flag.Int("compare-rounds", 7, "compare scenario: rounds; each runs this binary's and the baseline's overhead scenario once, order flipping")
 	flag.Parse()
 
 	if *fillChildSpec != "" {
@@ -168,7 +180,7 @@ func main() {
 		return
 	}
 
-	b := &bench{sizes: map[string]int{}, runs: max(*runs, 1), runsP1: max(*runsP1, 1), stormHandlers: max(*stormHandlers, 1), stormRuns: max(*stormRuns, 1)}
+	b := &bench{baseline: *baseline, compareRounds: max(*compareRounds, 1), uri: *uri, sizes: map[string]int{}, runs: max(*runs, 1), runsP1: max(*runsP1, 1), stormHandlers: max(*stormHandlers, 1), stormRuns: max(*stormRuns, 1)}
 	for _, v := range strings.Split(*stormVariants, ",") {
 		v = strings.TrimSpace(v)
 		if !slices.Contains(stormVariantNames, v) {
@@ -234,6 +246,8 @@ func main() {
 		"delay": b.scenarioDelay, "memory": b.scenarioMemory, "concurrency": b.scenarioConcurrency,
 		"cascade": b.scenarioCascade,
 		"audit":   b.scenarioAudit,
+		"tracing": b.scenarioTracing,
+		"compare": b.scenarioCompare,
 	}
 	start := time.Now()
 	logf("bench run %s against %s (queues and exchanges %s.*)", e.prefix, redact(*uri), e.prefix)
@@ -321,7 +335,13 @@ func markdownReport(s summary, table string) string {
 	sb.WriteString("# Benchmark results\n\n")
 	fmt.Fprintf(&sb, "Produced by `go run ./examples/bench` on %s (total %.0f s).\n\n", m.Date, s.DurationS)
 	if len(os.Args) > 1 {
-		fmt.Fprintf(&sb, "Command: `go run ./examples/bench %s`\n\n", strings.Join(os.Args[1:], " "))
+		args := slices.Clone(os.Args[1:])
+		for i, a := range args {
+			if strings.Contains(a, "://") {
+				args[i] = redactArg(a)
+			}
+		}
+		fmt.Fprintf(&sb, "Command: `go run ./examples/bench %s`\n\n", strings.Join(args, " "))
 	}
 	fmt.Fprintf(&sb, "- CPUs (`nproc`): %d, GOMAXPROCS %d, %s\n", m.NumCPU, m.GOMAXPROCS, m.GoVersion)
 	fmt.Fprintf(&sb, "- RabbitMQ: server reports %s (`%s version`: %s), same host\n", m.ServerVersion, m.Ctl, m.RabbitMQ)
@@ -371,6 +391,15 @@ func envOr(k, def string) string {
 		return v
 	}
 	return def
+}
+
+// redactArg redacts a command-line argument holding a URI (amqp:// or a
+// PostgreSQL DSN): the password never reaches a report.
+func redactArg(a string) string {
+	if strings.HasPrefix(a, "amqp") {
+		return redact(a)
+	}
+	return redactDSN(a)
 }
 
 func redact(uri string) string {

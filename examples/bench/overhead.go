@@ -11,12 +11,14 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitretry/rabbitretry/amqpretry"
+	"github.com/rabbitretry/rabbitretry/middleware"
 )
 
 // drainSpec is one "pre-fill a queue, then drain it with a router" run.
 type drainSpec struct {
 	scenario string // short name used in queue names
 	retry    bool   // with amqpretry (SubscriberConfig + Middleware) or bare watermill-amqp
+	tracing  bool   // with retry: amqpretry.Config.Tracing on (the global, no-op, TracerProvider)
 	prefetch int
 	handlers int
 	n        int
@@ -49,13 +51,20 @@ func (e *env) drain(s drainSpec) (res drainResult, err error) {
 	if s.retry {
 		variant = "retry"
 	}
+	if s.tracing {
+		variant = "traced"
+	}
 	q := e.name(s.scenario, variant, fmt.Sprintf("p%d", s.prefetch), fmt.Sprintf("h%d", s.handlers), watermillShort())
 	e.trackQueues(q)
 	cfg := wamqp.NewDurableQueueConfig(e.uri)
 	cfg.Consume.Qos.PrefetchCount = s.prefetch
 	var mws []message.HandlerMiddleware
 	if s.retry {
-		retry, err := amqpretry.New(amqpretry.Config{Subscriber: cfg, Naming: e.naming(s.scenario), Logger: e.logger})
+		rc := amqpretry.Config{Subscriber: cfg, Naming: e.naming(s.scenario), Logger: e.logger}
+		if s.tracing {
+			rc.Tracing = &middleware.TracingConfig{}
+		}
+		retry, err := amqpretry.New(rc)
 		if err != nil {
 			return res, err
 		}
