@@ -312,20 +312,33 @@ func (c *Consumer) declare(conn *amqp.Connection) error {
 		}
 		_ = ch.Close()
 	}
+	legacy, err := declareAttempts(conn, c.cfg.Naming, c.cfg.QueueType)
+	if err != nil {
+		return err
+	}
+	old, err := declareQueue(conn, c.cfg.Naming.ArrivalsQueue, c.cfg.QueueType, c.cfg.Naming)
+	if err != nil {
+		return err
+	}
+	if old {
+		legacy = append(legacy, c.cfg.Naming.ArrivalsQueue)
+	}
+	if len(legacy) > 0 {
+		c.cfg.Logger.Error("Audit queues declared by an older version, without a delivery limit and dead-letter target: "+
+			"on RabbitMQ 4.x records held during a store outage are dropped after 20 connection losses unless the upgrade policy "+
+			"is set (README, Audit, upgrading the audit queues)", nil, watermill.LogFields{"queues": legacy})
+	}
 	ch, err := conn.Channel()
 	if err != nil {
 		return err
 	}
 	defer ch.Close()
-	if err := declareQueue(ch, c.cfg.Naming.ArrivalsQueue, c.cfg.QueueType); err != nil {
-		return err
-	}
 	for _, b := range c.cfg.Exchanges {
 		if err := ch.QueueBind(c.cfg.Naming.ArrivalsQueue, b.RoutingKey, b.Exchange, false, b.Args); err != nil {
 			return fmt.Errorf("audit: binding %q to exchange %q with key %q: %w", c.cfg.Naming.ArrivalsQueue, b.Exchange, b.RoutingKey, err)
 		}
 	}
-	return DeclareAttempts(ch, c.cfg.Naming, c.cfg.QueueType)
+	return nil
 }
 
 // errFatal marks a session error that reconnecting cannot fix.
