@@ -6,6 +6,7 @@ import (
 	"maps"
 	"net"
 	"regexp"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -179,5 +180,98 @@ func holdThroughLosses(t *testing.T, e *brokerEnv, closes int) {
 		t.Name(), n, got, setAside, 0, n-got-setAside, done)
 	if got != n {
 		t.Fatalf("%d of %d records stored after %d connection losses (set aside %d)", got, n, done, setAside)
+	}
+}
+
+// publishRaw publishes ps to e's business exchange with routingKey,
+// confirmed.
+func (e *brokerEnv) publishRaw(ps ...amqp.Publishing) {
+	e.t.Helper()
+	ch, err := e.conn.Channel()
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	defer ch.Close()
+	if err := ch.Confirm(false); err != nil {
+		e.t.Fatal(err)
+	}
+	for _, p := range ps {
+		dc, err := ch.PublishWithDeferredConfirmWithContext(context.Background(), e.exchange, routingKey, true, false, p)
+		if err != nil {
+			e.t.Fatal(err)
+		}
+		if ok, err := dc.WaitContext(context.Background()); !ok || err != nil {
+			e.t.Fatalf("publish not confirmed: %v %v", ok, err)
+		}
+	}
+}
+
+func uuidPublishing(id string, ts time.Time) amqp.Publishing {
+	return amqp.Publishing{Headers: amqp.Table{audit.DefaultUUIDHeader: id}, Timestamp: ts,
+		DeliveryMode: amqp.Persistent, Body: []byte(`{"id":"` + id[:min(len(id), 40)] + `"}`)}
+}
+
+// TestConsumerSetsAsideRecordsPostgresRefuses: among 300 ordinary
+// messages, one whose message id is 8,000 bytes (PostgreSQL: index row
+// too big, SQLSTATE 54000) and two whose AMQP timestamps are +10^13 s
+// (22008) and -10^13 s (stored as year 269636). Every write error used to
+// be retried forever in batch order: the audit stalled. Now the long id is
+// set aside with its reason (Consumer stats, pgstore stats), the
+// out-of-range timestamps are stored as absent with a note, and every
+// other record is stored within seconds.
+func TestConsumerSetsAsideRecordsPostgresRefuses(t *testing.T) {
+	e := newBrokerEnv(t)
+	st, read := pgStore(t)
+	c, _ := e.consumer(st, nil)
+	const ordinary = 300
+	longID := e.prefix + "-" + strings.Repeat("x", 8000)
+	now := time.Now()
+	var ps []amqp.Publishing
+	for i := range ordinary {
+		switch i {
+		case 50:
+			ps = append(ps, uuidPublishing(longID, now))
+		case 150:
+			ps = append(ps, uuidPublishing(e.prefix+"-future", time.Unix(1e13, 0)))
+		case 250:
+			ps = append(ps, uuidPublishing(e.prefix+"-past", time.Unix(-1e13, 0)))
+		}
+		ps = append(ps, uuidPublishing(fmt.Sprintf("%s-%03d", e.prefix, i), now))
+	}
+	e.publishRaw(ps...)
+	published := len(ps)
+	ctx := context.Background()
+	testkit.WaitFor(t, 30*time.Second, "every record stored or set aside", func() bool {
+		s, err := st.Stats(ctx)
+		return err == nil && s.Arrivals+s.SetAside >= int64(published)
+	})
+	arr, _ := read()
+	stored, dups := 0, 0
+	for _, a := range arr {
+		stored++
+		dups += len(a) - 1
+	}
+	s, err := st.Stats(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("ACCOUNT %s: published=%d handled=%d poisoned=%d duplicates=%d lost=%d",
+		t.Name(), published, stored, s.SetAside, dups, published-stored-int(s.SetAside))
+	if stored != published-1 || s.SetAside != 1 || dups != 0 || c.Stats().SetAside != 1 {
+		t.Fatalf("stored %d (dups %d), set aside %d (consumer %d); want %d and 1", stored, dups, s.SetAside, c.Stats().SetAside, published-1)
+	}
+	if r := s.SetAsideRecent[0]; r.Kind != audit.KindArrival || !strings.Contains(r.Reason, "MessageID is 8") || len(r.MessageID) > 256 {
+		t.Fatalf("set aside: %+v", r)
+	}
+	for _, id := range []string{e.prefix + "-future", e.prefix + "-past"} {
+		var pub *time.Time
+		var note string
+		if err := st.Pool().QueryRow(ctx, `SELECT published_at, properties->>$2 FROM `+st.Schema()+`.arrivals WHERE message_id = $1`,
+			id, audit.TimestampErrorProperty).Scan(&pub, &note); err != nil {
+			t.Fatal(err)
+		}
+		if pub != nil || !strings.Contains(note, "outside years 1-9999") {
+			t.Fatalf("%s: published_at %v, note %q; want absent with a note", id, pub, note)
+		}
 	}
 }
