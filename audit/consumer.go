@@ -445,12 +445,27 @@ type batch struct {
 // that message is held when it closes the connection again) and goes back
 // to the configured prefetch and batch size, clearing *quarantine, once
 // (Writers+1)×BatchSize deliveries went through.
-func (c *Consumer) session(ctx context.Context, quarantine *bool) error {
+func (c *Consumer) session(ctx context.Context, quarantine *bool) (err error) {
 	conn, err := c.dial()
 	if err != nil {
 		return fmt.Errorf("audit: connecting: %w", err)
 	}
 	defer conn.Close()
+	closed := conn.NotifyClose(make(chan *amqp.Error, 1))
+	defer func() {
+		// A delivery the client cannot decode may close the connection
+		// while the session is still being set up: any error then.
+		var u errUndecodable
+		if err != nil && !errors.As(err, &u) {
+			select {
+			case e := <-closed:
+				if cerr := c.connClosed(e); errors.As(cerr, &u) {
+					err = cerr
+				}
+			default:
+			}
+		}
+	}()
 	if err := c.declare(conn); err != nil {
 		var ae *amqp.Error
 		if errors.Is(err, ErrExchangeMissing) || (errors.As(err, &ae) && ae.Code == amqp.PreconditionFailed) {
@@ -484,7 +499,6 @@ func (c *Consumer) session(ctx context.Context, quarantine *bool) error {
 	if err != nil {
 		return err
 	}
-	closed := conn.NotifyClose(make(chan *amqp.Error, 1))
 	c.cfg.Logger.Info("Audit consumer connected", watermill.LogFields{
 		"arrivals_queue": c.cfg.Naming.ArrivalsQueue, "attempts_queue": c.cfg.Naming.AttemptsQueue, "one_at_a_time": *quarantine,
 	})

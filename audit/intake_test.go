@@ -275,3 +275,65 @@ func TestConsumerSetsAsideRecordsPostgresRefuses(t *testing.T) {
 		}
 	}
 }
+
+// TestConsumerSetsAsideUndecodableMessage: a header table nested 40 deep
+// and one with 9,000 keys (RabbitMQ accepts both; amqp091-go refuses more
+// than 32 levels or 8192 entries) make the AMQP client close the
+// consumer's connection on every delivery. The consumer used to loop with
+// its whole prefetch held, so the broker's delivery limit dropped the bad
+// message and its innocent neighbours. Now, after such a close, it
+// consumes one message at a time: only the bad message is counted, and the
+// queue's delivery limit (here 5, by policy, as the README's upgrade
+// policy would set it) dead-letters it to the set-aside queue. Every
+// innocent record is stored, and Stats().Undecodable shows the loop.
+func TestConsumerSetsAsideUndecodableMessage(t *testing.T) {
+	testkit.HaveCtl(t)
+	e := newBrokerEnv(t)
+	store := audittest.NewMemoryStore()
+	cfg := audit.ConsumerConfig{URI: e.uri, Store: store, Naming: e.naming,
+		Exchanges: []audit.Binding{{Exchange: e.exchange, RoutingKey: routingKey}}}
+	pre, err := audit.NewConsumer(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := pre.Declare(); err != nil {
+		t.Fatal(err)
+	}
+	const limit = 5
+	applyUpgradePolicy(t, e, limit)
+	deep := amqp.Table{"leaf": int32(1)}
+	for range 40 {
+		deep = amqp.Table{"n": deep}
+	}
+	wide := amqp.Table{}
+	for i := range 9000 {
+		wide[fmt.Sprintf("k%04d", i)] = int32(i)
+	}
+	var ps []amqp.Publishing
+	innocent := 0
+	for i := range 60 {
+		if i == 20 || i == 40 {
+			p := uuidPublishing(fmt.Sprintf("%s-bad-%d", e.prefix, i), time.Now())
+			p.Headers["bad"] = map[bool]amqp.Table{true: deep, false: wide}[i == 20]
+			ps = append(ps, p)
+		}
+		ps = append(ps, uuidPublishing(fmt.Sprintf("%s-%03d", e.prefix, i), time.Now()))
+		innocent++
+	}
+	e.publishRaw(ps...)
+	c, _ := e.consumer(store, nil)
+	setAside := func() int { return e.ready(e.naming.WithDefaults().SetAsideQueue) }
+	stored := func() int { a, _, _, _, _ := store.Counts(); return a }
+	// Wait until every message is stored or set aside (or the time is up:
+	// the account shows what is missing).
+	deadline := time.Now().Add(60 * time.Second)
+	for stored()+setAside() < len(ps) && time.Now().Before(deadline) {
+		time.Sleep(50 * time.Millisecond) // polling; the deadline decides
+	}
+	got, aside := stored(), setAside()
+	t.Logf("ACCOUNT %s: published=%d handled=%d poisoned=%d duplicates=%d lost=%d (undecodable connection closes=%d)",
+		t.Name(), len(ps), got, aside, 0, len(ps)-got-aside, c.Stats().Undecodable)
+	if got != innocent || aside != 2 || c.Stats().Undecodable < 2 {
+		t.Fatalf("stored %d of %d innocent, set aside %d of 2, undecodable %d", got, innocent, aside, c.Stats().Undecodable)
+	}
+}
