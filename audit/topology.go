@@ -91,9 +91,10 @@ func (n Naming) WithDefaults() Naming {
 
 // validate reports a name RabbitMQ would refuse (longer than 255 bytes).
 func (n Naming) validate(field string) error {
-	for name, v := range map[string]string{"Exchange": n.Exchange, "AttemptsQueue": n.AttemptsQueue, "ArrivalsQueue": n.ArrivalsQueue, "SetAsideQueue": n.SetAsideQueue} {
-		if len(v) > 255 {
-			return fmt.Errorf("audit: %s.Naming.%s is %d bytes, longer than RabbitMQ's 255", field, name, len(v))
+	for _, f := range []struct{ name, v string }{{"Exchange", n.Exchange}, {"AttemptsQueue", n.AttemptsQueue},
+		{"ArrivalsQueue", n.ArrivalsQueue}, {"SetAsideQueue", n.SetAsideQueue}} {
+		if len(f.v) > 255 {
+			return fmt.Errorf("audit: %s.Naming.%s is %d bytes, longer than RabbitMQ's 255", field, f.name, len(f.v))
 		}
 	}
 	return nil
@@ -166,16 +167,6 @@ func declareAttempts(open ChannelOpener, n Naming, queueType string) (legacy []s
 	if err := ch.ExchangeDeclare(n.Exchange, amqp.ExchangeDirect, true, false, false, false, nil); err != nil {
 		return nil, fmt.Errorf("audit: declaring exchange %q: %w", n.Exchange, err)
 	}
-	setAsideArgs := legacyQueueArgs(queueType)
-	if queueType == QueueTypeQuorum {
-		setAsideArgs["x-delivery-limit"] = int64(DeliveryLimit)
-	}
-	if _, err := ch.QueueDeclare(n.SetAsideQueue, true, false, false, false, setAsideArgs); err != nil {
-		return nil, fmt.Errorf("audit: declaring queue %q: %w", n.SetAsideQueue, err)
-	}
-	if err := ch.QueueBind(n.SetAsideQueue, SetAsideRoutingKey, n.Exchange, false, nil); err != nil {
-		return nil, fmt.Errorf("audit: binding %q to %q: %w", n.SetAsideQueue, n.Exchange, err)
-	}
 	old, err := declareQueue(open, n.AttemptsQueue, queueType, n)
 	if err != nil {
 		return nil, err
@@ -183,10 +174,49 @@ func declareAttempts(open ChannelOpener, n Naming, queueType string) (legacy []s
 	if old {
 		legacy = append(legacy, n.AttemptsQueue)
 	}
+	if err := declareSetAside(open, n, queueType); err != nil {
+		return nil, err
+	}
+	if err := ch.QueueBind(n.SetAsideQueue, SetAsideRoutingKey, n.Exchange, false, nil); err != nil {
+		return nil, fmt.Errorf("audit: binding %q to %q: %w", n.SetAsideQueue, n.Exchange, err)
+	}
 	if err := ch.QueueBind(n.AttemptsQueue, AttemptRoutingKey, n.Exchange, false, nil); err != nil {
 		return nil, fmt.Errorf("audit: binding %q to %q: %w", n.AttemptsQueue, n.Exchange, err)
 	}
 	return legacy, nil
+}
+
+// declareSetAside declares the set-aside queue (durable, of queueType; a
+// quorum one with DeliveryLimit, no dead-letter target). It only receives
+// dead-letters, so one that exists with other arguments (an earlier
+// QueueType) is used as it is.
+func declareSetAside(open ChannelOpener, n Naming, queueType string) error {
+	args := legacyQueueArgs(queueType)
+	if queueType == QueueTypeQuorum {
+		args["x-delivery-limit"] = int64(DeliveryLimit)
+	}
+	declare := func(passive bool) error {
+		ch, err := open.Channel()
+		if err != nil {
+			return fmt.Errorf("audit: opening a channel: %w", err)
+		}
+		defer ch.Close()
+		if passive {
+			_, err = ch.QueueDeclarePassive(n.SetAsideQueue, true, false, false, false, nil)
+		} else {
+			_, err = ch.QueueDeclare(n.SetAsideQueue, true, false, false, false, args)
+		}
+		return err
+	}
+	err := declare(false)
+	var ae *amqp.Error
+	if errors.As(err, &ae) && ae.Code == amqp.PreconditionFailed {
+		err = declare(true)
+	}
+	if err != nil {
+		return fmt.Errorf("audit: declaring queue %q: %w", n.SetAsideQueue, err)
+	}
+	return nil
 }
 
 // declareQueue declares audit queue q with auditQueueArgs; if RabbitMQ
