@@ -248,7 +248,17 @@ type ConsumerStats struct {
 // the audited exchanges whether or not a Consumer runs, and the attempts
 // queue every record the Recorders publish: they grow (durably, on disk)
 // while no Consumer runs or the store is down. No length limit is set, as
-// one would drop records; watch their depth.
+// one would drop records; watch their depth. Quorum audit queues carry a
+// delivery limit of DeliveryLimit (each connection loss counts as a
+// delivery of every record held) and dead-letter past it to the set-aside
+// queue, never dropping a record.
+//
+// A record the Store rejects for good (ErrRecordRejected) does not stall
+// the others: the batch is split until the record is alone, and it is set
+// aside with the reason (SetAsider; Stats().SetAside). A delivery the AMQP
+// client cannot decode closes the connection (Stats().Undecodable); the
+// Consumer then takes one message at a time, so only that message reaches
+// the delivery limit and is dead-lettered to the set-aside queue.
 type Consumer struct {
 	cfg ConsumerConfig
 

@@ -337,3 +337,51 @@ func TestConsumerSetsAsideUndecodableMessage(t *testing.T) {
 		t.Fatalf("stored %d of %d innocent, set aside %d of 2, undecodable %d", got, innocent, aside, c.Stats().Undecodable)
 	}
 }
+
+// TestConsumerSplitsRejectedBatch: the store rejects for good (in batches
+// of up to 500, all or nothing) any record of two message ids, one arrival
+// and one attempt record. The consumer splits each rejected batch until
+// the record is alone and sets it aside; every other record is stored.
+func TestConsumerSplitsRejectedBatch(t *testing.T) {
+	e := newBrokerEnv(t)
+	store := audittest.NewMemoryStore()
+	badArr, badAtt := e.prefix+"-bad-arrival", e.prefix+"-bad-attempt"
+	store.SetReject(func(mid string) bool { return mid == badArr || mid == badAtt })
+	c, _ := e.consumer(store, nil)
+	var ps []amqp.Publishing
+	for i := range 200 {
+		if i == 77 {
+			ps = append(ps, uuidPublishing(badArr, time.Now()))
+		}
+		ps = append(ps, uuidPublishing(fmt.Sprintf("%s-%03d", e.prefix, i), time.Now()))
+	}
+	e.publishRaw(ps...)
+	body, err := audit.MarshalAttempt(audit.Attempt{ID: e.prefix + "-att", MessageID: badAtt, Queue: "q", Attempt: 1,
+		StartedAt: time.Now(), Outcome: audit.OutcomeSuccess})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := e.ch.PublishWithContext(context.Background(), e.naming.Exchange, audit.AttemptRoutingKey, true, false,
+		amqp.Publishing{Body: body, DeliveryMode: amqp.Persistent}); err != nil {
+		t.Fatal(err)
+	}
+	testkit.WaitFor(t, 20*time.Second, "every record stored or set aside", func() bool {
+		a, _, _, _, _ := store.Counts()
+		return a+len(store.SetAsideRecords()) >= len(ps)+1
+	})
+	a, att, _, _, _ := store.Counts()
+	aside := store.SetAsideRecords()
+	t.Logf("ACCOUNT %s: published=%d handled=%d poisoned=%d duplicates=%d lost=%d",
+		t.Name(), len(ps)+1, a+att, len(aside), 0, len(ps)+1-a-att-len(aside))
+	kinds := map[string]string{}
+	for _, r := range aside {
+		kinds[r.MessageID] = r.Kind
+		if !strings.Contains(r.Reason, "rejects a record for good") {
+			t.Errorf("reason %q", r.Reason)
+		}
+	}
+	if a != len(ps)-1 || att != 0 || len(aside) != 2 || kinds[badArr] != audit.KindArrival || kinds[badAtt] != audit.KindAttempt ||
+		c.Stats().SetAside != 2 {
+		t.Fatalf("stored %d arrivals, %d attempts; set aside %+v", a, att, kinds)
+	}
+}
