@@ -2,9 +2,11 @@ package audit_test
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"maps"
 	"net"
+	"os"
 	"regexp"
 	"strings"
 	"sync"
@@ -114,6 +116,69 @@ func TestConsumerUpgradedQueuesHoldRecords(t *testing.T) {
 	holdThroughLosses(t, e, 100)
 }
 
+// TestConsumerHoldsRecordsThroughBrokerClosedConnections is
+// TestConsumerHoldsRecordsThroughConnectionLosses with the broker closing
+// the consumer's connection (rabbitmqctl close_connection, found by its
+// connection name), 25 times: past 4.x's default delivery limit of 20.
+// About 3 s per close (three rabbitmqctl calls): RABBITRETRY_FAULTS=1 only.
+func TestConsumerHoldsRecordsThroughBrokerClosedConnections(t *testing.T) {
+	if os.Getenv("RABBITRETRY_FAULTS") != "1" {
+		t.Skip("a fault run (about 80 s): set RABBITRETRY_FAULTS=1")
+	}
+	testkit.HaveCtl(t)
+	e := newBrokerEnv(t)
+	name := e.prefix + ".consumer"
+	holdThrough(t, e, 25, func(cfg *audit.ConsumerConfig) { cfg.ConnectionName = name }, func() int {
+		n := 0
+		for _, pid := range connectionPIDs(t, name) {
+			if _, err := testkit.Ctl(t, 30*time.Second, "close_connection", pid, "rabbitretry audit test: connection loss during a store outage"); err == nil {
+				n++
+			}
+		}
+		return n
+	})
+}
+
+// connectionPIDs returns the pids (as close_connection takes them) of the
+// broker's connections whose client-provided name is name: the JSON
+// listing has the names, the plain one the pids; joined on the peer port.
+func connectionPIDs(t *testing.T, name string) []string {
+	t.Helper()
+	out, err := testkit.Ctl(t, 30*time.Second, "-q", "list_connections", "peer_port", "client_properties", "--formatter", "json")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var rows []struct {
+		PeerPort int             `json:"peer_port"`
+		Props    json.RawMessage `json:"client_properties"` // a list of [key, type, value], or "" for some connections
+	}
+	if err := json.Unmarshal([]byte(out), &rows); err != nil {
+		t.Fatalf("parsing list_connections: %v\n%s", err, out)
+	}
+	ports := map[string]bool{}
+	for _, r := range rows {
+		var props [][]json.RawMessage
+		_ = json.Unmarshal(r.Props, &props)
+		for _, p := range props {
+			var k, v string
+			if len(p) == 3 && json.Unmarshal(p[0], &k) == nil && k == "connection_name" && json.Unmarshal(p[2], &v) == nil && v == name {
+				ports[fmt.Sprint(r.PeerPort)] = true
+			}
+		}
+	}
+	plain, err := testkit.Ctl(t, 30*time.Second, "-q", "list_connections", "pid", "peer_port")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var pids []string
+	for _, line := range strings.Split(plain, "\n") {
+		if f := strings.Fields(line); len(f) == 2 && strings.HasPrefix(f[0], "<") && ports[f[1]] {
+			pids = append(pids, f[0])
+		}
+	}
+	return pids
+}
+
 // applyUpgradePolicy sets the README's upgrade policy (with delivery-limit
 // limit) on e's arrivals and attempts queues, cleared at the end.
 func applyUpgradePolicy(t *testing.T, e *brokerEnv, limit int) {
@@ -133,11 +198,18 @@ func applyUpgradePolicy(t *testing.T, e *brokerEnv, limit int) {
 // accounts for every record.
 func holdThroughLosses(t *testing.T, e *brokerEnv, closes int) {
 	t.Helper()
+	var d dropper
+	holdThrough(t, e, closes, func(cfg *audit.ConsumerConfig) { cfg.AmqpConfig = d.config() }, d.drop)
+}
+
+// holdThrough is holdThroughLosses with the connection configured by mod
+// and lost by drop (which returns how many connections it closed).
+func holdThrough(t *testing.T, e *brokerEnv, closes int, mod func(*audit.ConsumerConfig), drop func() int) {
+	t.Helper()
 	store := &offerStore{MemoryStore: audittest.NewMemoryStore()}
 	store.SetDown(true)
-	var d dropper
 	_, _ = e.consumer(store, func(cfg *audit.ConsumerConfig) {
-		cfg.AmqpConfig = d.config()
+		mod(cfg)
 		cfg.ReconnectBackoff = func() backoff.BackOff { return backoff.NewConstantBackOff(20 * time.Millisecond) }
 	})
 	const n = 200
@@ -153,7 +225,7 @@ func holdThroughLosses(t *testing.T, e *brokerEnv, closes int) {
 	done := 0
 	for range closes {
 		store.reset()
-		if d.drop() == 0 {
+		if drop() == 0 {
 			t.Fatal("no connection to drop")
 		}
 		// Every held record is delivered again, unless a delivery limit
