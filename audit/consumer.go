@@ -204,7 +204,8 @@ type ConsumerStats struct {
 	Arrivals, Attempts uint64
 	// Batches is the number of successful Store.Write calls.
 	Batches uint64
-	// WriteFailures counts failed Store.Write calls (each retried).
+	// WriteFailures counts failed Store.Write and SetAside calls
+	// (temporary ones are retried; a batch rejected for good is split).
 	WriteFailures uint64
 	// Malformed counts attempt records that could not be decoded (logged
 	// and acked).
