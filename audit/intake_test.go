@@ -457,3 +457,44 @@ func TestConsumerSplitsRejectedBatch(t *testing.T) {
 		t.Fatalf("stored %d arrivals, %d attempts; set aside %+v", a, att, kinds)
 	}
 }
+
+// TestConsumerSetsAsideUndecodableMessageDefaultLimit: the same with the
+// audit queues' own delivery limit (audit.DeliveryLimit, no policy): the
+// bad message loops about DeliveryLimit times, one connection each, then
+// is set aside; the innocent records are stored meanwhile. Minutes:
+// RABBITRETRY_FAULTS=1 only.
+func TestConsumerSetsAsideUndecodableMessageDefaultLimit(t *testing.T) {
+	if os.Getenv("RABBITRETRY_FAULTS") != "1" {
+		t.Skip("a fault run (minutes): set RABBITRETRY_FAULTS=1")
+	}
+	e := newBrokerEnv(t)
+	store := audittest.NewMemoryStore()
+	deep := amqp.Table{"leaf": int32(1)}
+	for range 40 {
+		deep = amqp.Table{"n": deep}
+	}
+	var ps []amqp.Publishing
+	for i := range 40 {
+		if i == 20 {
+			p := uuidPublishing(e.prefix+"-bad", time.Now())
+			p.Headers["bad"] = deep
+			ps = append(ps, p)
+		}
+		ps = append(ps, uuidPublishing(fmt.Sprintf("%s-%03d", e.prefix, i), time.Now()))
+	}
+	c, _ := e.consumer(store, nil)
+	start := time.Now()
+	e.publishRaw(ps...)
+	setAside := func() int { return e.ready(e.naming.WithDefaults().SetAsideQueue) }
+	stored := func() int { a, _, _, _, _ := store.Counts(); return a }
+	deadline := time.Now().Add(10 * time.Minute)
+	for stored()+setAside() < len(ps) && time.Now().Before(deadline) {
+		time.Sleep(200 * time.Millisecond) // polling; the deadline decides
+	}
+	got, aside := stored(), setAside()
+	t.Logf("ACCOUNT %s: published=%d handled=%d poisoned=%d duplicates=%d lost=%d (undecodable connection closes=%d, %v)",
+		t.Name(), len(ps), got, aside, 0, len(ps)-got-aside, c.Stats().Undecodable, time.Since(start).Round(time.Second))
+	if got != len(ps)-1 || aside != 1 {
+		t.Fatalf("stored %d of %d innocent, set aside %d of 1", got, len(ps)-1, aside)
+	}
+}
