@@ -27,6 +27,7 @@ package audit
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"time"
 )
 
@@ -171,6 +172,44 @@ type Store interface {
 	// Search returns the messages matching f, newest first, each with its
 	// arrival and attempts.
 	Search(ctx context.Context, f Filter) ([]Message, error)
+}
+
+// ErrRecordRejected is wrapped by a Store.Write error that no retry can
+// fix: the store can never take a record of the batch (pgstore: a value
+// over its bounds, or PostgreSQL SQLSTATE class 22 "data exception" or 54
+// "program limit exceeded", e.g. 54000 "index row size exceeds maximum").
+// The Consumer then splits the batch until it finds the record and sets it
+// aside (SetAsider); every other error is taken as temporary and retried.
+var ErrRecordRejected = errors.New("audit: the store rejects a record for good")
+
+// Record kinds of a SetAside.
+const (
+	KindArrival = "arrival"
+	KindAttempt = "attempt"
+)
+
+// SetAside is a record the store rejected for good (ErrRecordRejected),
+// kept with the reason instead of being stored.
+type SetAside struct {
+	// Kind is KindArrival or KindAttempt.
+	Kind string `json:"kind"`
+	// RecordID and MessageID are the record's (possibly very long: the
+	// store may cut them).
+	RecordID  string `json:"record_id"`
+	MessageID string `json:"message_id"`
+	// Reason is the store's error text.
+	Reason string `json:"reason"`
+	// Record is the record as JSON (an Arrival or Attempt).
+	Record json.RawMessage `json:"record"`
+}
+
+// SetAsider is implemented by a Store that keeps the records it rejects
+// (pgstore.Store: table set_aside; audittest.MemoryStore). SetAside must be
+// idempotent and only fail temporarily (the Consumer retries it). With a
+// Store that does not implement it, the Consumer retries a rejected record
+// forever, stalling its queue.
+type SetAsider interface {
+	SetAside(ctx context.Context, records []SetAside) error
 }
 
 // MarshalAttempt and UnmarshalAttempt are the wire form of an Attempt

@@ -10,6 +10,7 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -203,7 +204,8 @@ type ConsumerStats struct {
 	Arrivals, Attempts uint64
 	// Batches is the number of successful Store.Write calls.
 	Batches uint64
-	// WriteFailures counts failed Store.Write calls (each retried).
+	// WriteFailures counts failed Store.Write and SetAside calls
+	// (temporary ones are retried; a batch rejected for good is split).
 	WriteFailures uint64
 	// Malformed counts attempt records that could not be decoded (logged
 	// and acked).
@@ -211,6 +213,18 @@ type ConsumerStats struct {
 	// Reconnects counts sessions that ended with a lost connection or
 	// channel.
 	Reconnects uint64
+	// SetAside counts records the Store rejected for good
+	// (ErrRecordRejected) and kept apart with the reason (SetAsider).
+	SetAside uint64
+	// Undecodable counts connections the AMQP client closed because a
+	// delivery could not be decoded (amqp091-go refuses header tables
+	// nested deeper than 32 or with more than 8192 entries: SYNTAX_ERROR).
+	// RabbitMQ redelivers such a message on every connection: the next
+	// session consumes one message at a time (prefetch 1), so only the bad
+	// message is counted towards the queue's delivery limit, which
+	// dead-letters it to the set-aside queue (DeliveryLimit). A growing
+	// count is that loop.
+	Undecodable uint64
 	// LastWriteLatency is how long the last successful Store.Write took.
 	LastWriteLatency time.Duration
 }
@@ -235,11 +249,22 @@ type ConsumerStats struct {
 // the audited exchanges whether or not a Consumer runs, and the attempts
 // queue every record the Recorders publish: they grow (durably, on disk)
 // while no Consumer runs or the store is down. No length limit is set, as
-// one would drop records; watch their depth.
+// one would drop records; watch their depth. Quorum audit queues carry a
+// delivery limit of DeliveryLimit (each connection loss counts as a
+// delivery of every record held) and dead-letter past it to the set-aside
+// queue, never dropping a record.
+//
+// A record the Store rejects for good (ErrRecordRejected) does not stall
+// the others: the batch is split until the record is alone, and it is set
+// aside with the reason (SetAsider; Stats().SetAside). A delivery the AMQP
+// client cannot decode closes the connection (Stats().Undecodable); the
+// Consumer then takes one message at a time, so only that message reaches
+// the delivery limit and is dead-lettered to the set-aside queue.
 type Consumer struct {
 	cfg ConsumerConfig
 
 	arrivals, attempts, batches, failures, malformed, reconnects atomic.Uint64
+	setAside, undecodable                                        atomic.Uint64
 	lastLatency                                                  atomic.Int64
 }
 
@@ -259,6 +284,7 @@ func (c *Consumer) Stats() ConsumerStats {
 	return ConsumerStats{
 		Arrivals: c.arrivals.Load(), Attempts: c.attempts.Load(), Batches: c.batches.Load(),
 		WriteFailures: c.failures.Load(), Malformed: c.malformed.Load(), Reconnects: c.reconnects.Load(),
+		SetAside: c.setAside.Load(), Undecodable: c.undecodable.Load(),
 		LastWriteLatency: time.Duration(c.lastLatency.Load()),
 	}
 }
@@ -312,26 +338,63 @@ func (c *Consumer) declare(conn *amqp.Connection) error {
 		}
 		_ = ch.Close()
 	}
+	legacy, err := declareAttempts(conn, c.cfg.Naming, c.cfg.QueueType)
+	if err != nil {
+		return err
+	}
+	old, err := declareQueue(conn, c.cfg.Naming.ArrivalsQueue, c.cfg.QueueType, c.cfg.Naming)
+	if err != nil {
+		return err
+	}
+	if old {
+		legacy = append(legacy, c.cfg.Naming.ArrivalsQueue)
+	}
+	if len(legacy) > 0 {
+		c.cfg.Logger.Error("Audit queues declared by an older version, without a delivery limit and dead-letter target: "+
+			"on RabbitMQ 4.x records held during a store outage are dropped after 20 connection losses unless the upgrade policy "+
+			"is set (README, Audit, upgrading the audit queues)", nil, watermill.LogFields{"queues": legacy})
+	}
 	ch, err := conn.Channel()
 	if err != nil {
 		return err
 	}
 	defer ch.Close()
-	if err := declareQueue(ch, c.cfg.Naming.ArrivalsQueue, c.cfg.QueueType); err != nil {
-		return err
-	}
 	for _, b := range c.cfg.Exchanges {
 		if err := ch.QueueBind(c.cfg.Naming.ArrivalsQueue, b.RoutingKey, b.Exchange, false, b.Args); err != nil {
 			return fmt.Errorf("audit: binding %q to exchange %q with key %q: %w", c.cfg.Naming.ArrivalsQueue, b.Exchange, b.RoutingKey, err)
 		}
 	}
-	return DeclareAttempts(ch, c.cfg.Naming, c.cfg.QueueType)
+	return nil
 }
 
 // errFatal marks a session error that reconnecting cannot fix.
 type errFatal struct{ error }
 
 func (e errFatal) Unwrap() error { return e.error }
+
+// errUndecodable marks a session the AMQP client ended because it could
+// not decode a delivery.
+type errUndecodable struct{ error }
+
+func (e errUndecodable) Unwrap() error { return e.error }
+
+// connClosed is the session's error for the connection's close reason:
+// errUndecodable when the client itself closed it on a frame it could not
+// decode (amqp091-go shuts the connection down with FRAME_ERROR wrapping
+// ErrSyntax, ErrFrame or ErrFrameTooLarge).
+func (c *Consumer) connClosed(e *amqp.Error) error {
+	err := fmt.Errorf("audit: connection closed: %v", e)
+	if e != nil && !e.Server {
+		for _, bad := range []*amqp.Error{amqp.ErrSyntax, amqp.ErrFrame, amqp.ErrFrameTooLarge} {
+			if strings.Contains(e.Reason, bad.Reason) {
+				c.undecodable.Add(1)
+				return errUndecodable{fmt.Errorf("audit: the AMQP client could not decode a delivery and closed the connection "+
+					"(RabbitMQ redelivers it; it is set aside past the queue's delivery limit): %v", e)}
+			}
+		}
+	}
+	return err
+}
 
 // Run consumes until ctx ends, then returns nil (the unacked batches in
 // flight are requeued by the broker). It reconnects with ReconnectBackoff
@@ -341,9 +404,10 @@ func (e errFatal) Unwrap() error { return e.error }
 // (ErrExchangeMissing) or an audit queue that exists with other arguments.
 func (c *Consumer) Run(ctx context.Context) error {
 	var bo backoff.BackOff
+	quarantine := false
 	for {
 		began := time.Now()
-		err := c.session(ctx)
+		err := c.session(ctx, &quarantine)
 		if ctx.Err() != nil {
 			return nil
 		}
@@ -352,6 +416,13 @@ func (c *Consumer) Run(ctx context.Context) error {
 			return fatal.error
 		}
 		c.reconnects.Add(1)
+		var undecodable errUndecodable
+		if errors.As(err, &undecodable) {
+			// One message at a time until it is set aside; reconnect
+			// quickly (the broker is fine).
+			quarantine = true
+			bo = nil
+		}
 		if bo == nil || time.Since(began) > time.Minute {
 			bo = c.cfg.ReconnectBackoff() // a session that lasted starts the backoff over
 		}
@@ -380,12 +451,32 @@ type batch struct {
 	committed        chan struct{}
 }
 
-func (c *Consumer) session(ctx context.Context) error {
+// session consumes until an error. With *quarantine set it starts with
+// prefetch 1 and batches of 1 (after a delivery could not be decoded: only
+// that message is held when it closes the connection again) and goes back
+// to the configured prefetch and batch size, clearing *quarantine, once
+// (Writers+1)×BatchSize deliveries went through.
+func (c *Consumer) session(ctx context.Context, quarantine *bool) (err error) {
 	conn, err := c.dial()
 	if err != nil {
 		return fmt.Errorf("audit: connecting: %w", err)
 	}
 	defer conn.Close()
+	closed := conn.NotifyClose(make(chan *amqp.Error, 1))
+	defer func() {
+		// A delivery the client cannot decode may close the connection
+		// while the session is still being set up: any error then.
+		var u errUndecodable
+		if err != nil && !errors.As(err, &u) {
+			select {
+			case e := <-closed:
+				if cerr := c.connClosed(e); errors.As(cerr, &u) {
+					err = cerr
+				}
+			default:
+			}
+		}
+	}()
 	if err := c.declare(conn); err != nil {
 		var ae *amqp.Error
 		if errors.Is(err, ErrExchangeMissing) || (errors.As(err, &ae) && ae.Code == amqp.PreconditionFailed) {
@@ -398,7 +489,11 @@ func (c *Consumer) session(ctx context.Context) error {
 		if err != nil {
 			return nil, nil, err
 		}
-		if err := ch.Qos((c.cfg.Writers+1)*c.cfg.BatchSize, 0, false); err != nil {
+		prefetch := (c.cfg.Writers + 1) * c.cfg.BatchSize
+		if *quarantine {
+			prefetch = 1
+		}
+		if err := ch.Qos(prefetch, 0, false); err != nil {
 			return nil, nil, err
 		}
 		d, err := ch.Consume(queue, "", false, false, false, false, nil)
@@ -415,10 +510,41 @@ func (c *Consumer) session(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	closed := conn.NotifyClose(make(chan *amqp.Error, 1))
 	c.cfg.Logger.Info("Audit consumer connected", watermill.LogFields{
-		"arrivals_queue": c.cfg.Naming.ArrivalsQueue, "attempts_queue": c.cfg.Naming.AttemptsQueue,
+		"arrivals_queue": c.cfg.Naming.ArrivalsQueue, "attempts_queue": c.cfg.Naming.AttemptsQueue, "one_at_a_time": *quarantine,
 	})
+	batchSize, quarantined := c.cfg.BatchSize, 0
+	if *quarantine {
+		batchSize = 1
+	}
+	// delivered counts a delivery; in quarantine, the last one ends it.
+	delivered := func() error {
+		if !*quarantine {
+			return nil
+		}
+		if quarantined++; quarantined < (c.cfg.Writers+1)*c.cfg.BatchSize {
+			return nil
+		}
+		for _, ch := range []*amqp.Channel{arrCh, attCh} {
+			if err := ch.Qos((c.cfg.Writers+1)*c.cfg.BatchSize, 0, false); err != nil {
+				return err
+			}
+		}
+		*quarantine, batchSize = false, c.cfg.BatchSize
+		c.cfg.Logger.Info("Audit consumer back to full prefetch after an undecodable delivery", nil)
+		return nil
+	}
+	// lost is the session's error when a consumer's delivery channel
+	// closed: the connection's close reason if it has one (amqp091-go
+	// sends it before closing the channels).
+	lost := func(what string) error {
+		select {
+		case e := <-closed:
+			return c.connClosed(e)
+		default:
+			return errors.New("audit: " + what + " consumer cancelled or channel closed")
+		}
+	}
 
 	// Writers goroutines write batches concurrently while the next one
 	// fills (the prefetch of (Writers+1)×BatchSize per channel allows
@@ -442,7 +568,7 @@ func (c *Consumer) session(ctx context.Context) error {
 			defer wg.Done()
 			for b := range batches {
 				if b.records > 0 {
-					if err := c.write(wctx, conn, b.arrivals, b.attempts); err != nil {
+					if err := c.store(wctx, conn, b.arrivals, b.attempts); err != nil {
 						fail(err)
 						return
 					}
@@ -491,7 +617,7 @@ func (c *Consumer) session(ctx context.Context) error {
 			case err := <-werr:
 				return err
 			case err := <-closed:
-				return fmt.Errorf("audit: connection closed: %v", err)
+				return c.connClosed(err)
 			case <-ctx.Done():
 				return ctx.Err()
 			}
@@ -504,7 +630,10 @@ func (c *Consumer) session(ctx context.Context) error {
 			timer = time.NewTimer(c.cfg.BatchWait)
 			timerC = timer.C
 		}
-		if b.records >= c.cfg.BatchSize {
+		if err := delivered(); err != nil {
+			return err
+		}
+		if b.records >= batchSize {
 			return flush()
 		}
 		return nil
@@ -514,7 +643,7 @@ func (c *Consumer) session(ctx context.Context) error {
 		case <-ctx.Done():
 			return ctx.Err()
 		case err := <-closed:
-			return fmt.Errorf("audit: connection closed: %v", err)
+			return c.connClosed(err)
 		case err := <-werr:
 			return err
 		case <-timerC:
@@ -524,7 +653,7 @@ func (c *Consumer) session(ctx context.Context) error {
 			}
 		case d, ok := <-arrD:
 			if !ok {
-				return errors.New("audit: arrivals consumer cancelled or channel closed")
+				return lost("arrivals")
 			}
 			b.arrivals = append(b.arrivals, c.arrival(d))
 			b.arrTag, b.records, b.pending = d.DeliveryTag, b.records+1, b.pending+1
@@ -533,7 +662,7 @@ func (c *Consumer) session(ctx context.Context) error {
 			}
 		case d, ok := <-attD:
 			if !ok {
-				return errors.New("audit: attempts consumer cancelled or channel closed")
+				return lost("attempts")
 			}
 			a, err := UnmarshalAttempt(d.Body)
 			if err == nil && (a.ID == "" || a.MessageID == "") {
@@ -572,26 +701,110 @@ func (c *Consumer) ack(arrCh, attCh *amqp.Channel, b batch) error {
 	return nil
 }
 
-// write calls Store.Write until it returns nil; an error only if ctx ends
-// or the connection is lost meanwhile (then the batch is dropped from
-// memory and the broker redelivers it).
+// store writes the records, splitting a batch the Store rejects for good
+// (ErrRecordRejected) in halves until the rejected records are alone, and
+// setting those aside. It returns an error only if ctx ends or the
+// connection is lost meanwhile (then the batch is dropped from memory and
+// the broker redelivers it; writes are idempotent).
+func (c *Consumer) store(ctx context.Context, conn *amqp.Connection, arr []Arrival, att []Attempt) error {
+	err := c.write(ctx, conn, arr, att)
+	if err == nil || !errors.Is(err, ErrRecordRejected) {
+		return err
+	}
+	switch {
+	case len(arr)+len(att) == 1:
+		return c.setAsideRecord(ctx, conn, arr, att, err)
+	case len(arr) > 0 && len(att) > 0:
+		if err := c.store(ctx, conn, arr, nil); err != nil {
+			return err
+		}
+		return c.store(ctx, conn, nil, att)
+	case len(arr) > 1:
+		if err := c.store(ctx, conn, arr[:len(arr)/2], nil); err != nil {
+			return err
+		}
+		return c.store(ctx, conn, arr[len(arr)/2:], nil)
+	default:
+		if err := c.store(ctx, conn, nil, att[:len(att)/2]); err != nil {
+			return err
+		}
+		return c.store(ctx, conn, nil, att[len(att)/2:])
+	}
+}
+
+// setAsideRecord keeps the one record of arr or att, rejected with
+// reason, in the Store's SetAside. Without a SetAsider it retries the
+// write forever (the old behaviour: the queue stalls, loudly).
+func (c *Consumer) setAsideRecord(ctx context.Context, conn *amqp.Connection, arr []Arrival, att []Attempt, reason error) error {
+	sa, ok := c.cfg.Store.(SetAsider)
+	var rec SetAside
+	if len(arr) == 1 {
+		rec = SetAside{Kind: KindArrival, RecordID: arr[0].ID, MessageID: arr[0].MessageID, Reason: reason.Error()}
+		rec.Record, _ = json.Marshal(arr[0])
+	} else {
+		rec = SetAside{Kind: KindAttempt, RecordID: att[0].ID, MessageID: att[0].MessageID, Reason: reason.Error()}
+		rec.Record, _ = json.Marshal(att[0])
+	}
+	if !ok {
+		c.cfg.Logger.Error("Audit store rejected a record for good and cannot set it aside (no SetAsider); retrying it", reason,
+			watermill.LogFields{"kind": rec.Kind, "record_id": truncate(rec.RecordID, 100)})
+		return c.retry(ctx, conn, "write", func(ctx context.Context) error {
+			err := c.cfg.Store.Write(ctx, arr, att)
+			if errors.Is(err, ErrRecordRejected) {
+				return fmt.Errorf("%v (rejected)", err) // retried, not split again
+			}
+			return err
+		})
+	}
+	err := c.retry(ctx, conn, "set-aside", func(ctx context.Context) error { return sa.SetAside(ctx, []SetAside{rec}) })
+	if err != nil {
+		return err
+	}
+	c.setAside.Add(1)
+	c.cfg.Logger.Error("Audit record set aside: the store rejects it for good", reason, watermill.LogFields{
+		"kind": rec.Kind, "record_id": truncate(rec.RecordID, 100), "message_id": truncate(rec.MessageID, 100),
+	})
+	return nil
+}
+
+// write calls Store.Write until it returns nil or an ErrRecordRejected
+// (returned at once); another error only if ctx ends or the connection is
+// lost meanwhile.
 func (c *Consumer) write(ctx context.Context, conn *amqp.Connection, arr []Arrival, att []Attempt) error {
+	start := time.Now()
+	err := c.retry(ctx, conn, "write", func(ctx context.Context) error {
+		start = time.Now()
+		return c.cfg.Store.Write(ctx, arr, att)
+	})
+	if err != nil {
+		return err
+	}
+	c.lastLatency.Store(int64(time.Since(start)))
+	c.batches.Add(1)
+	c.arrivals.Add(uint64(len(arr)))
+	c.attempts.Add(uint64(len(att)))
+	return nil
+}
+
+// retry calls fn until it returns nil or an ErrRecordRejected, pacing
+// other errors with WriteBackoff; it gives up if ctx ends or the
+// connection is lost meanwhile.
+func (c *Consumer) retry(ctx context.Context, conn *amqp.Connection, op string, fn func(context.Context) error) error {
 	var bo backoff.BackOff
 	var since time.Time
 	for {
 		start := time.Now()
-		err := c.cfg.Store.Write(ctx, arr, att)
+		err := fn(ctx)
 		if err == nil {
-			c.lastLatency.Store(int64(time.Since(start)))
-			c.batches.Add(1)
-			c.arrivals.Add(uint64(len(arr)))
-			c.attempts.Add(uint64(len(att)))
 			if bo != nil {
 				c.cfg.Logger.Info("Audit store writable again", watermill.LogFields{"outage": time.Since(since).String()})
 			}
 			return nil
 		}
 		c.failures.Add(1)
+		if errors.Is(err, ErrRecordRejected) {
+			return err
+		}
 		if ctx.Err() != nil {
 			return ctx.Err()
 		}
@@ -602,8 +815,8 @@ func (c *Consumer) write(ctx context.Context, conn *amqp.Connection, arr []Arriv
 		if wait == backoff.Stop {
 			wait = 30 * time.Second
 		}
-		c.cfg.Logger.Error("Audit store write failed; records stay unacked in RabbitMQ, retrying", err, watermill.LogFields{
-			"arrivals": len(arr), "attempts": len(att), "retry_in": wait.String(), "outage": time.Since(since).String(),
+		c.cfg.Logger.Error("Audit store "+op+" failed; records stay unacked in RabbitMQ, retrying", err, watermill.LogFields{
+			"retry_in": wait.String(), "outage": time.Since(since).String(),
 		})
 		t := time.NewTimer(wait)
 		select {
@@ -635,9 +848,16 @@ func (c *Consumer) arrival(d amqp.Delivery) Arrival {
 	return ArrivalFromDelivery(d, c.cfg.UUIDHeader, c.cfg.BodyLimit, time.Now())
 }
 
+// TimestampErrorProperty is the Arrival.Properties key noting an AMQP
+// timestamp outside years 1-9999 (its value in seconds); PublishedAt is
+// then zero (stored as absent), never a wrong date.
+const TimestampErrorProperty = "rabbitretry-timestamp-error"
+
 // ArrivalFromDelivery converts a delivery of the arrivals queue into an
 // Arrival, arrived at now: the message id is the uuidHeader header (else
-// the message-id property); headers become JSON values
+// the message-id property); PublishedAt the timestamp property, unless it
+// is outside years 1-9999 (then zero, and TimestampErrorProperty says
+// why); headers become JSON values
 // (amqpretry.HeadersToJSON; a header that cannot be converted is recorded
 // under "rabbitretry-headers-error"), without the queue's x-delivery-count
 // and x-acquired-count; the body is cut to bodyLimit bytes. ID is the hex
@@ -654,8 +874,15 @@ func ArrivalFromDelivery(d amqp.Delivery, uuidHeader string, bodyLimit int, now 
 	} else {
 		a.MessageID = d.MessageId
 	}
+	var tsNote string
 	if !d.Timestamp.IsZero() {
-		a.PublishedAt = d.Timestamp.UTC()
+		if y := d.Timestamp.Year(); y >= 1 && y <= 9999 {
+			a.PublishedAt = d.Timestamp.UTC()
+		} else {
+			// An AMQP timestamp is any 64-bit count of seconds; only years
+			// 1-9999 are a date a store, JSON and RFC 3339 keep exactly.
+			tsNote = fmt.Sprintf("AMQP timestamp %d s is outside years 1-9999; published_at left empty", d.Timestamp.Unix())
+		}
 	}
 	var hdrs amqp.Table
 	if len(d.Headers) > 0 {
@@ -692,6 +919,7 @@ func ArrivalFromDelivery(d amqp.Delivery, uuidHeader string, bodyLimit int, now 
 	set("type", d.Type)
 	set("user-id", d.UserId)
 	set("app-id", d.AppId)
+	set(TimestampErrorProperty, tsNote)
 	if len(props) > 0 {
 		a.Properties = props
 	}

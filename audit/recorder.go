@@ -272,12 +272,7 @@ func (r *Recorder) start() {
 }
 
 func (r *Recorder) declare() error {
-	ch, err := r.pub.Channel()
-	if err != nil {
-		return fmt.Errorf("audit: opening a channel to declare the audit topology: %w", err)
-	}
-	defer ch.Close()
-	return DeclareAttempts(ch, r.cfg.Naming, r.cfg.QueueType)
+	return DeclareAttempts(r.pub, r.cfg.Naming, r.cfg.QueueType)
 }
 
 type stateKey struct{}

@@ -19,8 +19,31 @@ const (
 	// DefaultArrivalsQueue receives one copy of every message published to
 	// an audited business exchange (bound by the Consumer).
 	DefaultArrivalsQueue = "rabbitretry.audit.arrivals"
+	// DefaultSetAsideQueue holds the messages of the audit queues that
+	// could not be delivered: a quorum audit queue dead-letters a message
+	// past its delivery limit (DeliveryLimit) to the audit exchange with
+	// SetAsideRoutingKey, which routes it here. Nothing consumes it: an
+	// operator inspects it (and may move its messages back).
+	DefaultSetAsideQueue = "rabbitretry.audit.set-aside"
 	// AttemptRoutingKey is the routing key of attempt records.
 	AttemptRoutingKey = "attempt"
+	// SetAsideRoutingKey is the dead-letter routing key of the audit
+	// queues (x-dead-letter-routing-key): it routes to the set-aside queue.
+	SetAsideRoutingKey = "set-aside"
+	// DeliveryLimit is the x-delivery-limit the quorum audit queues are
+	// declared with. RabbitMQ 4.x gives quorum queues a delivery limit of
+	// 20 by default, and every connection loss counts as a delivery of each
+	// record a consumer held unacked ("Quorum Queues", "Poison Message
+	// Handling" and "When is delivery count incremented?"): records held
+	// while PostgreSQL is down would be dropped after about 20 connection
+	// losses. 1000 tolerates that many; past it a record is dead-lettered
+	// (at-least-once) to the set-aside queue, never dropped. The limit
+	// exists at all for a message the AMQP client cannot decode (a header
+	// table nested deeper than 32 or with more than 8192 entries), whose
+	// every delivery closes the connection: it is set aside after
+	// DeliveryLimit deliveries. Finite on purpose: a negative limit means
+	// unlimited on 4.x but 0 on 3.x.
+	DeliveryLimit = 1000
 )
 
 // Queue types of the audit queues ("Quorum Queues", "Classic Queues").
@@ -43,6 +66,10 @@ type Naming struct {
 	AttemptsQueue string
 	// ArrivalsQueue is the queue of arrivals. Default DefaultArrivalsQueue.
 	ArrivalsQueue string
+	// SetAsideQueue receives what the audit queues dead-letter. Default:
+	// Exchange + ".set-aside" (DefaultSetAsideQueue with the default
+	// Exchange).
+	SetAsideQueue string
 }
 
 // WithDefaults returns n with empty fields set to the default names.
@@ -56,14 +83,18 @@ func (n Naming) WithDefaults() Naming {
 	if n.ArrivalsQueue == "" {
 		n.ArrivalsQueue = DefaultArrivalsQueue
 	}
+	if n.SetAsideQueue == "" {
+		n.SetAsideQueue = n.Exchange + ".set-aside"
+	}
 	return n
 }
 
 // validate reports a name RabbitMQ would refuse (longer than 255 bytes).
 func (n Naming) validate(field string) error {
-	for name, v := range map[string]string{"Exchange": n.Exchange, "AttemptsQueue": n.AttemptsQueue, "ArrivalsQueue": n.ArrivalsQueue} {
-		if len(v) > 255 {
-			return fmt.Errorf("audit: %s.Naming.%s is %d bytes, longer than RabbitMQ's 255", field, name, len(v))
+	for _, f := range []struct{ name, v string }{{"Exchange", n.Exchange}, {"AttemptsQueue", n.AttemptsQueue},
+		{"ArrivalsQueue", n.ArrivalsQueue}, {"SetAsideQueue", n.SetAsideQueue}} {
+		if len(f.v) > 255 {
+			return fmt.Errorf("audit: %s.Naming.%s is %d bytes, longer than RabbitMQ's 255", field, f.name, len(f.v))
 		}
 	}
 	return nil
@@ -76,41 +107,145 @@ func checkQueueType(field, qt string) error {
 	return nil
 }
 
-func queueArgs(queueType string) amqp.Table {
+// auditQueueArgs are the arguments of the arrivals and attempts queues: a
+// quorum queue gets DeliveryLimit and dead-letters (at-least-once, which
+// needs overflow reject-publish; no length limit is set, so nothing is
+// refused) to the audit exchange with SetAsideRoutingKey.
+func auditQueueArgs(queueType string, n Naming) amqp.Table {
+	if queueType != QueueTypeQuorum {
+		return nil
+	}
+	return amqp.Table{
+		"x-queue-type":              QueueTypeQuorum,
+		"x-delivery-limit":          int64(DeliveryLimit),
+		"x-dead-letter-exchange":    n.Exchange,
+		"x-dead-letter-routing-key": SetAsideRoutingKey,
+		"x-dead-letter-strategy":    "at-least-once",
+		"x-overflow":                "reject-publish",
+	}
+}
+
+// legacyQueueArgs are the arguments audit queues were declared with before
+// DeliveryLimit: the queue type only.
+func legacyQueueArgs(queueType string) amqp.Table {
 	if queueType == QueueTypeQuorum {
 		return amqp.Table{"x-queue-type": QueueTypeQuorum}
 	}
 	return nil
 }
 
-// DeclareAttempts declares the audit exchange (direct, durable) and the
+// ChannelOpener opens AMQP channels: an *amqp.Connection, or the
+// Recorder's Publisher.
+type ChannelOpener interface {
+	Channel() (*amqp.Channel, error)
+}
+
+// DeclareAttempts declares the audit exchange (direct, durable), the
 // attempts queue (durable, of queueType) bound to it with
-// AttemptRoutingKey. Idempotent; a queue that exists with another type
-// fails with the broker's 406 PRECONDITION_FAILED (which closes ch),
-// wrapped with the queue's name.
-func DeclareAttempts(ch *amqp.Channel, n Naming, queueType string) error {
-	n = n.WithDefaults()
-	if err := ch.ExchangeDeclare(n.Exchange, amqp.ExchangeDirect, true, false, false, false, nil); err != nil {
-		return fmt.Errorf("audit: declaring exchange %q: %w", n.Exchange, err)
+// AttemptRoutingKey, and the set-aside queue bound with
+// SetAsideRoutingKey. A quorum attempts queue gets x-delivery-limit
+// DeliveryLimit and dead-letters to the set-aside queue. An attempts queue
+// declared by an older version (without those arguments: RabbitMQ refuses
+// to change a queue's arguments, 406 PRECONDITION_FAILED) is used as it
+// is: see the README's "Audit" section for the policy that upgrades it.
+// Idempotent. A queue that exists with another type fails with the
+// broker's 406, wrapped with the queue's name. Each declaration uses its
+// own channel from open, closed afterwards.
+func DeclareAttempts(open ChannelOpener, n Naming, queueType string) error {
+	_, err := declareAttempts(open, n.WithDefaults(), queueType)
+	return err
+}
+
+// declareAttempts is DeclareAttempts; legacy names the queues declared by
+// an older version.
+func declareAttempts(open ChannelOpener, n Naming, queueType string) (legacy []string, err error) {
+	ch, err := open.Channel()
+	if err != nil {
+		return nil, fmt.Errorf("audit: opening a channel: %w", err)
 	}
-	if err := declareQueue(ch, n.AttemptsQueue, queueType); err != nil {
-		return err
+	defer ch.Close()
+	if err := ch.ExchangeDeclare(n.Exchange, amqp.ExchangeDirect, true, false, false, false, nil); err != nil {
+		return nil, fmt.Errorf("audit: declaring exchange %q: %w", n.Exchange, err)
+	}
+	old, err := declareQueue(open, n.AttemptsQueue, queueType, n)
+	if err != nil {
+		return nil, err
+	}
+	if old {
+		legacy = append(legacy, n.AttemptsQueue)
+	}
+	if err := declareSetAside(open, n, queueType); err != nil {
+		return nil, err
+	}
+	if err := ch.QueueBind(n.SetAsideQueue, SetAsideRoutingKey, n.Exchange, false, nil); err != nil {
+		return nil, fmt.Errorf("audit: binding %q to %q: %w", n.SetAsideQueue, n.Exchange, err)
 	}
 	if err := ch.QueueBind(n.AttemptsQueue, AttemptRoutingKey, n.Exchange, false, nil); err != nil {
-		return fmt.Errorf("audit: binding %q to %q: %w", n.AttemptsQueue, n.Exchange, err)
+		return nil, fmt.Errorf("audit: binding %q to %q: %w", n.AttemptsQueue, n.Exchange, err)
+	}
+	return legacy, nil
+}
+
+// declareSetAside declares the set-aside queue (durable, of queueType; a
+// quorum one with DeliveryLimit, no dead-letter target). It only receives
+// dead-letters, so one that exists with other arguments (an earlier
+// QueueType) is used as it is.
+func declareSetAside(open ChannelOpener, n Naming, queueType string) error {
+	args := legacyQueueArgs(queueType)
+	if queueType == QueueTypeQuorum {
+		args["x-delivery-limit"] = int64(DeliveryLimit)
+	}
+	declare := func(passive bool) error {
+		ch, err := open.Channel()
+		if err != nil {
+			return fmt.Errorf("audit: opening a channel: %w", err)
+		}
+		defer ch.Close()
+		if passive {
+			_, err = ch.QueueDeclarePassive(n.SetAsideQueue, true, false, false, false, nil)
+		} else {
+			_, err = ch.QueueDeclare(n.SetAsideQueue, true, false, false, false, args)
+		}
+		return err
+	}
+	err := declare(false)
+	var ae *amqp.Error
+	if errors.As(err, &ae) && ae.Code == amqp.PreconditionFailed {
+		err = declare(true)
+	}
+	if err != nil {
+		return fmt.Errorf("audit: declaring queue %q: %w", n.SetAsideQueue, err)
 	}
 	return nil
 }
 
-func declareQueue(ch *amqp.Channel, q, queueType string) error {
-	if _, err := ch.QueueDeclare(q, true, false, false, false, queueArgs(queueType)); err != nil {
-		var ae *amqp.Error
-		if errors.As(err, &ae) && ae.Code == amqp.PreconditionFailed {
-			return fmt.Errorf("audit: queue %q exists with other arguments (QueueType %q wanted): %w", q, queueType, err)
+// declareQueue declares audit queue q with auditQueueArgs; if RabbitMQ
+// refuses (406: it exists with other arguments), with legacyQueueArgs on a
+// new channel (legacy true). Either way the channels are closed.
+func declareQueue(open ChannelOpener, q, queueType string, n Naming) (legacy bool, err error) {
+	try := func(args amqp.Table) error {
+		ch, err := open.Channel()
+		if err != nil {
+			return fmt.Errorf("audit: opening a channel: %w", err)
 		}
-		return fmt.Errorf("audit: declaring queue %q: %w", q, err)
+		defer ch.Close()
+		_, err = ch.QueueDeclare(q, true, false, false, false, args)
+		return err
 	}
-	return nil
+	err = try(auditQueueArgs(queueType, n))
+	var ae *amqp.Error
+	if errors.As(err, &ae) && ae.Code == amqp.PreconditionFailed && queueType == QueueTypeQuorum {
+		if err = try(legacyQueueArgs(queueType)); err == nil {
+			return true, nil
+		}
+	}
+	if errors.As(err, &ae) && ae.Code == amqp.PreconditionFailed {
+		return false, fmt.Errorf("audit: queue %q exists with other arguments (QueueType %q wanted): %w", q, queueType, err)
+	}
+	if err != nil {
+		return false, fmt.Errorf("audit: declaring queue %q: %w", q, err)
+	}
+	return false, nil
 }
 
 // DeleteTopology deletes the audit queues (with the records in them) and
@@ -119,7 +254,7 @@ func declareQueue(ch *amqp.Channel, q, queueType string) error {
 func DeleteTopology(ch *amqp.Channel, n Naming) error {
 	n = n.WithDefaults()
 	var errs []error
-	for _, q := range []string{n.AttemptsQueue, n.ArrivalsQueue} {
+	for _, q := range []string{n.AttemptsQueue, n.ArrivalsQueue, n.SetAsideQueue} {
 		if _, err := ch.QueueDelete(q, false, false, false); err != nil {
 			errs = append(errs, fmt.Errorf("audit: deleting queue %q: %w", q, err))
 		}

@@ -7,6 +7,7 @@ package audittest
 import (
 	"context"
 	"errors"
+	"fmt"
 	"slices"
 	"sort"
 	"sync"
@@ -26,9 +27,14 @@ type MemoryStore struct {
 	rewrites int // records written again under an ID already stored
 	writes   int // successful Write calls
 	failed   int // Write calls refused while down
+	reject   func(messageID string) bool
+	aside    map[string]audit.SetAside
 }
 
-var _ audit.Store = (*MemoryStore)(nil)
+var (
+	_ audit.Store     = (*MemoryStore)(nil)
+	_ audit.SetAsider = (*MemoryStore)(nil)
+)
 
 // NewMemoryStore returns an empty, up store.
 func NewMemoryStore() *MemoryStore {
@@ -53,6 +59,18 @@ func (s *MemoryStore) Write(ctx context.Context, arrivals []audit.Arrival, attem
 	if s.down {
 		s.failed++
 		return ErrDown
+	}
+	if s.reject != nil {
+		for _, a := range arrivals {
+			if s.reject(a.MessageID) {
+				return fmt.Errorf("audittest: arrival of message %q: %w", a.MessageID, audit.ErrRecordRejected)
+			}
+		}
+		for _, a := range attempts {
+			if s.reject(a.MessageID) {
+				return fmt.Errorf("audittest: attempt of message %q: %w", a.MessageID, audit.ErrRecordRejected)
+			}
+		}
 	}
 	s.writes++
 	for _, a := range arrivals {
@@ -144,6 +162,43 @@ func (s *MemoryStore) Attempts() map[string][]audit.Attempt {
 		if len(m.Attempts) > 0 {
 			out[id] = m.Attempts
 		}
+	}
+	return out
+}
+
+// SetReject makes Write reject for good (audit.ErrRecordRejected), all or
+// nothing, a batch holding a record whose message id f accepts; nil
+// accepts every record again.
+func (s *MemoryStore) SetReject(f func(messageID string) bool) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.reject = f
+}
+
+// SetAside keeps the records (idempotent on kind and record ID); it fails
+// with ErrDown while the store is down.
+func (s *MemoryStore) SetAside(ctx context.Context, records []audit.SetAside) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.down {
+		return ErrDown
+	}
+	if s.aside == nil {
+		s.aside = map[string]audit.SetAside{}
+	}
+	for _, r := range records {
+		s.aside[r.Kind+":"+r.RecordID] = r
+	}
+	return nil
+}
+
+// SetAsideRecords returns the records set aside, in no order.
+func (s *MemoryStore) SetAsideRecords() []audit.SetAside {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	out := make([]audit.SetAside, 0, len(s.aside))
+	for _, r := range s.aside {
+		out = append(out, r)
 	}
 	return out
 }

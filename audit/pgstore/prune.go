@@ -137,6 +137,20 @@ type Stats struct {
 	SchemaVersion int `json:"schema_version"`
 	// TrigramIndex reports whether ErrorContains has its pg_trgm index.
 	TrigramIndex bool `json:"trigram_index"`
+	// SetAside counts the records set aside (table set_aside: the store
+	// rejected them for good, audit.ErrRecordRejected); SetAsideRecent are
+	// the latest 10, newest first, with their reasons.
+	SetAside       int64             `json:"set_aside"`
+	SetAsideRecent []SetAsideSummary `json:"set_aside_recent,omitempty"`
+}
+
+// SetAsideSummary is one set_aside row without the record.
+type SetAsideSummary struct {
+	Kind      string    `json:"kind"`
+	RecordID  string    `json:"record_id"`
+	MessageID string    `json:"message_id"`
+	Reason    string    `json:"reason"`
+	At        time.Time `json:"set_aside_at"`
 }
 
 // Stats counts the rows (exact count(*): a full scan of each table) and
@@ -164,6 +178,25 @@ func (s *Store) Stats(ctx context.Context) (Stats, error) {
 	}
 	if st.SchemaVersion, err = SchemaVersion(ctx, s.pool, s.schema); err != nil {
 		return st, err
+	}
+	sa := qualify(s.schema, "set_aside")
+	if err := s.pool.QueryRow(ctx, `SELECT count(*) FROM `+sa).Scan(&st.SetAside); err != nil {
+		return st, fmt.Errorf("pgstore: stats: %w", err)
+	}
+	rows, err := s.pool.Query(ctx, `SELECT kind, record_id, message_id, reason, set_aside_at FROM `+sa+` ORDER BY set_aside_at DESC, id LIMIT 10`)
+	if err != nil {
+		return st, fmt.Errorf("pgstore: stats: %w", err)
+	}
+	for rows.Next() {
+		var r SetAsideSummary
+		if err := rows.Scan(&r.Kind, &r.RecordID, &r.MessageID, &r.Reason, &r.At); err != nil {
+			rows.Close()
+			return st, fmt.Errorf("pgstore: stats: %w", err)
+		}
+		st.SetAsideRecent = append(st.SetAsideRecent, r)
+	}
+	if err := rows.Err(); err != nil {
+		return st, fmt.Errorf("pgstore: stats: %w", err)
 	}
 	return st, nil
 }

@@ -3,7 +3,10 @@ package pgstore
 import (
 	"bytes"
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"sort"
 	"strings"
@@ -11,6 +14,7 @@ import (
 	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
 
 	"github.com/rabbitretry/rabbitretry/audit"
@@ -25,9 +29,12 @@ import (
 // and one upsert of the messages rows, rows sorted by key so concurrent
 // writers cannot deadlock.
 //
-// Errors: a record with an empty ID (nothing is written); the database's
-// (connection lost, serialization): then nothing was committed and the
-// call can be repeated. Content never fails a write: NUL bytes and invalid
+// Errors: a record with an empty ID (nothing is written); a record the
+// store can never take, wrapping audit.ErrRecordRejected (an indexed text
+// value over MaxIndexedBytes, a time outside years 1-9999, or SQLSTATE
+// class 22 or 54 from PostgreSQL); the database's other errors (connection
+// lost, serialization), temporary: nothing was committed and the call can
+// be repeated. Content never fails a write: NUL bytes and invalid
 // UTF-8 in text and header values are replaced by U+FFFD, header values
 // JSON cannot encode (NaN, channels) are stored as their fmt.Sprint text.
 func (s *Store) Write(ctx context.Context, arrivals []audit.Arrival, attempts []audit.Attempt) error {
@@ -42,9 +49,107 @@ func (s *Store) Write(ctx context.Context, arrivals []audit.Arrival, attempts []
 		return tx.SendBatch(ctx, b).Close()
 	})
 	if err != nil {
+		if permanent(err) {
+			return fmt.Errorf("pgstore: write %d arrivals, %d attempts: %w: %w", len(arrivals), len(attempts), audit.ErrRecordRejected, err)
+		}
 		return fmt.Errorf("pgstore: write %d arrivals, %d attempts: %w", len(arrivals), len(attempts), err)
 	}
 	return nil
+}
+
+// MaxIndexedBytes bounds the indexed text values of a record (message and
+// correlation ids, record ids, exchange, routing key, queue, outcome,
+// error class), in bytes: a PostgreSQL btree index row must fit in a
+// third of a page (about 2700 bytes; SQLSTATE 54000 "index row size
+// exceeds maximum"), so Write rejects a longer value up front
+// (audit.ErrRecordRejected) instead of failing in the database.
+const MaxIndexedBytes = 1024
+
+// permanent reports whether a database error is caused by the records
+// themselves, so repeating the write can never succeed: SQLSTATE class 22
+// (data exception: a value out of range, invalid text or JSON) and 54
+// (program limit exceeded: index row too big, too many columns). Every
+// other error (connection lost, class 08; serialization or deadlock, 40;
+// insufficient resources, 53; operator intervention, 57; ...) is
+// temporary. (PostgreSQL "Appendix A. Error Codes".)
+func permanent(err error) bool {
+	var pe *pgconn.PgError
+	if !errors.As(err, &pe) || len(pe.Code) != 5 {
+		return false
+	}
+	switch pe.Code[:2] {
+	case "22", "54":
+		return true
+	}
+	return false
+}
+
+// rejected is Write's error for a record outside the store's bounds.
+func rejected(format string, args ...any) error {
+	return fmt.Errorf("pgstore: %w: %s", audit.ErrRecordRejected, fmt.Sprintf(format, args...))
+}
+
+// checkTime rejects a time PostgreSQL would store as another date or
+// refuse (outside years 1-9999).
+func checkTime(what string, i int, field string, t time.Time) error {
+	if t.IsZero() {
+		return nil
+	}
+	if y := t.Year(); y < 1 || y > 9999 {
+		return rejected("%s[%d].%s year %d is outside 1-9999", what, i, field, y)
+	}
+	return nil
+}
+
+func checkText(what string, i int, fields map[string]string) error {
+	for name, v := range fields {
+		if len(v) > MaxIndexedBytes {
+			return rejected("%s[%d].%s is %d bytes, more than %d (MaxIndexedBytes)", what, i, name, len(v), MaxIndexedBytes)
+		}
+	}
+	return nil
+}
+
+// SetAside stores records the Consumer could not write
+// (audit.ErrRecordRejected) into the set_aside table with their reason; a
+// record set aside again (same kind and record ID) is skipped. Ids are cut
+// to 256 bytes for display; the whole record is kept as JSON. Errors: the
+// database's (temporary: the Consumer retries).
+func (s *Store) SetAside(ctx context.Context, records []audit.SetAside) error {
+	if len(records) == 0 {
+		return nil
+	}
+	n := len(records)
+	ids, kinds, rids, mids, reasons := make([]string, n), make([]string, n), make([]string, n), make([]string, n), make([]string, n)
+	recs := make([][]byte, n)
+	for i, r := range records {
+		sum := sha256.Sum256([]byte(r.RecordID))
+		ids[i] = cleanText(r.Kind) + ":" + hex.EncodeToString(sum[:])
+		kinds[i], rids[i], mids[i] = cleanText(r.Kind), cleanText(cut(r.RecordID, 256)), cleanText(cut(r.MessageID, 256))
+		reasons[i] = cleanText(cut(r.Reason, 4096))
+		recs[i] = r.Record
+		if recs[i] == nil {
+			recs[i] = []byte{}
+		}
+	}
+	_, err := s.pool.Exec(ctx, `INSERT INTO `+qualify(s.schema, "set_aside")+` (id, kind, record_id, message_id, reason, record)
+SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::bytea[])
+ON CONFLICT (id) DO NOTHING`, ids, kinds, rids, mids, reasons, recs)
+	if err != nil {
+		return fmt.Errorf("pgstore: set aside %d records: %w", n, err)
+	}
+	return nil
+}
+
+// cut shortens s to at most n bytes, on a UTF-8 boundary.
+func cut(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	for n > 0 && !utf8.RuneStart(s[n]) {
+		n--
+	}
+	return s[:n]
 }
 
 type msgAgg struct {
@@ -63,13 +168,29 @@ func tstz(t time.Time) pgtype.Timestamptz {
 
 func buildWriteBatch(q queries, arrivals []audit.Arrival, attempts []audit.Attempt) (*pgx.Batch, error) {
 	for i := range arrivals {
-		if arrivals[i].ID == "" {
+		a := &arrivals[i]
+		if a.ID == "" {
 			return nil, fmt.Errorf("pgstore: Write: arrivals[%d].ID is empty", i)
+		}
+		if err := checkText("arrivals", i, map[string]string{"ID": a.ID, "MessageID": a.MessageID, "CorrelationID": a.CorrelationID,
+			"Exchange": a.Exchange, "RoutingKey": a.RoutingKey}); err != nil {
+			return nil, err
+		}
+		if err := errors.Join(checkTime("arrivals", i, "PublishedAt", a.PublishedAt), checkTime("arrivals", i, "ArrivedAt", a.ArrivedAt)); err != nil {
+			return nil, err
 		}
 	}
 	for i := range attempts {
-		if attempts[i].ID == "" {
+		a := &attempts[i]
+		if a.ID == "" {
 			return nil, fmt.Errorf("pgstore: Write: attempts[%d].ID is empty", i)
+		}
+		if err := checkText("attempts", i, map[string]string{"ID": a.ID, "MessageID": a.MessageID, "CorrelationID": a.CorrelationID,
+			"Queue": a.Queue, "Outcome": string(a.Outcome), "ErrorClass": a.ErrorClass}); err != nil {
+			return nil, err
+		}
+		if err := checkTime("attempts", i, "StartedAt", a.StartedAt); err != nil {
+			return nil, err
 		}
 	}
 	msgs := map[string]*msgAgg{}

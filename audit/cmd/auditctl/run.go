@@ -732,13 +732,18 @@ type statsJSON struct {
 	OldestAttempt time.Time `json:"oldest_attempt,omitzero"`
 	NewestAttempt time.Time `json:"newest_attempt,omitzero"`
 	TrigramIndex  bool      `json:"trigram_index"`
+	// SetAside counts the records the store rejected for good, kept
+	// apart with their reasons; SetAsideRecent are the latest 10.
+	SetAside       int64                     `json:"set_aside"`
+	SetAsideRecent []pgstore.SetAsideSummary `json:"set_aside_recent,omitempty"`
 }
 
 func stats(ctx context.Context, st *pgstore.Store) (statsJSON, error) {
 	s, err := st.Stats(ctx)
 	return statsJSON{Schema: st.Schema(), SchemaVersion: s.SchemaVersion, Arrivals: s.Arrivals, Attempts: s.Attempts,
 		Messages: s.Messages, OldestArrival: s.OldestArrival, NewestArrival: s.NewestArrival,
-		OldestAttempt: s.OldestAttempt, NewestAttempt: s.NewestAttempt, TrigramIndex: s.TrigramIndex}, err
+		OldestAttempt: s.OldestAttempt, NewestAttempt: s.NewestAttempt, TrigramIndex: s.TrigramIndex,
+		SetAside: s.SetAside, SetAsideRecent: s.SetAsideRecent}, err
 }
 
 func cmdStats(e *env) int {
@@ -761,8 +766,12 @@ func cmdStats(e *env) int {
 		{"Arrivals", fmt.Sprintf("%d (%s .. %s)", s.Arrivals, formatTime(s.OldestArrival), formatTime(s.NewestArrival))},
 		{"Attempts", fmt.Sprintf("%d (%s .. %s)", s.Attempts, formatTime(s.OldestAttempt), formatTime(s.NewestAttempt))},
 		{"Error text index", map[bool]string{true: "pg_trgm", false: "none (error-contains scans)"}[s.TrigramIndex]},
+		{"Set aside", fmt.Sprintf("%d (records the store rejects for good; table set_aside)", s.SetAside)},
 	} {
 		fmt.Fprintf(tw, "%s:\t%s\n", row[0], row[1])
+	}
+	for _, r := range s.SetAsideRecent {
+		fmt.Fprintf(tw, "  %s\t%s %s message %q: %s\n", formatTime(r.At), r.Kind, truncate(r.RecordID, 64), truncate(r.MessageID, 64), r.Reason)
 	}
 	_ = tw.Flush()
 	return exitOK

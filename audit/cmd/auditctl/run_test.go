@@ -476,3 +476,24 @@ func TestServeWithTokens(t *testing.T) {
 		t.Fatalf("dry-run resend: %d %s", code, body)
 	}
 }
+
+// TestStatsShowsSetAside: records the store rejected for good are counted
+// by auditctl stats, the latest with their reasons (text and JSON).
+func TestStatsShowsSetAside(t *testing.T) {
+	fx := newFixture(t, "orders", "order.created", "billing")
+	rec := audit.SetAside{Kind: audit.KindArrival, RecordID: "r-1", MessageID: strings.Repeat("m", 8000),
+		Reason: "pgstore: arrivals[0].MessageID is 8000 bytes, more than 1024 (MaxIndexedBytes)", Record: []byte(`{}`)}
+	if err := fx.st.SetAside(context.Background(), []audit.SetAside{rec}); err != nil {
+		t.Fatal(err)
+	}
+	code, out, errOut := fx.run(t, "stats", "--json")
+	var s statsJSON
+	if err := json.Unmarshal([]byte(out), &s); code != exitOK || err != nil || s.SetAside != 1 || len(s.SetAsideRecent) != 1 ||
+		s.SetAsideRecent[0].Reason != rec.Reason {
+		t.Fatalf("stats --json: %d %s %s", code, out, errOut)
+	}
+	code, out, errOut = fx.run(t, "stats")
+	if code != exitOK || !strings.Contains(out, "Set aside:") || !strings.Contains(out, "MessageID is 8000 bytes") {
+		t.Fatalf("stats: %d %s %s", code, out, errOut)
+	}
+}
