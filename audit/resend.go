@@ -20,6 +20,8 @@ import (
 
 	"github.com/rabbitretry/rabbitretry/amqpretry"
 	"github.com/rabbitretry/rabbitretry/middleware"
+
+	"github.com/rabbitretry/rabbitretry/internal/redact"
 )
 
 // DefaultLoopBackExchange is the default ResenderConfig.LoopBackExchange,
@@ -142,7 +144,7 @@ func (c ResenderConfig) Validate() error {
 		return errors.New("audit: ResenderConfig.LoopBackExchange is longer than 255 bytes")
 	}
 	if _, err := amqp.ParseURI(c.URI); err != nil {
-		return fmt.Errorf("audit: ResenderConfig.URI: %w", err)
+		return fmt.Errorf("audit: ResenderConfig.URI: %w", redact.Error(err, c.URI))
 	}
 	return nil
 }

@@ -70,6 +70,8 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/rabbitretry/rabbitretry/audit"
+
+	"github.com/rabbitretry/rabbitretry/internal/redact"
 )
 
 // DefaultSchema is the schema used when Config.Schema is empty.
@@ -140,7 +142,7 @@ func (c Config) Validate() error {
 	}
 	if c.DSN != "" {
 		if _, err := pgxpool.ParseConfig(c.DSN); err != nil {
-			return fmt.Errorf("pgstore: Config.DSN: %w", err)
+			return fmt.Errorf("pgstore: Config.DSN: %w", redact.Error(err, c.DSN))
 		}
 	}
 	return validSchema(c.Schema)
@@ -171,7 +173,7 @@ func New(ctx context.Context, cfg Config) (*Store, error) {
 	if s.pool == nil {
 		pool, err := pgxpool.New(cctx, cfg.DSN)
 		if err != nil {
-			return nil, fmt.Errorf("pgstore: connect: %w", err)
+			return nil, fmt.Errorf("pgstore: connect: %w", redact.Error(err, cfg.DSN))
 		}
 		s.pool, s.ownPool = pool, true
 	}
@@ -180,7 +182,7 @@ func New(ctx context.Context, cfg Config) (*Store, error) {
 		return nil, err
 	}
 	if err := s.pool.Ping(cctx); err != nil {
-		return fail(fmt.Errorf("pgstore: connect: %w", err))
+		return fail(fmt.Errorf("pgstore: connect: %w", redact.Error(err, cfg.DSN)))
 	}
 	if cfg.SkipMigrate {
 		migs, err := Migrations()

@@ -27,6 +27,8 @@ import (
 	"github.com/rabbitretry/rabbitretry/audit/httpapi"
 	"github.com/rabbitretry/rabbitretry/audit/pgstore"
 	"github.com/rabbitretry/rabbitretry/internal/cliflags"
+
+	"github.com/rabbitretry/rabbitretry/internal/redact"
 )
 
 // Exit codes.
@@ -240,6 +242,9 @@ func fail(stderr io.Writer, err error) int {
 }
 
 func runContext(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	// Every message, usage error and log line goes through stderr: no
+	// password of --uri / --dsn / $AMQP_URI / $RABBITRETRY_PG_DSN in it.
+	stderr = redact.Writer(stderr, redact.CommandLine(args, "AMQP_URI", "RABBITRETRY_PG_DSN")...)
 	o := &options{}
 	name, pos, code, ok := cliflags.Tool{
 		Name: "auditctl", Order: commandOrder, Global: o.globalFlags, PrintUsage: printUsage,
