@@ -191,9 +191,27 @@ func writeError(w http.ResponseWriter, code int, msg string) {
 	writeJSON(w, code, errorBody{Error: msg})
 }
 
-func (a *api) internal(w http.ResponseWriter, what string, err error) {
+// storeError answers a Store error: a 400 with the error's own text for
+// one wrapping audit.ErrInvalidFilter (the request's mistake); else a 500
+// that says only what failed, the error (the database's text) going to the
+// log alone.
+func (a *api) storeError(w http.ResponseWriter, what string, err error) {
+	if errors.Is(err, audit.ErrInvalidFilter) {
+		writeError(w, http.StatusBadRequest, invalidFilterText(err))
+		return
+	}
 	a.cfg.Logger.Error("audit API: "+what, err, nil)
-	writeError(w, http.StatusInternalServerError, what+": "+err.Error())
+	writeError(w, http.StatusInternalServerError, what+" failed: internal error (the server log has the details)")
+}
+
+// invalidFilterText is an ErrInvalidFilter error's text from "invalid
+// filter: " on (without the store's prefixes).
+func invalidFilterText(err error) string {
+	msg := err.Error()
+	if i := strings.Index(msg, "invalid filter: "); i >= 0 {
+		return msg[i:]
+	}
+	return msg
 }
 
 // SearchResponse is the body of GET /v1/messages.
@@ -211,7 +229,7 @@ func (a *api) search(w http.ResponseWriter, r *http.Request) {
 	}
 	msgs, next, err := a.cfg.Store.SearchPage(r.Context(), f)
 	if err != nil {
-		a.internal(w, "search", err)
+		a.storeError(w, "search", err)
 		return
 	}
 	if msgs == nil {
@@ -222,9 +240,13 @@ func (a *api) search(w http.ResponseWriter, r *http.Request) {
 
 func (a *api) get(w http.ResponseWriter, r *http.Request) {
 	id := r.PathValue("id")
+	if err := (audit.Filter{MessageID: id}).Validate(); err != nil {
+		writeError(w, http.StatusBadRequest, invalidFilterText(err))
+		return
+	}
 	m, ok, err := a.cfg.Store.Get(r.Context(), id)
 	if err != nil {
-		a.internal(w, "get", err)
+		a.storeError(w, "get", err)
 		return
 	}
 	if !ok {
@@ -237,7 +259,7 @@ func (a *api) get(w http.ResponseWriter, r *http.Request) {
 func (a *api) stats(w http.ResponseWriter, r *http.Request) {
 	s, err := a.cfg.Stats(r.Context())
 	if err != nil {
-		a.internal(w, "stats", err)
+		a.storeError(w, "stats", err)
 		return
 	}
 	writeJSON(w, http.StatusOK, s)
@@ -356,7 +378,7 @@ func (a *api) resend(w http.ResponseWriter, r *http.Request) {
 	if err != nil {
 		a.cfg.Logger.Error("audit API: resend", err, fields)
 		code := http.StatusInternalServerError
-		if errors.Is(err, audit.ErrEmptyFilter) {
+		if errors.Is(err, audit.ErrEmptyFilter) || errors.Is(err, audit.ErrInvalidFilter) {
 			code = http.StatusBadRequest
 		}
 		writeJSON(w, code, ResendErrorResponse{Error: err.Error(), Report: rep})
@@ -378,6 +400,9 @@ func validateFilter(f audit.Filter) error {
 		if _, err := ParseOutcome(string(o)); err != nil {
 			return err
 		}
+	}
+	if err := f.Validate(); err != nil {
+		return errors.New(invalidFilterText(err))
 	}
 	return nil
 }

@@ -37,9 +37,10 @@ import (
 // that sort after it are returned, so paging with the last message's
 // cursor returns every message once.
 //
-// Errors: Filter.Limit negative or above MaxLimit, Filter.From not before
-// Filter.To, an After that is not a cursor, Headers JSON cannot encode
-// (each naming the field); the database's.
+// Errors wrapping audit.ErrInvalidFilter (each naming the field):
+// Filter.Limit negative or above MaxLimit, a Filter.Validate error (From
+// not before To, text that is not valid UTF-8 or holds a NUL byte), an
+// After that is not a cursor; Headers JSON cannot encode; the database's.
 func (s *Store) Search(ctx context.Context, f audit.Filter) ([]audit.Message, error) {
 	msgs, _, err := s.SearchPage(ctx, f)
 	return msgs, err
@@ -86,8 +87,13 @@ func (s *Store) SearchPage(ctx context.Context, f audit.Filter) ([]audit.Message
 }
 
 // Get returns the message with this id, with its first arrival and all its
-// attempts; false if the store has no record of it.
+// attempts; false if the store has no record of it. An id that is not
+// valid UTF-8 or holds a NUL byte is an error wrapping
+// audit.ErrInvalidFilter.
 func (s *Store) Get(ctx context.Context, messageID string) (audit.Message, bool, error) {
+	if err := (audit.Filter{MessageID: messageID}).Validate(); err != nil {
+		return audit.Message{}, false, fmt.Errorf("pgstore: %w", err)
+	}
 	msgs, err := s.load(ctx, []string{messageID})
 	if err != nil {
 		return audit.Message{}, false, err
@@ -219,12 +225,12 @@ func (s *Store) searchSQL(f audit.Filter) (string, []any, int, error) {
 	limit := f.Limit
 	switch {
 	case limit < 0 || limit > MaxLimit:
-		return "", nil, 0, fmt.Errorf("pgstore: Filter.Limit %d: want 0 (default %d) to %d", f.Limit, DefaultLimit, MaxLimit)
+		return "", nil, 0, fmt.Errorf("pgstore: %w: Filter.Limit %d: want 0 (default %d) to %d", audit.ErrInvalidFilter, f.Limit, DefaultLimit, MaxLimit)
 	case limit == 0:
 		limit = DefaultLimit
 	}
-	if !f.From.IsZero() && !f.To.IsZero() && !f.From.Before(f.To) {
-		return "", nil, 0, fmt.Errorf("pgstore: Filter.From %s is not before Filter.To %s", f.From.Format(time.RFC3339Nano), f.To.Format(time.RFC3339Nano))
+	if err := f.Validate(); err != nil {
+		return "", nil, 0, fmt.Errorf("pgstore: %w", err)
 	}
 	var a sqlArgs
 	var conds []string
@@ -302,7 +308,7 @@ func encodeCursor(t time.Time, id string) string {
 
 func decodeCursor(c string) (time.Time, string, error) {
 	bad := func() (time.Time, string, error) {
-		return time.Time{}, "", fmt.Errorf("pgstore: Filter.After %q is not a cursor from this store", c)
+		return time.Time{}, "", fmt.Errorf("pgstore: %w: Filter.After %q is not a cursor from this store", audit.ErrInvalidFilter, strings.ToValidUTF8(strings.ReplaceAll(c, "\x00", `\0`), "?"))
 	}
 	rest, ok := strings.CutPrefix(c, cursorPrefix)
 	if !ok {
