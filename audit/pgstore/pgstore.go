@@ -161,7 +161,8 @@ var _ audit.Store = (*Store)(nil)
 // New validates cfg, connects (DSN) and, unless cfg.SkipMigrate, applies
 // the missing migrations (Migrate). Errors: Validate's; the connection's
 // (unreachable server, authentication) within ConnectTimeout; Migrate's;
-// with SkipMigrate, a schema not at the latest migration.
+// with SkipMigrate, a schema not at the latest migration; ErrSchemaTooNew
+// (with or without SkipMigrate) for a schema a newer release migrated.
 func New(ctx context.Context, cfg Config) (*Store, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
@@ -187,6 +188,9 @@ func New(ctx context.Context, cfg Config) (*Store, error) {
 	if cfg.SkipMigrate {
 		migs, err := Migrations()
 		if err != nil {
+			return fail(err)
+		}
+		if err := checkNotNewer(cctx, s.pool, cfg.Schema, migs); err != nil {
 			return fail(err)
 		}
 		v, err := SchemaVersion(cctx, s.pool, cfg.Schema)
