@@ -29,8 +29,13 @@
 //
 // POST /v1/resend takes {"filter": audit.Filter, "mode": "to-queue" |
 // "to-exchange", "queue": "...", "dry_run": true, "limit": n, "allow_all":
-// false} (unknown fields are a 400) and runs audit.Resender.Resend, which
-// refuses an empty filter without allow_all. One resend runs at a time (a
+// false, "expected_count": n} (unknown fields are a 400) and runs
+// audit.Resender.Resend, which refuses, with a 400 and nothing sent, an
+// empty filter or a broad result (more than the Resender's ConfirmAbove
+// messages, 10 by default, or every message of the audit, whatever fields
+// the filter sets) without allow_all. allow_all (unless dry_run) needs
+// expected_count, the "matched" of a dry run of the same request: a
+// different count is a 409 and nothing is sent. One resend runs at a time (a
 // second request meanwhile gets 409 Conflict). A resend that started runs to
 // its end even if the client goes away (bounded by Config.ResendTimeout),
 // and is logged with its totals.
@@ -280,8 +285,14 @@ type ResendRequest struct {
 	DryRun bool `json:"dry_run,omitempty"`
 	// Limit caps the messages (default audit.DefaultResendLimit, 1000).
 	Limit int `json:"limit,omitempty"`
-	// AllowAll must be true for a filter that selects every message.
+	// AllowAll must be true for a filter that selects every message or
+	// more than the Resender's ConfirmAbove (audit.ErrEmptyFilter,
+	// audit.ErrBroadResend: 400). Unless DryRun it needs ExpectedCount.
 	AllowAll bool `json:"allow_all,omitempty"`
+	// ExpectedCount is the "matched" of the dry run the operator checked.
+	// Required (positive) with AllowAll unless DryRun; a resend whose
+	// matched count differs sends nothing (audit.ErrCountMismatch: 409).
+	ExpectedCount int `json:"expected_count,omitempty"`
 }
 
 // ResendErrorResponse is the body of a resend that stopped part-way (500):
@@ -347,9 +358,13 @@ func (a *api) resend(w http.ResponseWriter, r *http.Request) {
 		writeError(w, http.StatusBadRequest, "request body: more than one JSON value")
 		return
 	}
-	opts := audit.ResendOptions{Mode: req.Mode, Queue: req.Queue, DryRun: req.DryRun, Limit: req.Limit, AllowAll: req.AllowAll}
+	opts := audit.ResendOptions{Mode: req.Mode, Queue: req.Queue, DryRun: req.DryRun, Limit: req.Limit, AllowAll: req.AllowAll, ExpectedCount: req.ExpectedCount}
 	if err := opts.Validate(); err != nil {
 		writeError(w, http.StatusBadRequest, err.Error())
+		return
+	}
+	if opts.AllowAll && !opts.DryRun && opts.ExpectedCount == 0 {
+		writeError(w, http.StatusBadRequest, "allow_all needs expected_count: the matched count of a dry run of the same request")
 		return
 	}
 	if err := validateFilter(req.Filter); err != nil {
@@ -378,8 +393,11 @@ func (a *api) resend(w http.ResponseWriter, r *http.Request) {
 	if err != nil {
 		a.cfg.Logger.Error("audit API: resend", err, fields)
 		code := http.StatusInternalServerError
-		if errors.Is(err, audit.ErrEmptyFilter) || errors.Is(err, audit.ErrInvalidFilter) {
+		switch {
+		case errors.Is(err, audit.ErrEmptyFilter) || errors.Is(err, audit.ErrInvalidFilter) || errors.Is(err, audit.ErrBroadResend):
 			code = http.StatusBadRequest
+		case errors.Is(err, audit.ErrCountMismatch):
+			code = http.StatusConflict
 		}
 		writeJSON(w, code, ResendErrorResponse{Error: err.Error(), Report: rep})
 		return

@@ -6,6 +6,7 @@ import (
 	"crypto/rand"
 	"encoding/hex"
 	"net/url"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -116,5 +117,48 @@ func TestBadInputIs400WithoutDatabaseText(t *testing.T) {
 	}
 	if !strings.Contains(logs.String(), "closed pool") {
 		t.Errorf("closed pool: the server log lacks the database's error: %s", logs.String())
+	}
+}
+
+// Over HTTP a broad resend (here a time range from 1970, which selects
+// every message) is a 400 without allow_all, a 400 with allow_all but no
+// expected_count, a 409 with a wrong expected_count, and nothing is sent
+// (the resender's broker is unreachable: any publish would be a 500); a
+// dry run tells the count (issue 19 item 10).
+func TestResendBreadthOverHTTP(t *testing.T) {
+	st := pgStore(t)
+	var arr []audit.Arrival
+	for i := range 15 {
+		id := "b-" + strconv.Itoa(i)
+		arr = append(arr, audit.Arrival{ID: "arr-" + id, MessageID: id, Exchange: "orders", RoutingKey: "k",
+			ArrivedAt: time.Now().UTC().Add(-time.Duration(i) * time.Second), Body: []byte(id), BodySize: len(id)})
+	}
+	if err := st.Write(context.Background(), arr, nil); err != nil {
+		t.Fatal(err)
+	}
+	rs, err := audit.NewResender(audit.ResenderConfig{URI: "amqp://guest:guest@127.0.0.1:1/", Store: st})
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := serve(t, httpapi.Config{Store: st, EnableResend: true, ResendToken: token, Resender: rs})
+	post := func(body string) (int, string) {
+		code, b := do(t, "POST", srv.URL+"/v1/resend", "Bearer "+token, body)
+		return code, string(b)
+	}
+	const f = `"filter":{"from":"1970-01-01T00:00:00Z"},"mode":"to-exchange"`
+	for _, c := range []struct {
+		body string
+		code int
+		want string
+	}{
+		{`{` + f + `}`, 400, "too many"},
+		{`{` + f + `,"allow_all":true}`, 400, "expected_count"},
+		{`{` + f + `,"allow_all":true,"expected_count":14}`, 409, "15 matched, 14 expected"},
+		{`{` + f + `,"dry_run":true}`, 200, `"matched": 15`},
+		{`{"filter":{"message_id":"b-3"},"mode":"to-exchange","dry_run":true}`, 200, `"matched": 1`},
+	} {
+		if code, b := post(c.body); code != c.code || !strings.Contains(b, c.want) {
+			t.Errorf("%s: %d %s, want %d with %q", c.body, code, b, c.code, c.want)
+		}
 	}
 }

@@ -612,14 +612,25 @@ func cmdResend(e *env) int {
 		opts.Mode, opts.Queue = audit.ResendToQueue, e.o.targetQueue
 	}
 	f := e.f
-	if !e.o.dryRun && !e.o.yes {
-		// Without --yes: see first; go ahead only for a single message,
-		// narrowed to that message so a newer match cannot slip in.
+	if !e.o.dryRun {
+		// See first. Without --yes, go ahead only for a single message,
+		// narrowed to that message so a newer match cannot slip in. With
+		// --yes, send what the dry run saw: AllowAll (breadth, judged by
+		// the result, is confirmed) and the dry run's count as
+		// ExpectedCount (a changed result stops before sending).
 		dry := opts
 		dry.DryRun = true
 		rep, err := r.Resend(e.ctx, f, dry)
 		if err != nil {
 			return resendFailed(e, rep, err)
+		}
+		if e.o.yes {
+			opts.AllowAll, opts.ExpectedCount = true, rep.Matched
+			if rep.Matched == 0 {
+				return reportResend(e, rep, nil)
+			}
+			rep, err = r.Resend(e.ctx, f, opts)
+			return reportResend(e, rep, err)
 		}
 		var ids []string
 		for _, res := range rep.Results {
