@@ -24,8 +24,13 @@
 // cursor of the previous page). An unknown parameter or a bad value is a
 // 400 with {"error": "..."} naming it: a typo never widens a search.
 //
-// Message bodies are base64 in the JSON (encoding/json's form of []byte);
-// durations are integer nanoseconds (audit.Attempt's *_ns fields).
+// Search results carry no message bodies ("body": null; body_size and
+// body_truncated say what there is): GET /v1/messages/{id} has the body,
+// base64 in the JSON (encoding/json's form of []byte). The search response
+// is streamed, message by message, so its memory stays bounded whatever
+// limit= and the bodies' size (with pgstore: one chunk of 100 messages'
+// headers and attempts). Durations are integer nanoseconds
+// (audit.Attempt's *_ns fields).
 //
 // POST /v1/resend takes {"filter": audit.Filter, "mode": "to-queue" |
 // "to-exchange", "queue": "...", "dry_run": true, "limit": n, "allow_all":
@@ -76,7 +81,8 @@ const DefaultResendTimeout = 5 * time.Minute
 const maxBodyBytes = 1 << 20
 
 // Store is what the API reads: an audit.Store that pages and finds one
-// message. Implemented by *pgstore.Store.
+// message. Implemented by *pgstore.Store, whose SearchEach (used when the
+// Store has it) streams search results without loading bodies.
 type Store interface {
 	audit.Store
 	// SearchPage is Search that also returns the cursor of the next page
@@ -219,28 +225,95 @@ func invalidFilterText(err error) string {
 	return msg
 }
 
-// SearchResponse is the body of GET /v1/messages.
+// SearchResponse is the body of GET /v1/messages (its Arrival bodies are
+// null).
 type SearchResponse struct {
 	Messages []audit.Message `json:"messages"`
 	// Next is the after= cursor of the next page, "" on the last page.
 	Next string `json:"next,omitempty"`
 }
 
+// eachStore is the optional Store capability search streams with
+// (pgstore.Store.SearchEach): messages one by one, without bodies.
+type eachStore interface {
+	SearchEach(ctx context.Context, f audit.Filter, fn func(audit.Message) error) (string, error)
+}
+
+// search streams the page: each message is encoded and written as the
+// store hands it over, without its body (Arrival.Body null: GET
+// /v1/messages/{id} has it), so memory stays bounded whatever limit= and
+// the bodies' size. An error before the first message is a 400/500; one
+// after it aborts the response (the client sees it cut, never a page that
+// looks complete) and is logged.
 func (a *api) search(w http.ResponseWriter, r *http.Request) {
 	f, err := ParseFilter(r.URL.Query())
 	if err != nil {
 		writeError(w, http.StatusBadRequest, err.Error())
 		return
 	}
-	msgs, next, err := a.cfg.Store.SearchPage(r.Context(), f)
-	if err != nil {
+	each := func(ctx context.Context, f audit.Filter, fn func(audit.Message) error) (string, error) {
+		if s, ok := a.cfg.Store.(eachStore); ok {
+			return s.SearchEach(ctx, f, fn)
+		}
+		msgs, next, err := a.cfg.Store.SearchPage(ctx, f)
+		if err != nil {
+			return "", err
+		}
+		for _, m := range msgs {
+			if err := fn(m); err != nil {
+				return "", err
+			}
+		}
+		return next, nil
+	}
+	started := false
+	start := func() {
+		started = true
+		w.Header().Set("Content-Type", "application/json")
+		w.Header().Set("Cache-Control", "no-store")
+		w.WriteHeader(http.StatusOK)
+		_, _ = io.WriteString(w, `{"messages": [`)
+	}
+	var writeErr error
+	next, err := each(r.Context(), f, func(m audit.Message) error {
+		sep := ",\n  "
+		if !started {
+			start()
+			sep = "\n  "
+		}
+		if m.Arrival != nil && m.Arrival.Body != nil {
+			arr := *m.Arrival // a store without SearchEach: leave its body out
+			arr.Body = nil
+			m.Arrival = &arr
+		}
+		b, err := json.Marshal(m)
+		if err != nil {
+			return err
+		}
+		if _, writeErr = io.WriteString(w, sep); writeErr == nil {
+			_, writeErr = w.Write(b)
+		}
+		return writeErr
+	})
+	switch {
+	case err != nil && !started:
 		a.storeError(w, "search", err)
 		return
+	case err != nil:
+		if writeErr == nil { // the client's going away is not worth a log line
+			a.cfg.Logger.Error("audit API: search (response cut)", err, nil)
+		}
+		panic(http.ErrAbortHandler)
 	}
-	if msgs == nil {
-		msgs = []audit.Message{}
+	if !started {
+		start()
 	}
-	writeJSON(w, http.StatusOK, SearchResponse{Messages: msgs, Next: next})
+	tail := "\n]"
+	if next != "" {
+		nb, _ := json.Marshal(next)
+		tail += `, "next": ` + string(nb)
+	}
+	_, _ = io.WriteString(w, tail+"}\n")
 }
 
 func (a *api) get(w http.ResponseWriter, r *http.Request) {

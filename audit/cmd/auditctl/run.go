@@ -477,12 +477,14 @@ func cmdSearch(e *env) int {
 		return fail(e.stderr, err)
 	}
 	defer st.Close()
-	msgs, next, err := st.SearchPage(e.ctx, e.f)
+	// Listings carry no bodies (show has them): SearchEach reads none.
+	msgs := []audit.Message{}
+	next, err := st.SearchEach(e.ctx, e.f, func(m audit.Message) error {
+		msgs = append(msgs, m)
+		return nil
+	})
 	if err != nil {
 		return fail(e.stderr, err)
-	}
-	if msgs == nil {
-		msgs = []audit.Message{}
 	}
 	if e.o.json {
 		return jsonOut(e, httpapi.SearchResponse{Messages: msgs, Next: next}, exitOK)
