@@ -49,3 +49,21 @@ func TestURIAndError(t *testing.T) {
 		t.Error("Error(nil) != nil")
 	}
 }
+
+func TestWriterAndCommandLine(t *testing.T) {
+	t.Setenv("REDACT_TEST_DSN", "host=h password="+pw+"2 user=u")
+	conns := CommandLine([]string{"--uri", "amqp://g:" + pw + "@h/", "--dsn=password=" + pw + "3", "list"}, "REDACT_TEST_DSN", "REDACT_TEST_UNSET")
+	if len(conns) != 3 {
+		t.Fatalf("CommandLine = %q", conns)
+	}
+	var b strings.Builder
+	w := Writer(&b, conns...)
+	for _, s := range []string{"a " + pw + " b\n", "dsn " + pw + "2\n", "x=" + pw + "3\n"} {
+		if n, err := fmt.Fprint(w, s); err != nil || n != len(s) {
+			t.Fatalf("Write = %d, %v", n, err)
+		}
+	}
+	if strings.Contains(b.String(), pw) || strings.Count(b.String(), Mask) != 3 {
+		t.Errorf("Writer wrote %q", b.String())
+	}
+}
