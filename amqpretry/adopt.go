@@ -16,6 +16,8 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/rabbitretry/rabbitretry/internal/redact"
 )
 
 // AdoptQueue makes the library adopt an originating queue Q that exists
@@ -288,7 +290,7 @@ func newAdopter(cfg *AdoptQueue, topo *Topology, uri string) (*adopter, error) {
 	}
 	u, err := amqp.ParseURI(uri)
 	if err != nil {
-		return nil, fmt.Errorf("amqpretry: adopting queues: %w", err)
+		return nil, fmt.Errorf("amqpretry: adopting queues: %w", redact.Error(err, uri))
 	}
 	a.vhost = u.Vhost
 	if a.cfg.ManagementURL != "" {

@@ -15,6 +15,8 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitretry/rabbitretry/middleware"
+
+	"github.com/rabbitretry/rabbitretry/internal/redact"
 )
 
 // Roles of a queue in a TopologyReport (QueueState.Role).
@@ -396,7 +398,7 @@ func (r *Retry) vhost() (string, error) {
 	}
 	u, err := amqp.ParseURI(c.AmqpURI)
 	if err != nil {
-		return "", fmt.Errorf("amqpretry: the subscriber's AMQP URI: %w", err)
+		return "", fmt.Errorf("amqpretry: the subscriber's AMQP URI: %w", redact.Error(err, c.AmqpURI))
 	}
 	return u.Vhost, nil
 }

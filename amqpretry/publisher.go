@@ -18,6 +18,8 @@ import (
 	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v2/pkg/amqp"
 	"github.com/cenkalti/backoff/v4"
 	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/rabbitretry/rabbitretry/internal/redact"
 )
 
 // PublishIDHeader is the AMQP header that ConfirmPublisher adds to every
@@ -244,7 +246,7 @@ func (c PublisherConfig) Validate() error {
 			return errors.New("amqpretry: PublisherConfig.URI is required when Dial is nil")
 		}
 		if _, err := amqp.ParseURI(c.URI); err != nil {
-			return fmt.Errorf("amqpretry: PublisherConfig.URI is invalid: %w", err)
+			return fmt.Errorf("amqpretry: PublisherConfig.URI is invalid: %w", redact.Error(err, c.URI))
 		}
 	} else if c.AmqpConfig != nil {
 		return errors.New("amqpretry: PublisherConfig.AmqpConfig is not used with Dial; set one of them")
@@ -506,7 +508,8 @@ func (p *ConfirmPublisher) dial() (*amqp.Connection, error) {
 		}
 		return &deadlineConn{Conn: c, timeout: writeTimeout}, nil
 	}
-	return amqp.DialConfig(p.cfg.URI, ac)
+	conn, err := amqp.DialConfig(p.cfg.URI, ac)
+	return conn, redact.Error(err, p.cfg.URI)
 }
 
 // ioTimeout bounds socket writes and channel.open: ConfirmTimeout, at

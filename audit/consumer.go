@@ -20,6 +20,8 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitretry/rabbitretry/amqpretry"
+
+	"github.com/rabbitretry/rabbitretry/internal/redact"
 )
 
 // Consumer defaults.
@@ -169,7 +171,7 @@ func (c ConsumerConfig) Validate() error {
 		return errors.New("audit: ConsumerConfig.URI is empty")
 	}
 	if _, err := amqp.ParseURI(c.URI); err != nil {
-		return fmt.Errorf("audit: ConsumerConfig.URI is invalid: %w", err)
+		return fmt.Errorf("audit: ConsumerConfig.URI is invalid: %w", redact.Error(err, c.URI))
 	}
 	if c.Store == nil {
 		return errors.New("audit: ConsumerConfig.Store is nil")
@@ -304,7 +306,8 @@ func (c *Consumer) dial() (*amqp.Connection, error) {
 	}
 	props.SetClientConnectionName(c.cfg.ConnectionName)
 	cfg.Properties = props
-	return amqp.DialConfig(c.cfg.URI, cfg)
+	conn, err := amqp.DialConfig(c.cfg.URI, cfg)
+	return conn, redact.Error(err, c.cfg.URI)
 }
 
 // Declare connects, checks that every audited exchange exists

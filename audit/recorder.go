@@ -16,6 +16,8 @@ import (
 
 	"github.com/rabbitretry/rabbitretry/amqpretry"
 	"github.com/rabbitretry/rabbitretry/middleware"
+
+	"github.com/rabbitretry/rabbitretry/internal/redact"
 )
 
 // Recorder defaults.
@@ -137,7 +139,7 @@ func (c RecorderConfig) Validate() error {
 	}
 	if c.Publisher == nil {
 		if _, err := amqp.ParseURI(c.URI); err != nil {
-			return fmt.Errorf("audit: RecorderConfig.URI is invalid: %w", err)
+			return fmt.Errorf("audit: RecorderConfig.URI is invalid: %w", redact.Error(err, c.URI))
 		}
 	}
 	if c.Buffer < 1 {

@@ -20,6 +20,8 @@ import (
 
 	"github.com/rabbitretry/rabbitretry/amqpretry"
 	"github.com/rabbitretry/rabbitretry/middleware"
+
+	"github.com/rabbitretry/rabbitretry/internal/redact"
 )
 
 // DefaultLoopBackExchange is the default ResenderConfig.LoopBackExchange,
@@ -42,6 +44,10 @@ const (
 	DefaultResendLimit = 1000
 	// MaxResendLimit is the largest ResendOptions.Limit.
 	MaxResendLimit = 100000
+	// DefaultResendConfirmAbove is the default
+	// ResenderConfig.ConfirmAbove: a filter that selects more messages
+	// than this needs ResendOptions.AllowAll.
+	DefaultResendConfirmAbove = 10
 )
 
 // resendPageSize is the Search page size Resend reads with.
@@ -78,6 +84,18 @@ var (
 	// ErrEmptyFilter: Resend was given a Filter that selects everything
 	// (no field set except Limit/After) without ResendOptions.AllowAll.
 	ErrEmptyFilter = errors.New("audit: resend: the filter selects every message; narrow it or set ResendOptions.AllowAll")
+	// ErrBroadResend: the filter's result is broad, judged by the store's
+	// answer whatever fields are set: it selects more than
+	// ResenderConfig.ConfirmAbove messages (counting past Limit and
+	// After: chunks do not hide breadth), or every message the store
+	// holds (a time range from 1970 does), and ResendOptions.AllowAll is
+	// false. Nothing was sent; the report's Matched says how many this
+	// call would have considered.
+	ErrBroadResend = errors.New("audit: resend: the filter selects too many messages")
+	// ErrCountMismatch: ResendOptions.ExpectedCount is set and differs
+	// from the messages matched (the store changed since the dry run the
+	// count came from). Nothing was sent.
+	ErrCountMismatch = errors.New("audit: resend: the matched count is not the expected count")
 	// ErrExchangeNotFound: the loop-back exchange (ResendToQueue) does not
 	// exist on the broker; nothing was published.
 	ErrExchangeNotFound = errors.New("audit: resend: exchange not found")
@@ -109,9 +127,16 @@ type ResenderConfig struct {
 	ConnectionName string
 	// Logger gets connection events. Default watermill.NopLogger{}.
 	Logger watermill.LoggerAdapter
+	// ConfirmAbove is how many messages a filter may select before a
+	// resend needs ResendOptions.AllowAll (ErrBroadResend). Default
+	// DefaultResendConfirmAbove (10); at most MaxResendLimit.
+	ConfirmAbove int
 }
 
 func (c *ResenderConfig) setDefaults() {
+	if c.ConfirmAbove == 0 {
+		c.ConfirmAbove = DefaultResendConfirmAbove
+	}
 	if c.LoopBackExchange == "" {
 		c.LoopBackExchange = DefaultLoopBackExchange
 	}
@@ -138,11 +163,13 @@ func (c ResenderConfig) Validate() error {
 		return errors.New("audit: ResenderConfig.Store is required")
 	case c.ConfirmTimeout < 0:
 		return fmt.Errorf("audit: ResenderConfig.ConfirmTimeout %v is negative", c.ConfirmTimeout)
+	case c.ConfirmAbove < 0 || c.ConfirmAbove > MaxResendLimit:
+		return fmt.Errorf("audit: ResenderConfig.ConfirmAbove %d: want 0 (default %d) to %d", c.ConfirmAbove, DefaultResendConfirmAbove, MaxResendLimit)
 	case len(c.LoopBackExchange) > 255:
 		return errors.New("audit: ResenderConfig.LoopBackExchange is longer than 255 bytes")
 	}
 	if _, err := amqp.ParseURI(c.URI); err != nil {
-		return fmt.Errorf("audit: ResenderConfig.URI: %w", err)
+		return fmt.Errorf("audit: ResenderConfig.URI: %w", redact.Error(err, c.URI))
 	}
 	return nil
 }
@@ -162,8 +189,16 @@ type ResendOptions struct {
 	// MaxResendLimit; Filter.Limit is ignored (Filter.After starts the
 	// walk). ResendReport.Next continues after the last one.
 	Limit int `json:"limit,omitempty"`
-	// AllowAll must be true for a Filter that selects every message.
+	// AllowAll must be true for a Filter that selects every message (no
+	// field set: ErrEmptyFilter) or whose result is broad: more than
+	// ResenderConfig.ConfirmAbove messages, or every message of the store
+	// (ErrBroadResend). Not needed for DryRun.
 	AllowAll bool `json:"allow_all,omitempty"`
+	// ExpectedCount, when positive, is the number of messages this resend
+	// must match (ResendReport.Matched of the dry run the operator
+	// checked): another count stops it before anything is sent
+	// (ErrCountMismatch). Default 0: not checked.
+	ExpectedCount int `json:"expected_count,omitempty"`
 }
 
 // Status of one message in a ResendReport.
@@ -292,6 +327,8 @@ func (o ResendOptions) Validate() error {
 		return errors.New("audit: ResendOptions.Queue is longer than 255 bytes")
 	case o.Limit < 0 || o.Limit > MaxResendLimit:
 		return fmt.Errorf("audit: ResendOptions.Limit %d: want 0..%d", o.Limit, MaxResendLimit)
+	case o.ExpectedCount < 0 || o.ExpectedCount > MaxResendLimit:
+		return fmt.Errorf("audit: ResendOptions.ExpectedCount %d: want 0..%d", o.ExpectedCount, MaxResendLimit)
 	}
 	return nil
 }
@@ -332,7 +369,14 @@ type pager interface {
 // (ResendToQueue) without a queue are skipped with the reason.
 //
 // Resend refuses a filter that selects everything (ErrEmptyFilter) unless
-// opts.AllowAll. DryRun reports what would be sent without connecting.
+// opts.AllowAll. Breadth is also judged by the result, whatever fields the
+// filter sets (a time range from 1970 selects everything): a filter that
+// selects more than ResenderConfig.ConfirmAbove messages (10 by default),
+// or every message of the store, is refused with ErrBroadResend unless
+// opts.AllowAll; opts.ExpectedCount, when set, must equal the matched
+// count (ErrCountMismatch). Both are checked before anything is sent.
+// DryRun reports what would be sent without connecting and is never
+// refused for breadth: it tells the count to pass as ExpectedCount.
 //
 // Messages are published oldest first (Limit keeps the newest matches),
 // runs of consecutive messages to the same exchange and routing key
@@ -340,8 +384,9 @@ type pager interface {
 // ConfirmPublisher.PublishRawBatch), so a queue receives them in their
 // original order.
 //
-// Errors (with the partial report): ErrEmptyFilter, a ResendOptions
-// Validate error; the Store's; ErrExchangeNotFound (loop-back exchange
+// Errors (with the partial report): ErrEmptyFilter, ErrBroadResend,
+// ErrCountMismatch (Matched set, nothing sent), a ResendOptions Validate
+// error; the Store's; ErrExchangeNotFound (loop-back exchange
 // missing, nothing sent); a connection, confirm-timeout or channel error
 // (amqpretry.ErrConfirmTimeout, ErrChannelClosed, ...), which stops Resend
 // after the batch in flight: its messages that failed so are reported
@@ -364,6 +409,12 @@ func (r *Resender) Resend(ctx context.Context, f Filter, opts ResendOptions) (Re
 		return rep, err
 	}
 	rep.Next = next
+	rep.Matched = len(msgs)
+	if !opts.DryRun {
+		if err := r.checkBreadth(ctx, f, len(msgs), opts); err != nil {
+			return rep, err
+		}
+	}
 
 	var pub *amqpretry.ConfirmPublisher
 	if !opts.DryRun {
@@ -448,6 +499,43 @@ func (r *Resender) Resend(ctx context.Context, f Filter, opts ResendOptions) (Re
 		i = j
 	}
 	return rep, nil
+}
+
+// checkBreadth refuses a resend whose result is broad without
+// opts.AllowAll (ErrBroadResend) and one whose matched count is not
+// opts.ExpectedCount (ErrCountMismatch). Breadth is the store's answer:
+// the filter's matches from the start (After and Limit cleared), counted
+// up to ConfirmAbove+1, and, when that many or fewer, compared with the
+// store's first messages: the same number means the filter selects every
+// message. A filter naming a message id is never "every message".
+func (r *Resender) checkBreadth(ctx context.Context, f Filter, matched int, opts ResendOptions) error {
+	if opts.ExpectedCount > 0 && matched != opts.ExpectedCount {
+		return fmt.Errorf("%w: %d matched, %d expected; nothing was sent", ErrCountMismatch, matched, opts.ExpectedCount)
+	}
+	if opts.AllowAll || matched == 0 {
+		return nil
+	}
+	above := r.cfg.ConfirmAbove
+	whole := f
+	whole.After, whole.Limit = "", above+1
+	sel, err := r.cfg.Store.Search(ctx, whole)
+	if err != nil {
+		return fmt.Errorf("audit: resend: search: %w", err)
+	}
+	if len(sel) > above {
+		return fmt.Errorf("%w: more than %d messages match (ResenderConfig.ConfirmAbove); nothing was sent: set ResendOptions.AllowAll (auditctl --yes, HTTP allow_all with expected_count) or narrow the filter", ErrBroadResend, above)
+	}
+	if f.MessageID != "" {
+		return nil
+	}
+	all, err := r.cfg.Store.Search(ctx, Filter{Limit: len(sel) + 1})
+	if err != nil {
+		return fmt.Errorf("audit: resend: search: %w", err)
+	}
+	if len(all) <= len(sel) {
+		return fmt.Errorf("%w: the filter selects every message of the audit (%d); nothing was sent: set ResendOptions.AllowAll (auditctl --yes, HTTP allow_all with expected_count) or narrow the filter", ErrBroadResend, len(sel))
+	}
+	return nil
 }
 
 // stopped marks the sendable messages from index from on as not tried.

@@ -24,13 +24,23 @@
 // cursor of the previous page). An unknown parameter or a bad value is a
 // 400 with {"error": "..."} naming it: a typo never widens a search.
 //
-// Message bodies are base64 in the JSON (encoding/json's form of []byte);
-// durations are integer nanoseconds (audit.Attempt's *_ns fields).
+// Search results carry no message bodies ("body": null; body_size and
+// body_truncated say what there is): GET /v1/messages/{id} has the body,
+// base64 in the JSON (encoding/json's form of []byte). The search response
+// is streamed, message by message, so its memory stays bounded whatever
+// limit= and the bodies' size (with pgstore: one chunk of 100 messages'
+// headers and attempts). Durations are integer nanoseconds
+// (audit.Attempt's *_ns fields).
 //
 // POST /v1/resend takes {"filter": audit.Filter, "mode": "to-queue" |
 // "to-exchange", "queue": "...", "dry_run": true, "limit": n, "allow_all":
-// false} (unknown fields are a 400) and runs audit.Resender.Resend, which
-// refuses an empty filter without allow_all. One resend runs at a time (a
+// false, "expected_count": n} (unknown fields are a 400) and runs
+// audit.Resender.Resend, which refuses, with a 400 and nothing sent, an
+// empty filter or a broad result (more than the Resender's ConfirmAbove
+// messages, 10 by default, or every message of the audit, whatever fields
+// the filter sets) without allow_all. allow_all (unless dry_run) needs
+// expected_count, the "matched" of a dry run of the same request: a
+// different count is a 409 and nothing is sent. One resend runs at a time (a
 // second request meanwhile gets 409 Conflict). A resend that started runs to
 // its end even if the client goes away (bounded by Config.ResendTimeout),
 // and is logged with its totals.
@@ -71,7 +81,8 @@ const DefaultResendTimeout = 5 * time.Minute
 const maxBodyBytes = 1 << 20
 
 // Store is what the API reads: an audit.Store that pages and finds one
-// message. Implemented by *pgstore.Store.
+// message. Implemented by *pgstore.Store, whose SearchEach (used when the
+// Store has it) streams search results without loading bodies.
 type Store interface {
 	audit.Store
 	// SearchPage is Search that also returns the cursor of the next page
@@ -191,40 +202,129 @@ func writeError(w http.ResponseWriter, code int, msg string) {
 	writeJSON(w, code, errorBody{Error: msg})
 }
 
-func (a *api) internal(w http.ResponseWriter, what string, err error) {
+// storeError answers a Store error: a 400 with the error's own text for
+// one wrapping audit.ErrInvalidFilter (the request's mistake); else a 500
+// that says only what failed, the error (the database's text) going to the
+// log alone.
+func (a *api) storeError(w http.ResponseWriter, what string, err error) {
+	if errors.Is(err, audit.ErrInvalidFilter) {
+		writeError(w, http.StatusBadRequest, invalidFilterText(err))
+		return
+	}
 	a.cfg.Logger.Error("audit API: "+what, err, nil)
-	writeError(w, http.StatusInternalServerError, what+": "+err.Error())
+	writeError(w, http.StatusInternalServerError, what+" failed: internal error (the server log has the details)")
 }
 
-// SearchResponse is the body of GET /v1/messages.
+// invalidFilterText is an ErrInvalidFilter error's text from "invalid
+// filter: " on (without the store's prefixes).
+func invalidFilterText(err error) string {
+	msg := err.Error()
+	if i := strings.Index(msg, "invalid filter: "); i >= 0 {
+		return msg[i:]
+	}
+	return msg
+}
+
+// SearchResponse is the body of GET /v1/messages (its Arrival bodies are
+// null).
 type SearchResponse struct {
 	Messages []audit.Message `json:"messages"`
 	// Next is the after= cursor of the next page, "" on the last page.
 	Next string `json:"next,omitempty"`
 }
 
+// eachStore is the optional Store capability search streams with
+// (pgstore.Store.SearchEach): messages one by one, without bodies.
+type eachStore interface {
+	SearchEach(ctx context.Context, f audit.Filter, fn func(audit.Message) error) (string, error)
+}
+
+// search streams the page: each message is encoded and written as the
+// store hands it over, without its body (Arrival.Body null: GET
+// /v1/messages/{id} has it), so memory stays bounded whatever limit= and
+// the bodies' size. An error before the first message is a 400/500; one
+// after it aborts the response (the client sees it cut, never a page that
+// looks complete) and is logged.
 func (a *api) search(w http.ResponseWriter, r *http.Request) {
 	f, err := ParseFilter(r.URL.Query())
 	if err != nil {
 		writeError(w, http.StatusBadRequest, err.Error())
 		return
 	}
-	msgs, next, err := a.cfg.Store.SearchPage(r.Context(), f)
-	if err != nil {
-		a.internal(w, "search", err)
+	each := func(ctx context.Context, f audit.Filter, fn func(audit.Message) error) (string, error) {
+		if s, ok := a.cfg.Store.(eachStore); ok {
+			return s.SearchEach(ctx, f, fn)
+		}
+		msgs, next, err := a.cfg.Store.SearchPage(ctx, f)
+		if err != nil {
+			return "", err
+		}
+		for _, m := range msgs {
+			if err := fn(m); err != nil {
+				return "", err
+			}
+		}
+		return next, nil
+	}
+	started := false
+	start := func() {
+		started = true
+		w.Header().Set("Content-Type", "application/json")
+		w.Header().Set("Cache-Control", "no-store")
+		w.WriteHeader(http.StatusOK)
+		_, _ = io.WriteString(w, `{"messages": [`)
+	}
+	var writeErr error
+	next, err := each(r.Context(), f, func(m audit.Message) error {
+		sep := ",\n  "
+		if !started {
+			start()
+			sep = "\n  "
+		}
+		if m.Arrival != nil && m.Arrival.Body != nil {
+			arr := *m.Arrival // a store without SearchEach: leave its body out
+			arr.Body = nil
+			m.Arrival = &arr
+		}
+		b, err := json.Marshal(m)
+		if err != nil {
+			return err
+		}
+		if _, writeErr = io.WriteString(w, sep); writeErr == nil {
+			_, writeErr = w.Write(b)
+		}
+		return writeErr
+	})
+	switch {
+	case err != nil && !started:
+		a.storeError(w, "search", err)
 		return
+	case err != nil:
+		if writeErr == nil { // the client's going away is not worth a log line
+			a.cfg.Logger.Error("audit API: search (response cut)", err, nil)
+		}
+		panic(http.ErrAbortHandler)
 	}
-	if msgs == nil {
-		msgs = []audit.Message{}
+	if !started {
+		start()
 	}
-	writeJSON(w, http.StatusOK, SearchResponse{Messages: msgs, Next: next})
+	tail := "\n]"
+	if next != "" {
+		nb, _ := json.Marshal(next)
+		tail += `, "next": ` + string(nb)
+	}
+	_, _ = io.WriteString(w, tail+"}\n")
 }
 
 func (a *api) get(w http.ResponseWriter, r *http.Request) {
 	id := r.PathValue("id")
+	if err := (audit.Filter{MessageID: id}).Validate(); err != nil {
+		writeError(w, http.StatusBadRequest, invalidFilterText(err))
+		return
+	}
 	m, ok, err := a.cfg.Store.Get(r.Context(), id)
 	if err != nil {
-		a.internal(w, "get", err)
+		a.storeError(w, "get", err)
 		return
 	}
 	if !ok {
@@ -237,7 +337,7 @@ func (a *api) get(w http.ResponseWriter, r *http.Request) {
 func (a *api) stats(w http.ResponseWriter, r *http.Request) {
 	s, err := a.cfg.Stats(r.Context())
 	if err != nil {
-		a.internal(w, "stats", err)
+		a.storeError(w, "stats", err)
 		return
 	}
 	writeJSON(w, http.StatusOK, s)
@@ -258,8 +358,14 @@ type ResendRequest struct {
 	DryRun bool `json:"dry_run,omitempty"`
 	// Limit caps the messages (default audit.DefaultResendLimit, 1000).
 	Limit int `json:"limit,omitempty"`
-	// AllowAll must be true for a filter that selects every message.
+	// AllowAll must be true for a filter that selects every message or
+	// more than the Resender's ConfirmAbove (audit.ErrEmptyFilter,
+	// audit.ErrBroadResend: 400). Unless DryRun it needs ExpectedCount.
 	AllowAll bool `json:"allow_all,omitempty"`
+	// ExpectedCount is the "matched" of the dry run the operator checked.
+	// Required (positive) with AllowAll unless DryRun; a resend whose
+	// matched count differs sends nothing (audit.ErrCountMismatch: 409).
+	ExpectedCount int `json:"expected_count,omitempty"`
 }
 
 // ResendErrorResponse is the body of a resend that stopped part-way (500):
@@ -325,9 +431,13 @@ func (a *api) resend(w http.ResponseWriter, r *http.Request) {
 		writeError(w, http.StatusBadRequest, "request body: more than one JSON value")
 		return
 	}
-	opts := audit.ResendOptions{Mode: req.Mode, Queue: req.Queue, DryRun: req.DryRun, Limit: req.Limit, AllowAll: req.AllowAll}
+	opts := audit.ResendOptions{Mode: req.Mode, Queue: req.Queue, DryRun: req.DryRun, Limit: req.Limit, AllowAll: req.AllowAll, ExpectedCount: req.ExpectedCount}
 	if err := opts.Validate(); err != nil {
 		writeError(w, http.StatusBadRequest, err.Error())
+		return
+	}
+	if opts.AllowAll && !opts.DryRun && opts.ExpectedCount == 0 {
+		writeError(w, http.StatusBadRequest, "allow_all needs expected_count: the matched count of a dry run of the same request")
 		return
 	}
 	if err := validateFilter(req.Filter); err != nil {
@@ -356,8 +466,11 @@ func (a *api) resend(w http.ResponseWriter, r *http.Request) {
 	if err != nil {
 		a.cfg.Logger.Error("audit API: resend", err, fields)
 		code := http.StatusInternalServerError
-		if errors.Is(err, audit.ErrEmptyFilter) {
+		switch {
+		case errors.Is(err, audit.ErrEmptyFilter) || errors.Is(err, audit.ErrInvalidFilter) || errors.Is(err, audit.ErrBroadResend):
 			code = http.StatusBadRequest
+		case errors.Is(err, audit.ErrCountMismatch):
+			code = http.StatusConflict
 		}
 		writeJSON(w, code, ResendErrorResponse{Error: err.Error(), Report: rep})
 		return
@@ -378,6 +491,9 @@ func validateFilter(f audit.Filter) error {
 		if _, err := ParseOutcome(string(o)); err != nil {
 			return err
 		}
+	}
+	if err := f.Validate(); err != nil {
+		return errors.New(invalidFilterText(err))
 	}
 	return nil
 }

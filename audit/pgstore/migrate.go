@@ -3,6 +3,7 @@ package pgstore
 import (
 	"context"
 	"embed"
+	"errors"
 	"fmt"
 	"io/fs"
 	"sort"
@@ -31,6 +32,12 @@ type Migration struct {
 // applied migrations: (version integer primary key, name text, applied_at
 // timestamptz).
 const MigrationsTable = "rabbitretry_audit_schema_migrations"
+
+// ErrSchemaTooNew is wrapped by the error of Migrate and New when the
+// schema has a migration this binary does not know (a newer release
+// migrated it): the binary would read and write tables it does not
+// understand. Run the newer release, or a binary at least as new.
+var ErrSchemaTooNew = errors.New("pgstore: the schema is newer than this binary")
 
 // Migrations returns the embedded migrations in version order.
 func Migrations() ([]Migration, error) {
@@ -75,8 +82,10 @@ func Migrations() ([]Migration, error) {
 // each migration exactly once (the others wait, then see it applied).
 // It returns the versions it applied (none when the schema was current).
 //
-// Errors: an invalid schema name; a failed migration (its transaction is
-// rolled back, earlier ones stay applied; the error names the file).
+// Errors: an invalid schema name; ErrSchemaTooNew (the schema has a
+// migration newer than the last embedded one; nothing is applied); a
+// failed migration (its transaction is rolled back, earlier ones stay
+// applied; the error names the file).
 //
 // The role needs CREATE on the database (to create the schema) or an
 // existing schema it may create tables in. The pg_trgm extension is
@@ -95,7 +104,23 @@ func Migrate(ctx context.Context, pool *pgxpool.Pool, schema string) ([]int, err
 	if err != nil {
 		return nil, err
 	}
+	if err := checkNotNewer(ctx, pool, schema, migs); err != nil {
+		return nil, err
+	}
 	return migrate(ctx, pool, schema, migs)
+}
+
+// checkNotNewer returns ErrSchemaTooNew (wrapped, naming both versions)
+// if schema has a migration above the last of migs.
+func checkNotNewer(ctx context.Context, pool *pgxpool.Pool, schema string, migs []Migration) error {
+	v, err := SchemaVersion(ctx, pool, schema)
+	if err != nil {
+		return err
+	}
+	if known := migs[len(migs)-1].Version; v > known {
+		return fmt.Errorf("%w: schema %s is at migration %d, this binary knows migrations up to %d", ErrSchemaTooNew, schema, v, known)
+	}
+	return nil
 }
 
 func migrate(ctx context.Context, pool *pgxpool.Pool, schema string, migs []Migration) ([]int, error) {

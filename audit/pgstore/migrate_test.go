@@ -2,6 +2,9 @@ package pgstore
 
 import (
 	"context"
+	"errors"
+	"fmt"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -218,5 +221,33 @@ func TestMigrateUpgradeFrom1(t *testing.T) {
 		if err != nil || !ok || m.Arrival == nil || len(m.Arrival.Body) != 1 || m.Arrival.Body[0] != body {
 			t.Fatalf("Get(%s) after upgrade = %+v %v %v", key, m, ok, err)
 		}
+	}
+}
+
+// A schema some newer binary migrated (a migration this one does not know)
+// is refused by Migrate, New and New with SkipMigrate, naming both
+// versions, and changed by none of them (issue 19 item 13).
+func TestSchemaNewerThanBinaryRefused(t *testing.T) {
+	pool := testPool(t)
+	schema := testSchema(t, pool)
+	ctx := context.Background()
+	if _, err := Migrate(ctx, pool, schema); err != nil {
+		t.Fatal(err)
+	}
+	migs, _ := Migrations()
+	newer := migs[len(migs)-1].Version + 7
+	if _, err := pool.Exec(ctx, `INSERT INTO `+schema+`.`+MigrationsTable+` (version, name) VALUES ($1, 'from_the_future.sql')`, newer); err != nil {
+		t.Fatal(err)
+	}
+	_, errMigrate := Migrate(ctx, pool, schema)
+	_, errNew := New(ctx, Config{Pool: pool, Schema: schema})
+	_, errSkip := New(ctx, Config{Pool: pool, Schema: schema, SkipMigrate: true})
+	for name, err := range map[string]error{"Migrate": errMigrate, "New": errNew, "New SkipMigrate": errSkip} {
+		if !errors.Is(err, ErrSchemaTooNew) || !strings.Contains(fmt.Sprint(err), strconv.Itoa(newer)) {
+			t.Errorf("%s: %v, want ErrSchemaTooNew naming version %d", name, err, newer)
+		}
+	}
+	if v, err := SchemaVersion(ctx, pool, schema); err != nil || v != newer {
+		t.Errorf("SchemaVersion = %d, %v; want %d, unchanged", v, err, newer)
 	}
 }

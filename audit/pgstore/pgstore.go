@@ -70,6 +70,8 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/rabbitretry/rabbitretry/audit"
+
+	"github.com/rabbitretry/rabbitretry/internal/redact"
 )
 
 // DefaultSchema is the schema used when Config.Schema is empty.
@@ -140,7 +142,7 @@ func (c Config) Validate() error {
 	}
 	if c.DSN != "" {
 		if _, err := pgxpool.ParseConfig(c.DSN); err != nil {
-			return fmt.Errorf("pgstore: Config.DSN: %w", err)
+			return fmt.Errorf("pgstore: Config.DSN: %w", redact.Error(err, c.DSN))
 		}
 	}
 	return validSchema(c.Schema)
@@ -159,7 +161,8 @@ var _ audit.Store = (*Store)(nil)
 // New validates cfg, connects (DSN) and, unless cfg.SkipMigrate, applies
 // the missing migrations (Migrate). Errors: Validate's; the connection's
 // (unreachable server, authentication) within ConnectTimeout; Migrate's;
-// with SkipMigrate, a schema not at the latest migration.
+// with SkipMigrate, a schema not at the latest migration; ErrSchemaTooNew
+// (with or without SkipMigrate) for a schema a newer release migrated.
 func New(ctx context.Context, cfg Config) (*Store, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
@@ -171,7 +174,7 @@ func New(ctx context.Context, cfg Config) (*Store, error) {
 	if s.pool == nil {
 		pool, err := pgxpool.New(cctx, cfg.DSN)
 		if err != nil {
-			return nil, fmt.Errorf("pgstore: connect: %w", err)
+			return nil, fmt.Errorf("pgstore: connect: %w", redact.Error(err, cfg.DSN))
 		}
 		s.pool, s.ownPool = pool, true
 	}
@@ -180,11 +183,14 @@ func New(ctx context.Context, cfg Config) (*Store, error) {
 		return nil, err
 	}
 	if err := s.pool.Ping(cctx); err != nil {
-		return fail(fmt.Errorf("pgstore: connect: %w", err))
+		return fail(fmt.Errorf("pgstore: connect: %w", redact.Error(err, cfg.DSN)))
 	}
 	if cfg.SkipMigrate {
 		migs, err := Migrations()
 		if err != nil {
+			return fail(err)
+		}
+		if err := checkNotNewer(cctx, s.pool, cfg.Schema, migs); err != nil {
 			return fail(err)
 		}
 		v, err := SchemaVersion(cctx, s.pool, cfg.Schema)

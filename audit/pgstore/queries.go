@@ -22,6 +22,7 @@ type queries struct {
 
 	insertArrivals, insertAttempts, upsertMessages string
 	arrivalsOf, attemptsOf                         string
+	arrivalsOfNoBody                               string
 	rebuildMessages                                string
 }
 
@@ -57,6 +58,11 @@ ON CONFLICT (message_id) DO UPDATE SET
 	last_attempt_id = CASE WHEN ` + newer + ` THEN EXCLUDED.last_attempt_id ELSE m.last_attempt_id END,
 	last_outcome    = CASE WHEN ` + newer + ` THEN EXCLUDED.last_outcome    ELSE m.last_outcome    END`)
 	q.arrivalsOf = r.Replace(`SELECT DISTINCT ON (message_key) message_key, ` + arrivalCols + ` FROM {arrivals}
+WHERE message_key = ANY($1) ORDER BY message_key, arrived_at, id`)
+	// The same without the body (NULL), for listings: the body is not even
+	// read from its TOAST table.
+	q.arrivalsOfNoBody = r.Replace(`SELECT DISTINCT ON (message_key) message_key, ` +
+		strings.Replace(arrivalCols, "body, body_size", "NULL::bytea AS body, body_size", 1) + ` FROM {arrivals}
 WHERE message_key = ANY($1) ORDER BY message_key, arrived_at, id`)
 	q.attemptsOf = r.Replace(`SELECT ` + attemptCols + ` FROM {attempts}
 WHERE message_id = ANY($1) ORDER BY message_id, started_at, attempt, id`)

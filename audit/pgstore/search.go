@@ -18,7 +18,8 @@ import (
 
 // Search returns the messages matching f (times in UTC, at microsecond
 // resolution; each message whole, bodies included, so a page of MaxLimit
-// messages holds up to MaxLimit arrival bodies in memory), newest first by
+// messages holds up to MaxLimit arrival bodies in memory: listings use
+// SearchEach, which reads no body), newest first by
 // message time
 // (the first arrival's arrived_at, else the first attempt's started_at;
 // ties by message id, descending), each with its first arrival (nil if
@@ -37,9 +38,10 @@ import (
 // that sort after it are returned, so paging with the last message's
 // cursor returns every message once.
 //
-// Errors: Filter.Limit negative or above MaxLimit, Filter.From not before
-// Filter.To, an After that is not a cursor, Headers JSON cannot encode
-// (each naming the field); the database's.
+// Errors wrapping audit.ErrInvalidFilter (each naming the field):
+// Filter.Limit negative or above MaxLimit, a Filter.Validate error (From
+// not before To, text that is not valid UTF-8 or holds a NUL byte), an
+// After that is not a cursor; Headers JSON cannot encode; the database's.
 func (s *Store) Search(ctx context.Context, f audit.Filter) ([]audit.Message, error) {
 	msgs, _, err := s.SearchPage(ctx, f)
 	return msgs, err
@@ -49,6 +51,51 @@ func (s *Store) Search(ctx context.Context, f audit.Filter) ([]audit.Message, er
 // pass it as Filter.After. It is "" when this page is the last one (fewer
 // than the limit).
 func (s *Store) SearchPage(ctx context.Context, f audit.Filter) ([]audit.Message, string, error) {
+	ids, next, err := s.searchIDs(ctx, f)
+	if err != nil {
+		return nil, "", err
+	}
+	msgs, err := s.load(ctx, ids, true)
+	if err != nil {
+		return nil, "", err
+	}
+	return msgs, next, nil
+}
+
+// eachChunk is how many messages SearchEach loads at a time.
+const eachChunk = 100
+
+// SearchEach is SearchPage for listings: it calls fn with each message
+// matching f, in Search's order, WITHOUT its arrival's body (Arrival.Body
+// nil; BodySize and BodyTruncated kept: Get returns the body), loading the
+// messages eachChunk (100) at a time, so memory stays bounded by one chunk
+// of headers and attempts whatever the limit and the bodies' size. It
+// returns SearchPage's next cursor. An error of fn stops it and is
+// returned as is; Search's errors otherwise.
+func (s *Store) SearchEach(ctx context.Context, f audit.Filter, fn func(audit.Message) error) (string, error) {
+	ids, next, err := s.searchIDs(ctx, f)
+	if err != nil {
+		return "", err
+	}
+	for len(ids) > 0 {
+		n := min(eachChunk, len(ids))
+		msgs, err := s.load(ctx, ids[:n], false)
+		if err != nil {
+			return "", err
+		}
+		for _, m := range msgs {
+			if err := fn(m); err != nil {
+				return "", err
+			}
+		}
+		ids = ids[n:]
+	}
+	return next, nil
+}
+
+// searchIDs returns the message ids of the page f selects and the next
+// page's cursor.
+func (s *Store) searchIDs(ctx context.Context, f audit.Filter) ([]string, string, error) {
 	sql, args, limit, err := s.searchSQL(f)
 	if err != nil {
 		return nil, "", err
@@ -73,22 +120,23 @@ func (s *Store) SearchPage(ctx context.Context, f audit.Filter) ([]audit.Message
 	for i, k := range keys {
 		ids[i] = k.id
 	}
-	msgs, err := s.load(ctx, ids)
-	if err != nil {
-		return nil, "", err
-	}
 	next := ""
 	if len(keys) == limit {
 		last := keys[len(keys)-1]
 		next = encodeCursor(last.t, last.id)
 	}
-	return msgs, next, nil
+	return ids, next, nil
 }
 
 // Get returns the message with this id, with its first arrival and all its
-// attempts; false if the store has no record of it.
+// attempts; false if the store has no record of it. An id that is not
+// valid UTF-8 or holds a NUL byte is an error wrapping
+// audit.ErrInvalidFilter.
 func (s *Store) Get(ctx context.Context, messageID string) (audit.Message, bool, error) {
-	msgs, err := s.load(ctx, []string{messageID})
+	if err := (audit.Filter{MessageID: messageID}).Validate(); err != nil {
+		return audit.Message{}, false, fmt.Errorf("pgstore: %w", err)
+	}
+	msgs, err := s.load(ctx, []string{messageID}, true)
 	if err != nil {
 		return audit.Message{}, false, err
 	}
@@ -96,8 +144,9 @@ func (s *Store) Get(ctx context.Context, messageID string) (audit.Message, bool,
 	return m, m.Arrival != nil || len(m.Attempts) > 0, nil
 }
 
-// load returns one Message per id, in the order of ids.
-func (s *Store) load(ctx context.Context, ids []string) ([]audit.Message, error) {
+// load returns one Message per id, in the order of ids; without bodies
+// (Arrival.Body nil) unless bodies.
+func (s *Store) load(ctx context.Context, ids []string, bodies bool) ([]audit.Message, error) {
 	out := make([]audit.Message, len(ids))
 	pos := make(map[string]int, len(ids))
 	for i, id := range ids {
@@ -107,7 +156,11 @@ func (s *Store) load(ctx context.Context, ids []string) ([]audit.Message, error)
 	if len(ids) == 0 {
 		return out, nil
 	}
-	rows, err := s.pool.Query(ctx, s.q.arrivalsOf, ids)
+	q := s.q.arrivalsOf
+	if !bodies {
+		q = s.q.arrivalsOfNoBody
+	}
+	rows, err := s.pool.Query(ctx, q, ids)
 	if err != nil {
 		return nil, fmt.Errorf("pgstore: load arrivals: %w", err)
 	}
@@ -116,6 +169,9 @@ func (s *Store) load(ctx context.Context, ids []string) ([]audit.Message, error)
 		return nil, fmt.Errorf("pgstore: load arrivals: %w", err)
 	}
 	for i := range arrs {
+		if !bodies {
+			arrs[i].a.Body = nil
+		}
 		if p, ok := pos[arrs[i].key]; ok {
 			out[p].Arrival = &arrs[i].a
 		}
@@ -219,12 +275,12 @@ func (s *Store) searchSQL(f audit.Filter) (string, []any, int, error) {
 	limit := f.Limit
 	switch {
 	case limit < 0 || limit > MaxLimit:
-		return "", nil, 0, fmt.Errorf("pgstore: Filter.Limit %d: want 0 (default %d) to %d", f.Limit, DefaultLimit, MaxLimit)
+		return "", nil, 0, fmt.Errorf("pgstore: %w: Filter.Limit %d: want 0 (default %d) to %d", audit.ErrInvalidFilter, f.Limit, DefaultLimit, MaxLimit)
 	case limit == 0:
 		limit = DefaultLimit
 	}
-	if !f.From.IsZero() && !f.To.IsZero() && !f.From.Before(f.To) {
-		return "", nil, 0, fmt.Errorf("pgstore: Filter.From %s is not before Filter.To %s", f.From.Format(time.RFC3339Nano), f.To.Format(time.RFC3339Nano))
+	if err := f.Validate(); err != nil {
+		return "", nil, 0, fmt.Errorf("pgstore: %w", err)
 	}
 	var a sqlArgs
 	var conds []string
@@ -302,7 +358,7 @@ func encodeCursor(t time.Time, id string) string {
 
 func decodeCursor(c string) (time.Time, string, error) {
 	bad := func() (time.Time, string, error) {
-		return time.Time{}, "", fmt.Errorf("pgstore: Filter.After %q is not a cursor from this store", c)
+		return time.Time{}, "", fmt.Errorf("pgstore: %w: Filter.After %q is not a cursor from this store", audit.ErrInvalidFilter, strings.ToValidUTF8(strings.ReplaceAll(c, "\x00", `\0`), "?"))
 	}
 	rest, ok := strings.CutPrefix(c, cursorPrefix)
 	if !ok {

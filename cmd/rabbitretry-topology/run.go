@@ -22,6 +22,8 @@ import (
 	"github.com/rabbitretry/rabbitretry/amqpretry"
 	"github.com/rabbitretry/rabbitretry/internal/cliflags"
 	"github.com/rabbitretry/rabbitretry/middleware"
+
+	"github.com/rabbitretry/rabbitretry/internal/redact"
 )
 
 // Exit codes.
@@ -129,6 +131,9 @@ func (s secrets) fail(stderr io.Writer, err error) int {
 }
 
 func runContext(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	// Every message and usage error goes through stderr: no password of
+	// --uri / --management-url / $AMQP_URI / $RABBITMQ_MANAGEMENT_URL in it.
+	stderr = redact.Writer(stderr, redact.CommandLine(args, "AMQP_URI", mgmtEnv)...)
 	o := &options{}
 	fs := flag.NewFlagSet(prog, flag.ContinueOnError)
 	fs.SetOutput(stderr)

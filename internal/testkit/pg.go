@@ -2,13 +2,14 @@ package testkit
 
 import (
 	"context"
-	"net/url"
 	"os"
 	"sync"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+
+	"github.com/rabbitretry/rabbitretry/internal/redact"
 )
 
 // DefaultPGDSN is used when RABBITRETRY_PG_DSN is unset: the database
@@ -56,11 +57,8 @@ func HavePG(t testing.TB) string {
 	return dsn
 }
 
-// RedactPGDSN hides the password of a URL-form DSN for log output.
+// RedactPGDSN hides the password of a DSN (URL or key=value) for log
+// output.
 func RedactPGDSN(dsn string) string {
-	u, err := url.Parse(dsn)
-	if err != nil || u.Scheme == "" {
-		return "<DSN>"
-	}
-	return u.Redacted()
+	return redact.URI(dsn)
 }

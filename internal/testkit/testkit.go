@@ -16,6 +16,8 @@ import (
 	"github.com/cenkalti/backoff/v4"
 
 	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/rabbitretry/rabbitretry/internal/redact"
 )
 
 // DefaultURI is used when AMQP_URI is unset.
@@ -54,12 +56,7 @@ func URI(t testing.TB) string {
 
 // RedactURI hides the password of an AMQP URI for log output.
 func RedactURI(uri string) string {
-	u, err := amqp.ParseURI(uri)
-	if err != nil {
-		return "<invalid AMQP URI>"
-	}
-	u.Password = ""
-	return u.String()
+	return redact.URI(uri)
 }
 
 // UniqueName returns "<prefix>.<test name>.<random hex>", safe as a queue or

@@ -11,6 +11,8 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitretry/rabbitretry/amqpretry"
+
+	"github.com/rabbitretry/rabbitretry/internal/redact"
 )
 
 const (
@@ -66,7 +68,8 @@ func newAdmin(cfg Config, name string) (*Admin, error) {
 		Dial: func() (*amqp.Connection, error) {
 			props := amqp.NewConnectionProperties()
 			props.SetClientConnectionName(name)
-			return amqp.DialConfig(uri, amqp.Config{Dial: amqp.DefaultDial(dialTimeout), Properties: props})
+			conn, err := amqp.DialConfig(uri, amqp.Config{Dial: amqp.DefaultDial(dialTimeout), Properties: props})
+			return conn, redact.Error(err, uri)
 		},
 		Channels: 1,
 		Logger:   cfg.Logger,
@@ -78,16 +81,10 @@ func newAdmin(cfg Config, name string) (*Admin, error) {
 }
 
 // RedactURI returns uri with its password replaced by "xxxxx", for
-// messages and logs; "<invalid AMQP URI>" if it does not parse.
+// messages and logs: net/url's URL.Redacted for a URI that parses, else
+// the text with the password (found as net/url would) masked.
 func RedactURI(uri string) string {
-	u, err := amqp.ParseURI(uri)
-	if err != nil {
-		return "<invalid AMQP URI>"
-	}
-	if u.Password != "" {
-		u.Password = "xxxxx"
-	}
-	return u.String()
+	return redact.URI(uri)
 }
 
 // Close closes the connection, waiting (at most the publisher confirm

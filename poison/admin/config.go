@@ -6,6 +6,8 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/rabbitretry/rabbitretry/internal/redact"
 )
 
 // DefaultLoopBackExchange is the default Config.LoopBackExchange, the name
@@ -55,7 +57,7 @@ func (c Config) Validate() error {
 		return errors.New("poison/admin: Config.URI is required")
 	}
 	if _, err := amqp.ParseURI(c.URI); err != nil {
-		return fmt.Errorf("poison/admin: Config.URI is invalid: %w", err)
+		return fmt.Errorf("poison/admin: Config.URI is invalid: %w", redact.Error(err, c.URI))
 	}
 	if c.LoopBackExchange == "" {
 		return errors.New("poison/admin: Config.LoopBackExchange is empty")

@@ -27,6 +27,8 @@ import (
 	"github.com/rabbitretry/rabbitretry/audit/httpapi"
 	"github.com/rabbitretry/rabbitretry/audit/pgstore"
 	"github.com/rabbitretry/rabbitretry/internal/cliflags"
+
+	"github.com/rabbitretry/rabbitretry/internal/redact"
 )
 
 // Exit codes.
@@ -240,6 +242,9 @@ func fail(stderr io.Writer, err error) int {
 }
 
 func runContext(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	// Every message, usage error and log line goes through stderr: no
+	// password of --uri / --dsn / $AMQP_URI / $RABBITRETRY_PG_DSN in it.
+	stderr = redact.Writer(stderr, redact.CommandLine(args, "AMQP_URI", "RABBITRETRY_PG_DSN")...)
 	o := &options{}
 	name, pos, code, ok := cliflags.Tool{
 		Name: "auditctl", Order: commandOrder, Global: o.globalFlags, PrintUsage: printUsage,
@@ -472,12 +477,14 @@ func cmdSearch(e *env) int {
 		return fail(e.stderr, err)
 	}
 	defer st.Close()
-	msgs, next, err := st.SearchPage(e.ctx, e.f)
+	// Listings carry no bodies (show has them): SearchEach reads none.
+	msgs := []audit.Message{}
+	next, err := st.SearchEach(e.ctx, e.f, func(m audit.Message) error {
+		msgs = append(msgs, m)
+		return nil
+	})
 	if err != nil {
 		return fail(e.stderr, err)
-	}
-	if msgs == nil {
-		msgs = []audit.Message{}
 	}
 	if e.o.json {
 		return jsonOut(e, httpapi.SearchResponse{Messages: msgs, Next: next}, exitOK)
@@ -607,14 +614,25 @@ func cmdResend(e *env) int {
 		opts.Mode, opts.Queue = audit.ResendToQueue, e.o.targetQueue
 	}
 	f := e.f
-	if !e.o.dryRun && !e.o.yes {
-		// Without --yes: see first; go ahead only for a single message,
-		// narrowed to that message so a newer match cannot slip in.
+	if !e.o.dryRun {
+		// See first. Without --yes, go ahead only for a single message,
+		// narrowed to that message so a newer match cannot slip in. With
+		// --yes, send what the dry run saw: AllowAll (breadth, judged by
+		// the result, is confirmed) and the dry run's count as
+		// ExpectedCount (a changed result stops before sending).
 		dry := opts
 		dry.DryRun = true
 		rep, err := r.Resend(e.ctx, f, dry)
 		if err != nil {
 			return resendFailed(e, rep, err)
+		}
+		if e.o.yes {
+			opts.AllowAll, opts.ExpectedCount = true, rep.Matched
+			if rep.Matched == 0 {
+				return reportResend(e, rep, nil)
+			}
+			rep, err = r.Resend(e.ctx, f, opts)
+			return reportResend(e, rep, err)
 		}
 		var ids []string
 		for _, res := range rep.Results {

@@ -21,6 +21,8 @@ import (
 
 	"github.com/rabbitretry/rabbitretry/internal/cliflags"
 	"github.com/rabbitretry/rabbitretry/poison/admin"
+
+	"github.com/rabbitretry/rabbitretry/internal/redact"
 )
 
 // Exit codes.
@@ -160,6 +162,9 @@ func fail(stderr io.Writer, err error) int {
 }
 
 func runContext(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	// Every message and usage error goes through stderr: no password of
+	// --uri / $AMQP_URI in it.
+	stderr = redact.Writer(stderr, redact.CommandLine(args, "AMQP_URI")...)
 	o := &options{}
 	name, pos, code, ok := cliflags.Tool{
 		Name: "poisonctl", Order: commandOrder, Global: o.globalFlags, PrintUsage: printUsage,
