@@ -19,6 +19,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitretry/rabbitretry/amqpretry"
+	"github.com/rabbitretry/rabbitretry/middleware"
 )
 
 // Consumer defaults.
@@ -628,7 +629,7 @@ func truncate(s string, n int) string {
 // deliveryOnlyHeaders describe the audit queue's delivery, not the publish:
 // left out of Arrival.Headers and of its ID (a redelivery must map to the
 // same record).
-var deliveryOnlyHeaders = map[string]bool{"x-delivery-count": true, "x-acquired-count": true}
+var deliveryOnlyHeaders = map[string]bool{middleware.XDeliveryCountKey: true, middleware.XAcquiredCountKey: true}
 
 // arrival converts a delivery of the arrivals queue.
 func (c *Consumer) arrival(d amqp.Delivery) Arrival {
@@ -639,7 +640,7 @@ func (c *Consumer) arrival(d amqp.Delivery) Arrival {
 // Arrival, arrived at now: the message id is the uuidHeader header (else
 // the message-id property); headers become JSON values
 // (amqpretry.HeadersToJSON; a header that cannot be converted is recorded
-// under "rabbitretry-headers-error"), without the queue's x-delivery-count
+// under middleware.HeaderErrorKey, "rabbitretry-header-error"), without the queue's x-delivery-count
 // and x-acquired-count; the body is cut to bodyLimit bytes. ID is the hex
 // SHA-256 over exchange, routing key, message id, timestamp, headers
 // (canonical JSON: keys sorted) and the whole body, so a redelivery gives
@@ -668,7 +669,7 @@ func ArrivalFromDelivery(d amqp.Delivery, uuidHeader string, bodyLimit int, now 
 	}
 	h, err := amqpretry.HeadersToJSON(hdrs)
 	if err != nil {
-		h = map[string]any{"rabbitretry-headers-error": err.Error()}
+		h = map[string]any{middleware.HeaderErrorKey: err.Error()}
 	}
 	if len(h) > 0 {
 		a.Headers = h
