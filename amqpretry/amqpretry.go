@@ -452,11 +452,15 @@ func (r *Retry) Chain() *router.Chain { return r.chain }
 func (r *Retry) SubscriberConfig() wamqp.Config { return r.subscriber }
 
 // NewSubscriber returns a watermill-amqp subscriber on SubscriberConfig,
-// wrapped in a router.DrainingSubscriber so that a graceful router shutdown
-// lets in-flight handlers finish (and their messages be acked, retried or
+// wrapped in a router.DrainingSubscriber so that stopping the router (by
+// cancelling the context of message.Router.Run, or by Router.Close) lets
+// in-flight handlers finish (and their messages be acked, retried or
 // poisoned) before the subscriber closes, instead of watermill-amqp's nack
-// of every in-flight delivery. drainTimeout bounds that wait (0: 20 s); keep
-// it below the router's CloseTimeout. It returns watermill-amqp's error.
+// of every in-flight delivery; an idle router stops at once. drainTimeout
+// bounds that wait (0: 20 s); keep it below the router's CloseTimeout
+// (Watermill's default 30 s). Once Run's context has ended the subscriber
+// closes itself; Close it anyway (it returns the drain's result). It returns
+// watermill-amqp's error.
 func (r *Retry) NewSubscriber(logger watermill.LoggerAdapter, drainTimeout time.Duration) (*router.DrainingSubscriber, error) {
 	sub, err := wamqp.NewSubscriber(r.subscriber, logger)
 	if err != nil {

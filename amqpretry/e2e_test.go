@@ -129,8 +129,8 @@ func TestE2E_PoisonPermanentAndExhausted(t *testing.T) {
 				t.Fatalf("message %s not in poison queue", uuid)
 			}
 			h := func(k string) string { s, _ := d.Headers[k].(string); return s }
-			if h(poison.AttemptsKey) != attempts || h(middleware.ErrorClassKey) != class {
-				t.Errorf("%s: attempts %q class %q, want %s %s", uuid, h(poison.AttemptsKey), h(middleware.ErrorClassKey), attempts, class)
+			if h(middleware.PoisonAttemptsKey) != attempts || h(middleware.ErrorClassKey) != class {
+				t.Errorf("%s: attempts %q class %q, want %s %s", uuid, h(middleware.PoisonAttemptsKey), h(middleware.ErrorClassKey), attempts, class)
 			}
 			if !strings.Contains(h(poison.ReasonKey), reason) {
 				t.Errorf("%s: reason %q does not contain %q", uuid, h(poison.ReasonKey), reason)

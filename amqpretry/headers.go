@@ -17,21 +17,6 @@ import (
 	"github.com/rabbitretry/rabbitretry/middleware"
 )
 
-// Header names set by RabbitMQ itself. None of them may travel on a copy that
-// the library republishes or forwards (see Marshaler.Marshal).
-const (
-	// headerXDeath is the dead-lettering history ("Dead Letter Exchanges").
-	headerXDeath = "x-death"
-	// headerXDeliveryCount is the quorum-queue redelivery counter
-	// ("Quorum Queues", section on poison message handling).
-	headerXDeliveryCount = "x-delivery-count"
-	// prefixXFirstDeath and prefixXLastDeath start the summary headers of the
-	// first and (since RabbitMQ 3.13) latest dead-lettering: -queue, -reason,
-	// -exchange ("Dead Letter Exchanges").
-	prefixXFirstDeath = "x-first-death-"
-	prefixXLastDeath  = "x-last-death-"
-)
-
 // maxFieldDepth bounds how deep headerToString descends into nested tables
 // and arrays. A table decoded from the wire cannot nest deeper than the
 // client library allows; the bound protects against Go values that contain

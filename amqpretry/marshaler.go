@@ -12,7 +12,6 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v2/pkg/amqp"
 	"github.com/ThreeDotsLabs/watermill/message"
-	wmw "github.com/ThreeDotsLabs/watermill/message/router/middleware"
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitretry/rabbitretry/middleware"
@@ -189,13 +188,13 @@ func (m Marshaler) Unmarshal(d amqp.Delivery) (*message.Message, error) {
 	headers := make(amqp.Table, len(d.Headers))
 	for k, v := range d.Headers {
 		switch k {
-		case headerXDeath:
+		case middleware.XDeathKey:
 			if v == nil {
 				continue
 			}
 			recs, err := DeathRecordsFromTable(v)
 			if err != nil {
-				problems = append(problems, headerXDeath+": "+err.Error())
+				problems = append(problems, middleware.XDeathKey+": "+err.Error())
 				continue
 			}
 			if recs == nil {
@@ -203,24 +202,24 @@ func (m Marshaler) Unmarshal(d amqp.Delivery) (*message.Message, error) {
 			}
 			deaths = recs
 			headers[middleware.XDeathKey] = middleware.EncodeXDeath(recs)
-		case headerXDeliveryCount:
+		case middleware.XDeliveryCountKey:
 			n, err := DeliveryCount(v)
 			if err != nil {
 				problems = append(problems, err.Error())
 				continue
 			}
 			headers[middleware.XDeliveryCountKey] = strconv.FormatInt(n, 10)
-		case headerXAcquiredCount:
+		case middleware.XAcquiredCountKey:
 			n, err := acquiredCount(v)
 			if err != nil {
 				problems = append(problems, err.Error())
 				continue
 			}
 			headers[middleware.XAcquiredCountKey] = strconv.FormatInt(n, 10)
-		case PublishIDHeader, middleware.HeaderErrorKey, middleware.DeliveryExchangeKey, middleware.DeliveryRoutingKeyKey,
-			middleware.DeliveryRedeliveredKey, middleware.DeliveryRetryPathKey, TypedHeadersKey:
-			continue
 		default:
+			if droppedOnUnmarshal(k) {
+				continue
+			}
 			s, err := headerToString(v)
 			if err != nil {
 				problems = append(problems, fmt.Sprintf("header %q: %v", truncateForError(k), err))
@@ -248,14 +247,9 @@ func (m Marshaler) Unmarshal(d amqp.Delivery) (*message.Message, error) {
 // keepsType reports whether the header k is a user header whose AMQP type
 // Unmarshal records and Marshal restores (see TypedHeadersKey): not a broker
 // header, not one of the keys the library and Watermill write as strings
-// (prefix "rabbitretry-", Watermill's *_poisoned keys, the UUID header).
+// (middleware.IsRetryState, prefix "rabbitretry-", the UUID header).
 func keepsType(k, uuidKey string) bool {
-	switch k {
-	case uuidKey, headerXDeath, headerXDeliveryCount, headerXAcquiredCount,
-		wmw.ReasonForPoisonedKey, wmw.PoisonedTopicKey, wmw.PoisonedHandlerKey, wmw.PoisonedSubscriberKey:
-		return false
-	}
-	return !strings.HasPrefix(k, "rabbitretry-") && !strings.HasPrefix(k, prefixXFirstDeath) && !strings.HasPrefix(k, prefixXLastDeath)
+	return k != uuidKey && !middleware.IsRetryState(k) && !strings.HasPrefix(k, "rabbitretry-")
 }
 
 // onlyPlainStringHeaders reports whether every header is a string and none
@@ -266,9 +260,13 @@ func onlyPlainStringHeaders(h amqp.Table) bool {
 			return false
 		}
 		switch k {
-		case headerXDeath, headerXDeliveryCount, headerXAcquiredCount, middleware.HeaderErrorKey, middleware.DeliveryExchangeKey, middleware.DeliveryRoutingKeyKey,
-			middleware.DeliveryRedeliveredKey, middleware.DeliveryRetryPathKey, TypedHeadersKey:
+		case middleware.XDeathKey, middleware.XDeliveryCountKey, middleware.XAcquiredCountKey:
 			return false
+		case PublishIDHeader:
+		default:
+			if droppedOnUnmarshal(k) {
+				return false
+			}
 		}
 	}
 	return true
@@ -321,16 +319,29 @@ func (m Marshaler) finishUnmarshal(msg *message.Message, d amqp.Delivery, proble
 }
 
 // isBrokerOwnedOrDeliveryOnly reports whether a header must not travel on a
-// publishing: the broker's dead-lettering and delivery-count headers, and the
-// metadata that describes one delivery or one publish.
+// publishing: the broker's dead-lettering and delivery-count headers and the
+// metadata that describes one delivery (middleware.IsDeliveryOnly), and
+// those of one publish (publishOnly).
 func isBrokerOwnedOrDeliveryOnly(k string) bool {
-	switch k {
-	case headerXDeath, headerXDeliveryCount, headerXAcquiredCount, // == middleware.XDeathKey, XDeliveryCountKey, XAcquiredCountKey
-		middleware.DeliveryExchangeKey, middleware.DeliveryRoutingKeyKey, middleware.DeliveryRedeliveredKey,
-		middleware.DeliveryRetryPathKey, middleware.HeaderErrorKey, PublishIDHeader, TypedHeadersKey:
-		return true
+	return middleware.IsDeliveryOnly(k) || publishOnly(k)
+}
+
+// publishOnly reports whether k belongs to one publish or one Unmarshal of
+// this package: PublishIDHeader (ConfirmPublisher's) and TypedHeadersKey.
+func publishOnly(k string) bool {
+	return k == PublishIDHeader || k == TypedHeadersKey
+}
+
+// droppedOnUnmarshal reports whether Unmarshal drops an incoming header k
+// that it does not convert (x-death, x-delivery-count and x-acquired-count
+// are converted): the delivery-only and publish-only keys, whose values can
+// only come from an earlier publish or a producer, except the broker's
+// x-first-death-* and x-last-death-* strings, which pass through.
+func droppedOnUnmarshal(k string) bool {
+	if strings.HasPrefix(k, middleware.XFirstDeathPrefix) || strings.HasPrefix(k, middleware.XLastDeathPrefix) {
+		return false
 	}
-	return strings.HasPrefix(k, prefixXFirstDeath) || strings.HasPrefix(k, prefixXLastDeath)
+	return isBrokerOwnedOrDeliveryOnly(k)
 }
 
 // Marshal converts a watermill message into an AMQP publishing with Inner,

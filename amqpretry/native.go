@@ -10,11 +10,6 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 )
 
-// headerXAcquiredCount is set by RabbitMQ 4.x quorum queues on a message
-// given back to the queue (any return: nack, reject, channel or connection
-// loss, consumer timeout), counting those returns.
-const headerXAcquiredCount = "x-acquired-count"
-
 // Queue arguments of RabbitMQ 4.3's native delayed retry (quorum queues).
 const (
 	argDelayedRetryType = "x-delayed-retry-type"

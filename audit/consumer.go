@@ -20,8 +20,8 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitretry/rabbitretry/amqpretry"
-
 	"github.com/rabbitretry/rabbitretry/internal/redact"
+	"github.com/rabbitretry/rabbitretry/middleware"
 )
 
 // Consumer defaults.
@@ -844,7 +844,7 @@ func truncate(s string, n int) string {
 // deliveryOnlyHeaders describe the audit queue's delivery, not the publish:
 // left out of Arrival.Headers and of its ID (a redelivery must map to the
 // same record).
-var deliveryOnlyHeaders = map[string]bool{"x-delivery-count": true, "x-acquired-count": true}
+var deliveryOnlyHeaders = map[string]bool{middleware.XDeliveryCountKey: true, middleware.XAcquiredCountKey: true}
 
 // arrival converts a delivery of the arrivals queue.
 func (c *Consumer) arrival(d amqp.Delivery) Arrival {
@@ -862,7 +862,7 @@ const TimestampErrorProperty = "rabbitretry-timestamp-error"
 // is outside years 1-9999 (then zero, and TimestampErrorProperty says
 // why); headers become JSON values
 // (amqpretry.HeadersToJSON; a header that cannot be converted is recorded
-// under "rabbitretry-headers-error"), without the queue's x-delivery-count
+// under middleware.HeaderErrorKey, "rabbitretry-header-error"), without the queue's x-delivery-count
 // and x-acquired-count; the body is cut to bodyLimit bytes. ID is the hex
 // SHA-256 over exchange, routing key, message id, timestamp, headers
 // (canonical JSON: keys sorted) and the whole body, so a redelivery gives
@@ -898,7 +898,7 @@ func ArrivalFromDelivery(d amqp.Delivery, uuidHeader string, bodyLimit int, now 
 	}
 	h, err := amqpretry.HeadersToJSON(hdrs)
 	if err != nil {
-		h = map[string]any{"rabbitretry-headers-error": err.Error()}
+		h = map[string]any{middleware.HeaderErrorKey: err.Error()}
 	}
 	if len(h) > 0 {
 		a.Headers = h

@@ -712,15 +712,12 @@ func skip(res ResendResult, why string) (ResendResult, amqp.Publishing, bool) {
 }
 
 // stripHeader reports whether a header must not be carried to a resent
-// copy: retry state of rabbitretry and of the broker.
+// copy: retry state of rabbitretry and of the broker
+// (middleware.IsRetryState), and every other key of the library's (prefix
+// "rabbitretry-": its failure history, an earlier resend's or replay's
+// marks), so that the copy is the arrival as its producer sent it.
 func stripHeader(k string) bool {
-	switch k {
-	case "x-death", "x-delivery-count", "x-acquired-count",
-		"reason_poisoned", "topic_poisoned", "handler_poisoned", "subscriber_poisoned":
-		return true
-	}
-	return strings.HasPrefix(k, "rabbitretry-") ||
-		strings.HasPrefix(k, "x-first-death-") || strings.HasPrefix(k, "x-last-death-")
+	return middleware.IsRetryState(k) || strings.HasPrefix(k, "rabbitretry-")
 }
 
 // publishing rebuilds the AMQP message of m's arrival.

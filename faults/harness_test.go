@@ -754,8 +754,10 @@ func listConnections(t testing.TB) []brokerConnection {
 		t.Fatal(err)
 	}
 	var rows []struct {
-		PeerPort         int               `json:"peer_port"`
-		ClientProperties []json.RawMessage `json:"client_properties"`
+		PeerPort int `json:"peer_port"`
+		// A list, or the string "none" for a connection still in its
+		// handshake (another test's).
+		ClientProperties json.RawMessage `json:"client_properties"`
 	}
 	if err := json.Unmarshal([]byte(out), &rows); err != nil {
 		t.Fatalf("parsing list_connections: %v\n%s", err, out)
@@ -763,7 +765,9 @@ func listConnections(t testing.TB) []brokerConnection {
 	names := map[int]string{}
 	for _, r := range rows {
 		// client_properties is a list of [key, type, value] triples.
-		for _, raw := range r.ClientProperties {
+		var props []json.RawMessage
+		_ = json.Unmarshal(r.ClientProperties, &props)
+		for _, raw := range props {
 			var triple []any
 			if json.Unmarshal(raw, &triple) == nil && len(triple) == 3 && triple[0] == "connection_name" {
 				names[r.PeerPort], _ = triple[2].(string)

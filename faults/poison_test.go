@@ -11,7 +11,6 @@ import (
 
 	"github.com/rabbitretry/rabbitretry/amqpretry"
 	"github.com/rabbitretry/rabbitretry/middleware"
-	"github.com/rabbitretry/rabbitretry/poison"
 )
 
 // The poison publish fails and cannot be repaired: the poison exchange was
@@ -105,7 +104,7 @@ func TestPoisonPublishFails(t *testing.T) {
 	for _, d := range ds {
 		u := d.Headers[wamqp.DefaultMessageUUIDHeaderKey]
 		class, _ := d.Headers[middleware.ErrorClassKey].(string)
-		attempts, _ := d.Headers[poison.AttemptsKey].(string)
+		attempts, _ := d.Headers[middleware.PoisonAttemptsKey].(string)
 		want := middleware.ClassExhausted
 		if u == perm.UUID {
 			want = middleware.ClassPermanent

@@ -131,7 +131,7 @@ func XDeathSource(queue func(msg *message.Message) string) AttemptSource {
 	if queue == nil {
 		queue = func(msg *message.Message) string { return message.SubscribeTopicFromCtx(msg.Context()) }
 	}
-	return AttemptSource{Name: "x-death", Previous: func(msg *message.Message) (int64, error) {
+	return AttemptSource{Name: XDeathKey, Previous: func(msg *message.Message) (int64, error) {
 		recs, err := ParseXDeath(msg.Metadata[XDeathKey])
 		if err != nil || len(recs) == 0 {
 			return 0, err // the common case: never dead-lettered
@@ -160,7 +160,7 @@ func XDeathSource(queue func(msg *message.Message) string) AttemptSource {
 // default sources, because a requeue is not always a failed attempt; add it
 // when redeliveries should count. Non-numeric or negative: an error.
 func DeliveryCountSource() AttemptSource {
-	return AttemptSource{Name: "x-delivery-count", Previous: func(msg *message.Message) (int64, error) {
+	return AttemptSource{Name: XDeliveryCountKey, Previous: func(msg *message.Message) (int64, error) {
 		v, ok := msg.Metadata[XDeliveryCountKey]
 		if !ok {
 			return 0, nil

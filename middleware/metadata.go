@@ -1,10 +1,21 @@
 package middleware
 
-// Metadata keys written and read by this library: the broker-agnostic ones
-// are all here; the AMQP-specific ones (message properties, typed headers,
-// dropped headers) are in package amqpretry (properties.go, framesize.go),
-// and the poison copy's own in package poison (forwarder.go, with
-// Watermill's PoisonQueue keys). None starts with "x-":
+import (
+	"strings"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	wmw "github.com/ThreeDotsLabs/watermill/message/router/middleware"
+)
+
+// Metadata keys written and read by this library, and the broker's headers
+// it reads: the broker-agnostic ones are all here, each defined once (the
+// poison copy's marks included; the others of Watermill's PoisonQueue are
+// Watermill's own), with the predicates that say which are retry state
+// (IsRetryState) and which describe one delivery (IsDeliveryOnly); the
+// AMQP-specific ones (message properties, typed headers, dropped headers,
+// publish id) are in package amqpretry (properties.go, framesize.go,
+// publisher.go), the delay cascade's in amqpretry/cascade. None of the
+// library's starts with "x-":
 // RabbitMQ treats "x-" headers as its own, and RabbitMQ 4.x no longer
 // interprets x-death on messages a client republishes ("Dead Letter
 // Exchanges"), so the library keeps its own attempt count.
@@ -89,6 +100,22 @@ const (
 	// decimal string. Stripped on Marshal.
 	XDeliveryCountKey = "x-delivery-count"
 
+	// XAcquiredCountKey holds RabbitMQ's x-acquired-count header (quorum
+	// queues, 4.x) as a decimal string: the number of times the queue gave
+	// the message to a consumer and got it back without an ack, whatever the
+	// return (nack, reject, channel or connection loss, consumer crash,
+	// consumer timeout). It describes one delivery and never travels on a
+	// copy (StripDeliveryMetadata).
+	XAcquiredCountKey = "x-acquired-count"
+
+	// XFirstDeathPrefix and XLastDeathPrefix start the broker's summary
+	// headers of the first and (since RabbitMQ 3.13) latest dead-lettering:
+	// x-first-death-queue, -reason, -exchange and x-last-death-queue,
+	// -reason, -exchange ("Dead Letter Exchanges"). Strings; they pass
+	// through Unmarshal as metadata and never travel on a copy.
+	XFirstDeathPrefix = "x-first-death-"
+	XLastDeathPrefix  = "x-last-death-"
+
 	// HeaderErrorKey holds a description of header values the library
 	// ignored because they were malformed (non-numeric, negative, or not
 	// decodable). It is informational; it is stripped from republished copies.
@@ -97,4 +124,86 @@ const (
 	// ReplayedKey is set by the poison tools on a message replayed from a
 	// poison queue: the RFC 3339 time of the replay.
 	ReplayedKey = "rabbitretry-replayed"
+
+	// PoisonAttemptsKey holds, on a poisoned message, how many attempts were
+	// made (decimal). Written by the poison forwarder (package poison).
+	PoisonAttemptsKey = "rabbitretry-attempts"
+
+	// PoisonedAtKey holds, on a poisoned message, the RFC 3339 time (with
+	// nanoseconds, UTC) it was poisoned. Written by the poison forwarder.
+	PoisonedAtKey = "rabbitretry-poisoned-at"
 )
+
+// IsDeliveryOnly reports whether the metadata key (or AMQP header) k
+// describes one delivery and so must never travel on a copy the library
+// publishes (retry copy, RedeliveryGuard copy, fallback copy, poison copy,
+// replay, resend):
+//   - the broker's x-death, x-delivery-count, x-acquired-count and every
+//     x-first-death-* and x-last-death-* header. On RabbitMQ 3.13 a
+//     republished copy that still carries x-death can be dropped by
+//     dead-letter cycle detection; RabbitMQ 4.x ignores a client-set x-death
+//     ("Dead Letter Exchanges"); x-delivery-count and x-acquired-count count
+//     the returns of the consumed delivery, not of the copy ("Quorum Queues",
+//     poison message handling);
+//   - DeliveryExchangeKey, DeliveryRoutingKeyKey, DeliveryRedeliveredKey and
+//     DeliveryRetryPathKey, set from basic.deliver by the amqpretry
+//     Marshaler;
+//   - HeaderErrorKey, the description of this delivery's malformed headers.
+//
+// StripDeliveryMetadata deletes these keys; the amqpretry Marshaler drops
+// them from every publishing.
+func IsDeliveryOnly(k string) bool {
+	switch k {
+	case XDeathKey, XDeliveryCountKey, XAcquiredCountKey,
+		DeliveryExchangeKey, DeliveryRoutingKeyKey, DeliveryRedeliveredKey, DeliveryRetryPathKey,
+		HeaderErrorKey:
+		return true
+	}
+	return strings.HasPrefix(k, XFirstDeathPrefix) || strings.HasPrefix(k, XLastDeathPrefix)
+}
+
+// IsRetryState reports whether the metadata key (or AMQP header) k carries
+// retry state: anything by which the retry chain (AttemptCounter,
+// RedeliveryGuard, Republisher) or the broker counts, or marks, earlier
+// runs of the message. A message replayed from a poison queue
+// (poison/admin.Admin.Replay, poisonctl replay) or resent from the audit
+// (audit.Resender) is published without every such key, so it starts a fresh
+// set of attempts: attempt 1 of MaxAttempts, with the whole MaxRedeliveries
+// allowance. The keys:
+//   - every IsDeliveryOnly key (the broker's x-death, x-delivery-count,
+//     x-acquired-count, x-first-death-*, x-last-death-*; the delivery's
+//     exchange, routing key, redelivered flag and retry path; HeaderErrorKey);
+//   - the chain's counters: AttemptKey, RedeliveriesKey and DelayKey;
+//   - the poison marks: PoisonAttemptsKey, PoisonedAtKey and Watermill's
+//     reason_poisoned, topic_poisoned, handler_poisoned and
+//     subscriber_poisoned (message/router/middleware.PoisonQueue).
+//
+// The failure history (FirstFailureKey, LastFailureKey, LastErrorKey,
+// ErrorClassKey) and the origin (OriginalExchangeKey, OriginalRoutingKeyKey,
+// OriginalQueueKey) are not retry state: a replay keeps them.
+//
+// The chain's own copies (a retry, a RedeliveryGuard copy) drop only the
+// IsDeliveryOnly keys (StripDeliveryMetadata) and carry the counters on.
+func IsRetryState(k string) bool {
+	switch k {
+	case AttemptKey, RedeliveriesKey, DelayKey,
+		PoisonAttemptsKey, PoisonedAtKey,
+		wmw.ReasonForPoisonedKey, wmw.PoisonedTopicKey, wmw.PoisonedHandlerKey, wmw.PoisonedSubscriberKey:
+		return true
+	}
+	return IsDeliveryOnly(k)
+}
+
+// StripDeliveryMetadata deletes from md every key that describes one
+// delivery (IsDeliveryOnly: x-death, x-delivery-count, x-acquired-count,
+// x-first-death-*, x-last-death-*, the delivery exchange, routing key,
+// redelivered flag and retry path, header errors), so that a copy does not
+// carry them. On RabbitMQ 3.13 a republished copy that still carries x-death
+// can be dropped by dead-letter cycle detection ("Dead Letter Exchanges").
+func StripDeliveryMetadata(md message.Metadata) {
+	for k := range md {
+		if IsDeliveryOnly(k) {
+			delete(md, k)
+		}
+	}
+}

@@ -6,14 +6,6 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 )
 
-// XAcquiredCountKey holds RabbitMQ's x-acquired-count header (quorum
-// queues, 4.x) as a decimal string: the number of times the queue gave the
-// message to a consumer and got it back without an ack, whatever the return
-// (nack, reject, channel or connection loss, consumer crash, consumer
-// timeout). It describes one delivery and never travels on a copy
-// (StripDeliveryMetadata).
-const XAcquiredCountKey = "x-acquired-count"
-
 // ErrNativeRetry is returned (possibly wrapped) by a Delayer that leaves the
 // retry to the queue's own delayed retry (RabbitMQ 4.3+ quorum queues,
 // x-delayed-retry-type "all"): the subscriber's nack with requeue puts the
@@ -46,7 +38,7 @@ var ErrNativeRetry = fmt.Errorf("%w (native delayed retry: the queue holds the n
 // Absent: 0. Non-numeric or negative: an error (the counter ignores it).
 // Above MaxAttemptsCap: MaxAttemptsCap.
 func AcquiredCountSource() AttemptSource {
-	return AttemptSource{Name: "x-acquired-count", Previous: func(msg *message.Message) (int64, error) {
+	return AttemptSource{Name: XAcquiredCountKey, Previous: func(msg *message.Message) (int64, error) {
 		if msg.Metadata.Get(DeliveryRedeliveredKey) == "" {
 			return 0, nil
 		}

@@ -459,20 +459,6 @@ func (r *Republisher) onFailure(msg *message.Message, err error) error {
 	return nil
 }
 
-// deliveryOnlyKeys describe one delivery and never travel on a copy.
-var deliveryOnlyKeys = []string{XDeathKey, XDeliveryCountKey, XAcquiredCountKey, DeliveryExchangeKey, DeliveryRoutingKeyKey, DeliveryRedeliveredKey, DeliveryRetryPathKey, HeaderErrorKey}
-
-// StripDeliveryMetadata deletes from md the keys that describe one delivery
-// (x-death, x-delivery-count, x-acquired-count, the delivery exchange and
-// routing key, header errors), so that a copy does not carry them. On RabbitMQ 3.13 a republished
-// copy that still carries x-death can be dropped by dead-letter cycle
-// detection ("Dead Letter Exchanges").
-func StripDeliveryMetadata(md message.Metadata) {
-	for _, k := range deliveryOnlyKeys {
-		delete(md, k)
-	}
-}
-
 // RecordFailure writes the failure metadata shared by retry copies and
 // poisoned messages into md: the first failure time (set once), the last
 // failure time, the error text and class, and where the message came from:

@@ -26,9 +26,13 @@ const (
 	HandlerKey    = wmw.PoisonedHandlerKey    // "handler_poisoned"
 	SubscriberKey = wmw.PoisonedSubscriberKey // "subscriber_poisoned"
 	// AttemptsKey holds how many attempts were made (decimal).
-	AttemptsKey = "rabbitretry-attempts"
+	//
+	// Deprecated: use middleware.PoisonAttemptsKey (the same key).
+	AttemptsKey = middleware.PoisonAttemptsKey
 	// PoisonedAtKey holds the RFC 3339 time the message was poisoned.
-	PoisonedAtKey = "rabbitretry-poisoned-at"
+	//
+	// Deprecated: use middleware.PoisonedAtKey (the same key).
+	PoisonedAtKey = middleware.PoisonedAtKey
 )
 
 // ForwarderConfig configures a Forwarder.
@@ -216,7 +220,7 @@ func (f *Forwarder) poisonCopy(ctx context.Context, msg *message.Message, err er
 	p.Metadata.Set(TopicKey, message.SubscribeTopicFromCtx(ctx))
 	p.Metadata.Set(HandlerKey, message.HandlerNameFromCtx(ctx))
 	p.Metadata.Set(SubscriberKey, message.SubscriberNameFromCtx(ctx))
-	p.Metadata.Set(AttemptsKey, strconv.Itoa(attempt))
-	p.Metadata.Set(PoisonedAtKey, now.UTC().Format(time.RFC3339Nano))
+	p.Metadata.Set(middleware.PoisonAttemptsKey, strconv.Itoa(attempt))
+	p.Metadata.Set(middleware.PoisonedAtKey, now.UTC().Format(time.RFC3339Nano))
 	return p
 }

@@ -172,8 +172,8 @@ func TestForwarderPoisonsPermanentInRouter(t *testing.T) {
 		poison.TopicKey:                  "orders",
 		poison.HandlerKey:                "orders-handler",
 		poison.SubscriberKey:             "gochannel.GoChannel",
-		poison.AttemptsKey:               "2",
-		poison.PoisonedAtKey:             ts,
+		middleware.PoisonAttemptsKey:     "2",
+		middleware.PoisonedAtKey:         ts,
 		middleware.AttemptKey:            "2",
 		middleware.ErrorClassKey:         middleware.ClassPermanent,
 		middleware.FirstFailureKey:       earlier,
@@ -194,7 +194,7 @@ func TestForwarderPoisonsPermanentInRouter(t *testing.T) {
 		}
 	}
 	// The key names are Watermill's own.
-	for k, v := range map[string]string{poison.ReasonKey: "reason_poisoned", poison.TopicKey: "topic_poisoned", poison.HandlerKey: "handler_poisoned", poison.SubscriberKey: "subscriber_poisoned", poison.AttemptsKey: "rabbitretry-attempts"} {
+	for k, v := range map[string]string{poison.ReasonKey: "reason_poisoned", poison.TopicKey: "topic_poisoned", poison.HandlerKey: "handler_poisoned", poison.SubscriberKey: "subscriber_poisoned", middleware.PoisonAttemptsKey: "rabbitretry-attempts"} {
 		if k != v {
 			t.Errorf("key %q, want %q", k, v)
 		}
@@ -231,7 +231,7 @@ func TestForwarderWithCounterInRouter(t *testing.T) {
 		t.Fatalf("published %d to %v", len(msgs), topics)
 	}
 	md := msgs[0].Metadata
-	if md.Get(poison.AttemptsKey) != "4" || md.Get(middleware.ErrorClassKey) != middleware.ClassExhausted || md.Get(poison.ReasonKey) != "gave up after 4 attempts: down" {
+	if md.Get(middleware.PoisonAttemptsKey) != "4" || md.Get(middleware.ErrorClassKey) != middleware.ClassExhausted || md.Get(poison.ReasonKey) != "gave up after 4 attempts: down" {
 		t.Fatalf("metadata %v", md)
 	}
 }
@@ -281,7 +281,7 @@ func TestForwarderClasses(t *testing.T) {
 			if got := msgs[0].Metadata.Get(middleware.ErrorClassKey); got != tc.class {
 				t.Errorf("class %q, want %q", got, tc.class)
 			}
-			if got := msgs[0].Metadata.Get(poison.AttemptsKey); got != "5" {
+			if got := msgs[0].Metadata.Get(middleware.PoisonAttemptsKey); got != "5" {
 				t.Errorf("attempts %q", got)
 			}
 			// Outside a router the context names are empty, but present.

@@ -100,13 +100,13 @@ func TestTransientExhaustedIsPoisoned(t *testing.T) {
 		t.Fatalf("poisoned %s %q", p.UUID, p.Payload)
 	}
 	for k, want := range map[string]string{
-		poison.AttemptsKey:          "3",
-		middleware.AttemptKey:       "3",
-		middleware.ErrorClassKey:    middleware.ClassExhausted,
-		poison.ReasonKey:            "gave up after 3 attempts: service unavailable",
-		poison.TopicKey:             topic,
-		poison.HandlerKey:           "worker",
-		middleware.OriginalQueueKey: topic,
+		middleware.PoisonAttemptsKey: "3",
+		middleware.AttemptKey:        "3",
+		middleware.ErrorClassKey:     middleware.ClassExhausted,
+		poison.ReasonKey:             "gave up after 3 attempts: service unavailable",
+		poison.TopicKey:              topic,
+		poison.HandlerKey:            "worker",
+		middleware.OriginalQueueKey:  topic,
 	} {
 		if got := p.Metadata.Get(k); got != want {
 			t.Errorf("poison metadata %s = %q, want %q", k, got, want)
@@ -148,7 +148,7 @@ func TestPermanentPoisonedAtOnce(t *testing.T) {
 		t.Fatalf("handler called %d times, want 1", seen.len())
 	}
 	if p.UUID != msg.UUID || p.Metadata.Get(middleware.ErrorClassKey) != middleware.ClassPermanent ||
-		p.Metadata.Get(poison.AttemptsKey) != "1" || p.Metadata.Get(poison.ReasonKey) != "customer does not exist" {
+		p.Metadata.Get(middleware.PoisonAttemptsKey) != "1" || p.Metadata.Get(poison.ReasonKey) != "customer does not exist" {
 		t.Fatalf("poison metadata %v", p.Metadata)
 	}
 	if e.observer.count("retry") != 0 || e.delayer.Pending() != 0 {
@@ -167,7 +167,7 @@ func TestMalformedPoisonedAtOnce(t *testing.T) {
 	e.publish(t, message.NewMessage(watermill.NewUUID(), []byte(`{"ID": "seven"}`)))
 	p := recv(t, e.poisonCh, 5*time.Second)
 	p.Ack()
-	if p.Metadata.Get(middleware.ErrorClassKey) != middleware.ClassMalformed || p.Metadata.Get(poison.AttemptsKey) != "1" {
+	if p.Metadata.Get(middleware.ErrorClassKey) != middleware.ClassMalformed || p.Metadata.Get(middleware.PoisonAttemptsKey) != "1" {
 		t.Fatalf("poison metadata %v", p.Metadata)
 	}
 }
@@ -236,7 +236,7 @@ func TestRecovererPanicIsRetriedThenPoisoned(t *testing.T) {
 			t.Errorf("call %d saw attempt %d", i, c.attempt)
 		}
 	}
-	if p.UUID != msg.UUID || p.Metadata.Get(middleware.ErrorClassKey) != middleware.ClassExhausted || p.Metadata.Get(poison.AttemptsKey) != "3" {
+	if p.UUID != msg.UUID || p.Metadata.Get(middleware.ErrorClassKey) != middleware.ClassExhausted || p.Metadata.Get(middleware.PoisonAttemptsKey) != "3" {
 		t.Fatalf("poison metadata %v", p.Metadata)
 	}
 	reason := p.Metadata.Get(poison.ReasonKey)
@@ -407,9 +407,9 @@ func TestManyMessagesRandomFailures(t *testing.T) {
 			t.Errorf("message %d (plan %v): successes %d, poisoned %v; want poisoned", i, plans[i], succ, isPoisoned)
 			continue
 		}
-		if p.Metadata.Get(middleware.ErrorClassKey) != w.class || p.Metadata.Get(poison.AttemptsKey) != strconv.Itoa(w.attempts) {
+		if p.Metadata.Get(middleware.ErrorClassKey) != w.class || p.Metadata.Get(middleware.PoisonAttemptsKey) != strconv.Itoa(w.attempts) {
 			t.Errorf("message %d (plan %v): poisoned with class %q after %q attempts; want %q after %d", i, plans[i],
-				p.Metadata.Get(middleware.ErrorClassKey), p.Metadata.Get(poison.AttemptsKey), w.class, w.attempts)
+				p.Metadata.Get(middleware.ErrorClassKey), p.Metadata.Get(middleware.PoisonAttemptsKey), w.class, w.attempts)
 		}
 	}
 	if int(successCount.Load()) != wantSuccess || len(poisoned) != wantPoison || wantSuccess+wantPoison != n {
@@ -524,7 +524,7 @@ func TestChainDirect(t *testing.T) {
 		t.Fatalf("an exhausted message was scheduled")
 	}
 	ps := pub.all()
-	if len(ps) != 1 || ps[0].UUID != "b" || ps[0].Metadata.Get(poison.AttemptsKey) != "3" || ps[0].Metadata.Get(middleware.ErrorClassKey) != middleware.ClassExhausted {
+	if len(ps) != 1 || ps[0].UUID != "b" || ps[0].Metadata.Get(middleware.PoisonAttemptsKey) != "3" || ps[0].Metadata.Get(middleware.ErrorClassKey) != middleware.ClassExhausted {
 		t.Fatalf("poisoned %v", ps)
 	}
 	if _, ok := ps[0].Metadata[middleware.XDeathKey]; ok {

@@ -14,8 +14,9 @@ import (
 // sees its handlers finish.
 const DefaultDrainTimeout = 20 * time.Second
 
-// DrainingSubscriber wraps a message.Subscriber so that closing it (which
-// message.Router does on Close) lets the messages already handed to
+// DrainingSubscriber wraps a message.Subscriber so that stopping the router
+// (cancelling the context given to message.Router.Run, or Router.Close,
+// which closes the router's subscribers) lets the messages already handed to
 // handlers finish first, and only then closes the inner subscriber.
 //
 // Why: watermill-amqp's Subscriber.Close nacks every in-flight delivery at
@@ -28,10 +29,27 @@ const DefaultDrainTimeout = 20 * time.Second
 // Close began is not handed out: it is nacked (returned to the broker,
 // unprocessed).
 //
+// Both Watermill stops work and take the drain time of what is in flight
+// (none when idle):
+//   - The subscribe context ends (Router.Run's context cancelled by a
+//     signal or a timeout, Handler.Stop, or Router.Close, which cancels it
+//     too): the subscription stops handing out messages and closes its
+//     channel, so the router's handler stops; once the messages it handed
+//     out are acked or nacked (at most the drain timeout), the inner
+//     subscription ends: when no other subscription's context is live, by
+//     Close (so the subscriber is closed after such a stop, and Subscribe
+//     returns ErrSubscriberClosed), otherwise (Handler.Stop of one of
+//     several handlers sharing the subscriber) by cancelling its inner
+//     context.
+//     The inner subscription's context is not the subscribe context: the
+//     messages' contexts derive from it, and the handlers being drained must
+//     not see context.Canceled.
+//   - Close (Router.Close calls it): as above for every subscription.
+//
 // Close waits at most the drain timeout for in-flight messages; past it the
 // inner subscriber is closed anyway (its nack returns the rest to the
-// broker) and Close reports the timeout. DrainingSubscriber is safe for
-// concurrent use.
+// broker, and watermill-amqp cancels their contexts) and Close reports the
+// timeout. DrainingSubscriber is safe for concurrent use.
 type DrainingSubscriber struct {
 	inner   message.Subscriber
 	timeout time.Duration
@@ -43,33 +61,44 @@ type DrainingSubscriber struct {
 	inflight   sync.WaitGroup
 	forwarders sync.WaitGroup
 
-	mu      sync.Mutex
-	cancels []context.CancelFunc
+	mu   sync.Mutex
+	subs map[*subscription]struct{} // not yet stopped by their context
+	all  []*subscription
 }
 
-// NewDrainingSubscriber wraps inner. timeout bounds Close's wait for
-// in-flight messages; 0 means DefaultDrainTimeout.
+// subscription is one Subscribe call.
+type subscription struct {
+	ctx      context.Context    // the subscribe context
+	cancel   context.CancelFunc // ends the inner subscription
+	inflight sync.WaitGroup     // handed out, not yet acked or nacked
+}
+
+// NewDrainingSubscriber wraps inner. timeout bounds the wait for in-flight
+// messages when the router stops (Close, or the subscribe context ending);
+// 0 means DefaultDrainTimeout.
 func NewDrainingSubscriber(inner message.Subscriber, timeout time.Duration) *DrainingSubscriber {
 	if timeout <= 0 {
 		timeout = DefaultDrainTimeout
 	}
-	return &DrainingSubscriber{inner: inner, timeout: timeout, closing: make(chan struct{})}
+	return &DrainingSubscriber{inner: inner, timeout: timeout, closing: make(chan struct{}), subs: map[*subscription]struct{}{}}
 }
 
-// ErrSubscriberClosed is returned by Subscribe after Close.
+// ErrSubscriberClosed is returned by Subscribe after Close, and after the
+// context of the last subscription ended (which closes the subscriber).
 var ErrSubscriberClosed = errors.New("router: subscriber closed")
 
 // Subscribe subscribes the inner subscriber and forwards its messages,
-// tracking each until the router acks or nacks it.
+// tracking each until the router acks or nacks it. When ctx ends, the
+// returned channel is closed and the subscription drains (see
+// DrainingSubscriber).
 func (s *DrainingSubscriber) Subscribe(ctx context.Context, topic string) (<-chan *message.Message, error) {
 	if !s.track(&s.forwarders) {
 		return nil, ErrSubscriberClosed
 	}
-	// watermill's Router cancels the subscribe context when it closes, at the
-	// same time as it closes its subscribers, and watermill-amqp derives each
-	// message's context from it: the handlers being drained would see
-	// context.Canceled. The inner subscription gets a context that ends only
-	// when Close has drained (the Router always closes its subscribers).
+	// watermill-amqp derives each message's context from the subscribe
+	// context: the inner subscription gets one that ends only when this
+	// subscription has drained, so the handlers being drained do not see
+	// context.Canceled.
 	innerCtx, cancel := context.WithCancel(context.WithoutCancel(ctx))
 	in, err := s.inner.Subscribe(innerCtx, topic)
 	if err != nil {
@@ -77,11 +106,13 @@ func (s *DrainingSubscriber) Subscribe(ctx context.Context, topic string) (<-cha
 		s.forwarders.Done()
 		return nil, err
 	}
+	sub := &subscription{ctx: ctx, cancel: cancel}
 	s.mu.Lock()
-	s.cancels = append(s.cancels, cancel)
+	s.subs[sub] = struct{}{}
+	s.all = append(s.all, sub)
 	s.mu.Unlock()
 	out := make(chan *message.Message)
-	go s.forward(in, out)
+	go s.forward(ctx, sub, in, out)
 	return out, nil
 }
 
@@ -99,12 +130,17 @@ func (s *DrainingSubscriber) track(wg *sync.WaitGroup) bool {
 	}
 }
 
-func (s *DrainingSubscriber) forward(in <-chan *message.Message, out chan<- *message.Message) {
+func (s *DrainingSubscriber) forward(ctx context.Context, sub *subscription, in <-chan *message.Message, out chan<- *message.Message) {
 	defer s.forwarders.Done()
 	defer close(out)
 	for {
 		select {
 		case <-s.closing:
+			return
+		case <-ctx.Done():
+			// Stopped by the context: nothing more is handed out (a message
+			// the inner subscriber still holds is nacked when it closes).
+			go s.stopSubscription(sub, in)
 			return
 		case msg, ok := <-in:
 			if !ok {
@@ -114,13 +150,17 @@ func (s *DrainingSubscriber) forward(in <-chan *message.Message, out chan<- *mes
 				msg.Nack() // not handed out: back to the broker, unprocessed
 				return
 			}
+			sub.inflight.Add(1)
 			go func() {
 				defer s.inflight.Done()
+				defer sub.inflight.Done()
 				select {
 				case <-msg.Acked():
 				case <-msg.Nacked():
 				}
 			}()
+			// Received before the stop: handed out (the router reads its
+			// channel until it is closed), so it is not returned unprocessed.
 			select {
 			case out <- msg:
 			case <-s.closing:
@@ -131,6 +171,42 @@ func (s *DrainingSubscriber) forward(in <-chan *message.Message, out chan<- *mes
 	}
 }
 
+// stopSubscription ends sub after its context ended. When no subscription's
+// context is still live (Router.Run's context ends all of them), it closes
+// the subscriber (Close drains every
+// message handed out). Otherwise it waits (at most the drain timeout) for
+// the messages sub handed out, then cancels sub's inner subscription and
+// nacks what that still delivers.
+func (s *DrainingSubscriber) stopSubscription(sub *subscription, in <-chan *message.Message) {
+	s.mu.Lock()
+	delete(s.subs, sub)
+	last := true // Router.Run's context ends every subscription at once
+	for o := range s.subs {
+		if o.ctx.Err() == nil {
+			last = false
+			break
+		}
+	}
+	s.mu.Unlock()
+	if last {
+		_ = s.Close() // its result is kept: the owner's Close returns it
+		return
+	}
+	done := make(chan struct{})
+	go func() {
+		sub.inflight.Wait()
+		close(done)
+	}()
+	select {
+	case <-done:
+	case <-time.After(s.timeout):
+	}
+	sub.cancel()
+	for msg := range in {
+		msg.Nack()
+	}
+}
+
 // Draining returns a channel closed once Close has begun: handlers still
 // running then will finish before the inner subscriber closes.
 func (s *DrainingSubscriber) Draining() <-chan struct{} { return s.closing }
@@ -138,7 +214,8 @@ func (s *DrainingSubscriber) Draining() <-chan struct{} { return s.closing }
 // Close stops handing out messages, waits (at most the drain timeout) until
 // every message already handed out is acked or nacked, then closes the inner
 // subscriber. It returns the inner Close error, joined with a timeout error
-// if the drain did not finish. Later calls return the same result.
+// if the drain did not finish. Later calls (and concurrent ones, which wait
+// for the first) return the same result.
 func (s *DrainingSubscriber) Close() error {
 	s.closeOnce.Do(func() {
 		s.mu.Lock()
@@ -157,8 +234,8 @@ func (s *DrainingSubscriber) Close() error {
 		}
 		s.closeErr = errors.Join(drainErr, s.inner.Close())
 		s.mu.Lock()
-		for _, cancel := range s.cancels {
-			cancel()
+		for _, sub := range s.all {
+			sub.cancel()
 		}
 		s.mu.Unlock()
 		s.forwarders.Wait()

@@ -13,7 +13,6 @@ import (
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 
 	"github.com/rabbitretry/rabbitretry/middleware"
-	"github.com/rabbitretry/rabbitretry/poison"
 	"github.com/rabbitretry/rabbitretry/router"
 )
 
@@ -106,7 +105,7 @@ func TestFallbackPoisonRefused(t *testing.T) {
 	if ran || len(rec.all()) != 1 || rec.all()[0].Metadata.Get(middleware.ErrorClassKey) != middleware.ClassPermanent {
 		t.Fatalf("ran %v, poisoned %d", ran, len(rec.all()))
 	}
-	if got := rec.all()[0].Metadata.Get(poison.AttemptsKey); got != "4" {
+	if got := rec.all()[0].Metadata.Get(middleware.PoisonAttemptsKey); got != "4" {
 		t.Errorf("attempts %q", got)
 	}
 }

@@ -16,8 +16,10 @@ import (
 	"flag"
 	"fmt"
 	"os"
+	"os/signal"
 	"sort"
 	"sync"
+	"syscall"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -267,6 +269,7 @@ func runAMQP(s *story, uri string, n int, timeout time.Duration) error {
 	if err != nil {
 		return err
 	}
+	defer sub.Close() // already closed once Run has stopped; returns the drain's result
 	pubCfg := wamqp.NewDurableQueueConfig(uri)
 	pubCfg.Exchange = subCfg.Exchange
 	pubCfg.Publish.GenerateRoutingKey = func(string) string { return "order.created" }
@@ -324,7 +327,11 @@ func runGoChannel(s *story, n int, timeout time.Duration) error {
 }
 
 func runStory(s *story, r *message.Router, n int, timeout time.Duration, publish func([]*message.Message) error) error {
-	ctx, cancel := context.WithCancel(context.Background())
+	// Watermill's usual stop: cancel Run's context (here on Ctrl-C or
+	// SIGTERM, or below once every order is accounted for). Run returns once
+	// the handlers in flight have finished (their messages acked, retried or
+	// poisoned): at once when idle. The draining subscriber then closes.
+	ctx, cancel := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer cancel()
 	errc := make(chan error, 1)
 	go func() { errc <- r.Run(ctx) }()
@@ -336,7 +343,8 @@ func runStory(s *story, r *message.Router, n int, timeout time.Duration, publish
 	msgs := s.makeOrders(n)
 	s.logf("publishing %d orders (every 7th malformed, every 3rd meets a busy mail server)", len(msgs))
 	if err := publish(msgs); err != nil {
-		return err
+		cancel()
+		return errors.Join(err, <-errc)
 	}
 	deadline := time.After(timeout)
 	tick := time.NewTicker(20 * time.Millisecond)
@@ -344,10 +352,18 @@ func runStory(s *story, r *message.Router, n int, timeout time.Duration, publish
 	for !s.done() {
 		select {
 		case <-deadline:
-			_ = r.Close()
-			return fmt.Errorf("not every order was accounted for within %v", timeout)
+			cancel()
+			return errors.Join(fmt.Errorf("not every order was accounted for within %v", timeout), <-errc)
+		case <-ctx.Done():
+			return errors.Join(errors.New("interrupted"), <-errc)
 		case <-tick.C:
 		}
 	}
-	return r.Close()
+	stopping := time.Now()
+	cancel()
+	if err := <-errc; err != nil {
+		return err
+	}
+	s.logf("router stopped in %v", time.Since(stopping).Round(time.Millisecond))
+	return nil
 }

@@ -102,7 +102,7 @@ func MessageFromDelivery(d amqp.Delivery) Message {
 	m.OriginalQueue = h(middleware.OriginalQueueKey)
 	m.OriginalExchange = h(middleware.OriginalExchangeKey)
 	m.OriginalRoutingKey = h(middleware.OriginalRoutingKeyKey)
-	if deaths, err := amqpretry.DeathRecordsFromTable(d.Headers["x-death"]); err == nil && len(deaths) > 0 {
+	if deaths, err := amqpretry.DeathRecordsFromTable(d.Headers[middleware.XDeathKey]); err == nil && len(deaths) > 0 {
 		// Dead-lettered into the poison queue by the broker (a quorum Q's
 		// dead-letter exchange: expiry, max-length, delivery limit), not
 		// forwarded by the library: its rabbitretry-original-* headers are
@@ -119,14 +119,14 @@ func MessageFromDelivery(d amqp.Delivery) Message {
 			m.Class = "dead-lettered:" + deaths[0].Reason
 		}
 	}
-	if n, ok := parseAttempts(h(poison.AttemptsKey)); ok {
+	if n, ok := parseAttempts(h(middleware.PoisonAttemptsKey)); ok {
 		m.Attempts = n
 	} else if n, ok := parseAttempts(h(middleware.AttemptKey)); ok {
 		m.Attempts = n
 	}
 	m.FirstFailure = parseTime(d.Headers[middleware.FirstFailureKey])
 	m.LastFailure = parseTime(d.Headers[middleware.LastFailureKey])
-	m.PoisonedAt = parseTime(d.Headers[poison.PoisonedAtKey])
+	m.PoisonedAt = parseTime(d.Headers[middleware.PoisonedAtKey])
 	return m
 }
 

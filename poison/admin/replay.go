@@ -11,7 +11,6 @@ import (
 
 	"github.com/rabbitretry/rabbitretry/amqpretry"
 	"github.com/rabbitretry/rabbitretry/middleware"
-	"github.com/rabbitretry/rabbitretry/poison"
 )
 
 // ReplayOptions configures Replay.
@@ -76,21 +75,17 @@ var (
 	ErrRemovalUnconfirmed = errors.New("message removal unconfirmed: the channel closed after its ack was sent")
 )
 
-// Keys Replay removes from the copy it publishes: the poison-only keys
-// (so the message no longer looks poisoned), the attempt number (so the
-// next delivery is attempt 1), stale per-retry keys, and broker-owned
-// headers that would make the retry middleware count earlier attempts.
-// The failure history (first/last failure, last error, error class,
-// original queue/exchange/routing key) is kept.
-var replayStripKeys = []string{
-	poison.ReasonKey, poison.TopicKey, poison.HandlerKey, poison.SubscriberKey,
-	poison.AttemptsKey, poison.PoisonedAtKey,
-	middleware.AttemptKey, middleware.DelayKey, middleware.HeaderErrorKey,
-	middleware.DeliveryExchangeKey, middleware.DeliveryRoutingKeyKey,
-	middleware.XDeathKey, middleware.XDeliveryCountKey,
-	"x-first-death-queue", "x-first-death-reason", "x-first-death-exchange",
-	"x-last-death-queue", "x-last-death-reason", "x-last-death-exchange",
-	amqpretry.PublishIDHeader,
+// replayDropsHeader reports whether Replay leaves the header k off the copy
+// it publishes: every retry-state key (middleware.IsRetryState: the poison
+// marks, so the message no longer looks poisoned; the attempt number,
+// redelivery count and delay, so the next delivery is attempt 1 with the
+// whole MaxRedeliveries allowance; the broker's x-death, x-delivery-count,
+// x-acquired-count, x-first-death-* and x-last-death-*, which would make the
+// retry middleware count earlier attempts), and the poison publish's
+// amqpretry.PublishIDHeader. The failure history (first/last failure, last
+// error, error class, original queue/exchange/routing key) is kept.
+func replayDropsHeader(k string) bool {
+	return middleware.IsRetryState(k) || k == amqpretry.PublishIDHeader
 }
 
 // copyPublishing builds a publishing from a delivery with every property,
@@ -122,12 +117,14 @@ func cloneHeaders(h amqp.Table) amqp.Table {
 	return out
 }
 
-// replayPublishing is the copy Replay publishes: headers minus
-// replayStripKeys, plus rabbitretry-replayed = now (RFC 3339, UTC).
+// replayPublishing is the copy Replay publishes: headers minus those
+// replayDropsHeader names, plus rabbitretry-replayed = now (RFC 3339, UTC).
 func replayPublishing(d amqp.Delivery, now time.Time) amqp.Publishing {
 	h := cloneHeaders(d.Headers)
-	for _, k := range replayStripKeys {
-		delete(h, k)
+	for k := range h {
+		if replayDropsHeader(k) {
+			delete(h, k)
+		}
 	}
 	h[middleware.ReplayedKey] = now.UTC().Format(time.RFC3339)
 	return copyPublishing(d, h)
@@ -150,11 +147,14 @@ func perMessage(err error) bool {
 // Publisher Confirms", "Publishers"): a message is never lost, at worst it
 // is duplicated (see ReplayResult.Duplicated). The copy keeps the body,
 // properties (except user-id), UUID and failure history, gets
-// rabbitretry-replayed = the replay time (RFC 3339), and loses the
-// poison-only keys (reason_poisoned, topic_poisoned, handler_poisoned,
-// subscriber_poisoned, rabbitretry-attempts, rabbitretry-poisoned-at), the
-// attempt number rabbitretry-attempt (so the next delivery is attempt 1)
-// and broker headers such as x-death. Non-matching messages stay in the
+// rabbitretry-replayed = the replay time (RFC 3339), and loses every
+// retry-state key (middleware.IsRetryState): the poison-only keys
+// (reason_poisoned, topic_poisoned, handler_poisoned, subscriber_poisoned,
+// rabbitretry-attempts, rabbitretry-poisoned-at), the attempt number
+// rabbitretry-attempt and the redelivery count rabbitretry-redeliveries (so
+// the next delivery is attempt 1, with the whole MaxRedeliveries allowance)
+// and the broker's headers (x-death, x-delivery-count, x-acquired-count,
+// x-first-death-*, x-last-death-*). Non-matching messages stay in the
 // poison queue, as redeliveries.
 //
 // The matching messages are collected first, reading at most the queue

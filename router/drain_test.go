@@ -1,0 +1,105 @@
+package router_test
+
+import (
+	"context"
+	"errors"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
+
+	"github.com/rabbitretry/rabbitretry/router"
+)
+
+// Cancelling Router.Run's context (Watermill's usual stop) stops a router
+// whose handlers consume a DrainingSubscriber: the handler in flight
+// finishes with a live context and Run returns right after it; then the
+// subscriber is closed. Before, Run never returned.
+func TestDrainingSubscriberStopsWithRunContext(t *testing.T) {
+	pubsub := gochannel.NewGoChannel(gochannel.Config{}, watermill.NopLogger{})
+	sub := router.NewDrainingSubscriber(pubsub, 5*time.Second)
+	r, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, watermill.NopLogger{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	entered, release := make(chan struct{}), make(chan struct{})
+	var ctxErr error
+	var runs atomic.Int32
+	r.AddConsumerHandler("h", "t", sub, func(msg *message.Message) error {
+		runs.Add(1)
+		close(entered)
+		<-release
+		ctxErr = msg.Context().Err()
+		return nil
+	})
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	ran := make(chan error, 1)
+	go func() { ran <- r.Run(ctx) }()
+	recv(t, r.Running(), 5*time.Second)
+	if err := pubsub.Publish("t", message.NewMessage("m1", nil)); err != nil {
+		t.Fatal(err)
+	}
+	recv(t, entered, 5*time.Second)
+	cancel()
+	recv(t, sub.Draining(), 5*time.Second)
+	select {
+	case err := <-ran:
+		t.Fatalf("Run returned (%v) while a handler was still running", err)
+	default:
+	}
+	close(release)
+	if err := recv(t, ran, 5*time.Second); err != nil {
+		t.Fatalf("Run: %v", err)
+	}
+	if ctxErr != nil || runs.Load() != 1 {
+		t.Fatalf("handler saw context error %v, ran %d times", ctxErr, runs.Load())
+	}
+	if err := sub.Close(); err != nil {
+		t.Fatalf("Close after the stop: %v", err)
+	}
+	if _, err := sub.Subscribe(context.Background(), "t"); !errors.Is(err, router.ErrSubscriberClosed) {
+		t.Fatalf("Subscribe after the stop: %v, want ErrSubscriberClosed", err)
+	}
+}
+
+// Handler.Stop of one of two handlers sharing a DrainingSubscriber stops
+// that handler only: the other keeps receiving, and the subscriber stays
+// open.
+func TestDrainingSubscriberHandlerStop(t *testing.T) {
+	pubsub := gochannel.NewGoChannel(gochannel.Config{}, watermill.NopLogger{})
+	sub := router.NewDrainingSubscriber(pubsub, 5*time.Second)
+	r, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, watermill.NopLogger{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := make(chan string, 10)
+	h1 := r.AddConsumerHandler("h1", "t1", sub, func(msg *message.Message) error { got <- "t1"; return nil })
+	r.AddConsumerHandler("h2", "t2", sub, func(msg *message.Message) error { got <- "t2"; return nil })
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	ran := make(chan error, 1)
+	go func() { ran <- r.Run(ctx) }()
+	recv(t, r.Running(), 5*time.Second)
+	h1.Stop()
+	recv(t, h1.Stopped(), 5*time.Second)
+	select {
+	case <-sub.Draining():
+		t.Fatal("stopping one handler closed the shared subscriber")
+	default:
+	}
+	if err := pubsub.Publish("t2", message.NewMessage("m2", nil)); err != nil {
+		t.Fatal(err)
+	}
+	if g := recv(t, got, 5*time.Second); g != "t2" {
+		t.Fatalf("got %s", g)
+	}
+	cancel()
+	if err := recv(t, ran, 5*time.Second); err != nil {
+		t.Fatalf("Run: %v", err)
+	}
+	recv(t, sub.Draining(), 5*time.Second)
+}
