@@ -134,7 +134,9 @@ type Config struct {
 	MaxRedeliveries int
 	// FallbackPause is how long a message whose retry or poison copy the
 	// broker did not confirm waits before the fallback copy back to its queue
-	// (or, if that fails too, the requeue). Default 1 s; negative: none.
+	// (or, if that fails too, the requeue). Default 1 s; negative: none. A
+	// retry whose handler asked for a longer RetryAfter waits that long
+	// instead (router.Config.FallbackPause): never earlier than asked.
 	FallbackPause time.Duration
 	// PublisherChannels is the number of AMQP channels used for republishing.
 	// Default 2.

@@ -87,7 +87,11 @@ type Config struct {
 	// FallbackPause is how long a message whose retry or poison copy was not
 	// held waits before the fallback copy (or the requeue), so a refusing
 	// broker is not hammered. Default DefaultFallbackPause (1 s); negative:
-	// no pause (tests).
+	// no pause (tests). A failed retry whose handler asked for a longer
+	// delay (middleware.RetryAfter) waits that delay instead: the fallback
+	// copy goes straight back to the queue, so the next attempt never runs
+	// earlier than asked. The delivery stays unacked meanwhile: keep
+	// RetryAfter well below the queue's consumer timeout (30 min default).
 	FallbackPause time.Duration
 	// Observer is told of retries, poisonings and drops (e.g. metrics).
 	Observer middleware.Observer

@@ -26,6 +26,9 @@ const DefaultFallbackPause = time.Second
 //
 //  1. it pauses (FallbackPause, cut short by shutdown), so a broker that
 //     refuses publishes (alarm, full queue, missing exchange) is not hammered;
+//     for a failed retry whose handler asked for a delay (RetryAfter) it
+//     pauses at least that long, since the copy it then sends has no
+//     broker-side delay: the next attempt never runs earlier than asked;
 //  2. it hands a copy to the Delayer with delay 0 (amqpretry: straight back to
 //     the origin queue through the loop-back exchange, confirmed), counted as
 //     the next attempt for a failed retry, or as past the last attempt for a
@@ -72,20 +75,27 @@ func (f *fallback) onFailure(msg *message.Message, err error) error {
 	attempt := middleware.Attempt(msg)
 	var next int
 	var handlerErr error
+	pause := f.pause
 	var se *middleware.ScheduleError
 	var pe *poison.PoisonError
 	switch {
 	case errors.As(err, &se) && se.HandlerRan():
 		next, handlerErr = se.Attempt+1, se.HandlerErr
+		// The copy goes straight back to the queue: hold it at least as long
+		// as the handler asked (RetryAfter), so the next attempt never runs
+		// earlier than that.
+		if asked, ok := middleware.RetryAfterFrom(se.HandlerErr); ok {
+			pause = max(pause, asked)
+		}
 	case errors.As(err, &pe):
 		next, handlerErr = max(attempt, f.maxAttempts+1), pe.HandlerErr
 	default:
 		// Nothing a copy would fix (e.g. the RedeliveryGuard's own copy of a
 		// redelivered message was refused): pause, then requeue.
-		f.wait(ctx)
+		f.wait(ctx, f.pause)
 		return err
 	}
-	if !f.wait(ctx) {
+	if !f.wait(ctx, pause) {
 		return err // shutting down: the subscriber returns the delivery
 	}
 	c := middleware.CloneMessage(msg)
@@ -104,12 +114,12 @@ func (f *fallback) onFailure(msg *message.Message, err error) error {
 	return nil
 }
 
-// wait pauses for f.pause; false if ctx ended first.
-func (f *fallback) wait(ctx context.Context) bool {
-	if f.pause <= 0 {
+// wait pauses for d; false if ctx ended first.
+func (f *fallback) wait(ctx context.Context, d time.Duration) bool {
+	if d <= 0 {
 		return ctx.Err() == nil
 	}
-	t := time.NewTimer(f.pause)
+	t := time.NewTimer(d)
 	defer t.Stop()
 	select {
 	case <-t.C:

@@ -174,3 +174,29 @@ func TestDrainingSubscriberLetsHandlersFinish(t *testing.T) {
 		t.Fatalf("second Close: %v", err)
 	}
 }
+
+// A handler that asked for RetryAfter longer than the fallback pause: the
+// fallback copy (straight back to the queue, no broker-side delay) is not
+// handed over before the requested delay has passed since the failure, so
+// the next attempt never runs earlier than the handler asked (issue 18
+// item 8: with a 1 s pause a RetryAfter of 1.5 s came back up to 0.5 s
+// early).
+func TestFallbackHonoursRetryAfter(t *testing.T) {
+	d := &tierDelayer{}
+	c := newFallbackChain(t, d, nopPublisher{}) // FallbackPause 30 ms
+	const asked = 300 * time.Millisecond
+	var failedAt time.Time
+	_, err := c.Middleware(func(*message.Message) ([]*message.Message, error) {
+		failedAt = time.Now()
+		return nil, middleware.RetryAfter(errTransient, asked)
+	})(msgAt(1))
+	if err != nil {
+		t.Fatalf("want ack after the fallback copy, got %v", err)
+	}
+	if len(d.zero) != 1 {
+		t.Fatalf("fallback copies %d, want 1", len(d.zero))
+	}
+	if early := asked - time.Since(failedAt); early > 0 {
+		t.Errorf("fallback copy handed over %v after the failure, %v earlier than the RetryAfter of %v", asked-early, early, asked)
+	}
+}
