@@ -125,10 +125,15 @@ type mgmtClient struct {
 	client *http.Client
 }
 
-func newMgmtClient(cfg *AdoptQueue) (*mgmtClient, error) {
+// newMgmtClient parses cfg.ManagementURL; field names it in the error.
+func newMgmtClient(cfg *AdoptQueue, field string) (*mgmtClient, error) {
 	u, err := url.Parse(strings.TrimSuffix(cfg.ManagementURL, "/"))
 	if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
-		return nil, fmt.Errorf("amqpretry.Config.AdoptQueue.ManagementURL %q is not an http(s) URL", cfg.ManagementURL)
+		shown := "(unparsable)"
+		if err == nil {
+			shown = u.Redacted()
+		}
+		return nil, fmt.Errorf("amqpretry.Config.%s %q is not an http(s) URL", field, shown)
 	}
 	c := cfg.HTTPClient
 	if c == nil {
@@ -292,7 +297,7 @@ func newAdopter(cfg *AdoptQueue, topo *Topology, uri string) (*adopter, error) {
 	}
 	a.vhost = u.Vhost
 	if a.cfg.ManagementURL != "" {
-		if a.mgmt, err = newMgmtClient(&a.cfg); err != nil {
+		if a.mgmt, err = newMgmtClient(&a.cfg, "AdoptQueue.ManagementURL"); err != nil {
 			return nil, err
 		}
 	}

@@ -141,15 +141,20 @@ type Metrics struct {
 	poisoned         *prometheus.CounterVec
 	poisonFailures   *prometheus.CounterVec
 	dropped          *prometheus.CounterVec
+	routeInPlace     *prometheus.GaugeVec
+	routeProblems    *prometheus.CounterVec
 }
 
-var _ middleware.Observer = (*Metrics)(nil)
+var (
+	_ middleware.Observer      = (*Metrics)(nil)
+	_ middleware.RouteObserver = (*Metrics)(nil)
+)
 
 // Description describes one metric.
 type Description struct {
 	// Name is the full metric name, namespace included.
 	Name string
-	// Type is "counter" or "histogram".
+	// Type is "counter", "gauge" or "histogram".
 	Type string
 	// Labels are the label names, in order.
 	Labels []string
@@ -168,6 +173,8 @@ const (
 	namePoisoned         = "poisoned_total"
 	namePoisonFailures   = "poison_failures_total"
 	nameDropped          = "dropped_total"
+	nameRouteInPlace     = "broker_route_in_place"
+	nameRouteProblems    = "broker_route_problems_total"
 )
 
 type spec struct {
@@ -195,6 +202,10 @@ var specs = []spec{
 		"Poison-queue publishes that failed; the message was nacked."},
 	{nameDropped, "counter", []string{"queue"},
 		"Messages acked and discarded on a drop verdict."},
+	{nameRouteInPlace, "gauge", []string{"queue", "route"},
+		"1 when the last check found the broker-side retry route (dead-letter-first, native-delayed-retry) in place, 0 when retries take the publish path."},
+	{nameRouteProblems, "counter", []string{"queue", "route"},
+		"Checks that found the broker-side retry route not in place (policy drift, missing or length-limited first wait queue)."},
 }
 
 // Descriptions returns the metrics New registers, with full names for
@@ -257,6 +268,9 @@ func New(cfg Config) (*Metrics, error) {
 		poisoned:         counter(namePoisoned),
 		poisonFailures:   counter(namePoisonFailures),
 		dropped:          counter(nameDropped),
+		routeInPlace: prometheus.NewGaugeVec(prometheus.GaugeOpts{Namespace: ns, Name: nameRouteInPlace,
+			Help: specFor(nameRouteInPlace).help}, specFor(nameRouteInPlace).labels),
+		routeProblems: counter(nameRouteProblems),
 	}
 	collectors := []struct {
 		name string
@@ -271,6 +285,8 @@ func New(cfg Config) (*Metrics, error) {
 		{namePoisoned, m.poisoned},
 		{namePoisonFailures, m.poisonFailures},
 		{nameDropped, m.dropped},
+		{nameRouteInPlace, m.routeInPlace},
+		{nameRouteProblems, m.routeProblems},
 	}
 	for i, c := range collectors {
 		if err := cfg.Registerer.Register(c.c); err != nil {
@@ -346,6 +362,21 @@ func (m *Metrics) PoisonFailed(msg *message.Message, attempt int, err error) {
 // Dropped implements middleware.Observer: it counts dropped_total.
 func (m *Metrics) Dropped(msg *message.Message, attempt int) {
 	m.dropped.WithLabelValues(m.queue(msg)).Inc()
+}
+
+// RouteChecked implements middleware.RouteObserver: it sets
+// broker_route_in_place to 1 (problem "") or 0, and counts
+// broker_route_problems_total when problem is not "".
+func (m *Metrics) RouteChecked(queue, route, problem string) {
+	if queue == "" {
+		queue = UnknownQueue
+	}
+	if problem == "" {
+		m.routeInPlace.WithLabelValues(queue, route).Set(1)
+		return
+	}
+	m.routeInPlace.WithLabelValues(queue, route).Set(0)
+	m.routeProblems.WithLabelValues(queue, route).Inc()
 }
 
 // queue returns the queue label of msg.

@@ -712,6 +712,7 @@ func TestDescriptions(t *testing.T) {
 	m.Poisoned(msg, 1, "permanent")
 	m.PoisonFailed(msg, 1, errTransient)
 	m.Dropped(msg, 1)
+	m.RouteChecked("q", "dead-letter-first", "policy drift")
 
 	mfs, err := reg.Gather()
 	if err != nil {
