@@ -48,6 +48,14 @@ import (
 // ManagementURL the library cannot see Q's type, policy or arguments: it
 // logs the rabbitmqctl set_policy command once per queue (Error level) and
 // goes on, and the operator applies it.
+//
+// After the start, DeadLetterFirstRetry and NativeDelayedRetry check before
+// each nack that relies on the policy (the result reused for 2 s per queue)
+// that the policy applying to Q still carries the library's keys (GET
+// /api/policies/{vhost}: an operator's policy of higher priority, or the
+// library's deleted, is seen at once); if not, the retry takes the publish
+// path, and the drift is logged and reported to a middleware.RouteObserver.
+// The policy is not re-applied until the next start.
 type AdoptQueue struct {
 	// ManagementURL is the RabbitMQ management HTTP API's base URL with
 	// credentials, e.g. "http://guest:guest@127.0.0.1:15672". Empty: the

@@ -49,6 +49,8 @@
 //     "rabbitretry-original-queue" metadata, else "unknown". One value per
 //     consumed queue.
 //   - outcome: "success" or "error".
+//   - route: the broker-side retry route of amqpretry ("dead-letter-first",
+//     "native-delayed-retry"; see middleware.RouteObserver).
 //   - tier: Config.Tier of the requested delay, rendered compactly ("250ms",
 //     "1s", "5m", "2h"). The default Tier only rounds the delay to a
 //     millisecond: with a constant backoff that is one value per delay, but
