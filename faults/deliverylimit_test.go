@@ -20,7 +20,6 @@ import (
 // churn: NServiceBus.RabbitMQ 1688/1689, rabbitmq-server 14202, PR 16035).
 const poisonDeliveryLimit = 1_000_000
 
-
 // Issue 18 item 10: the advised policy works. On a library-declared poison
 // queue (quorum) the policy {"delivery-limit": 1000000} is applied through
 // the management API, the effective delivery limit is read back from the
