@@ -88,10 +88,12 @@ type Config struct {
 	// held waits before the fallback copy (or the requeue), so a refusing
 	// broker is not hammered. Default DefaultFallbackPause (1 s); negative:
 	// no pause (tests). A failed retry whose handler asked for a longer
-	// delay (middleware.RetryAfter) waits that delay instead: the fallback
-	// copy goes straight back to the queue, so the next attempt never runs
-	// earlier than asked. The delivery stays unacked meanwhile: keep
-	// RetryAfter well below the queue's consumer timeout (30 min default).
+	// delay (middleware.RetryAfter) waits that delay instead, up to one
+	// minute (the delivery stays unacked meanwhile): the fallback copy goes
+	// straight back to the queue, so the next attempt never runs earlier
+	// than asked. A longer RetryAfter is handed to the Delayer once more
+	// after the pause; only if that fails too does the copy come back after
+	// a minute.
 	FallbackPause time.Duration
 	// Observer is told of retries, poisonings and drops (e.g. metrics).
 	Observer middleware.Observer
