@@ -252,3 +252,55 @@ func TestDeadLetterFirstWaitQueueRefuses(t *testing.T) {
 		})
 	}
 }
+
+// Issue 18 item 8: the wait queues refuse every copy (an operator's policy
+// max-length 0, overflow reject-publish), so each retry goes through the
+// fallback, whose copy goes straight back to the queue. The handler asks
+// for RetryAfter 1.5 s on the first attempt; before, the fallback's 1 s
+// pause brought the message back up to 0.5 s early. Now no second attempt
+// runs earlier than 1.5 s after the first failed.
+func TestFallbackNeverEarlierThanRetryAfter(t *testing.T) {
+	mgmt := testkit.HaveMgmt(t)
+	forEachQueueType(t, func(t *testing.T, qt string) {
+		e := newEnv(t, qt, func(_ *env, c *amqpretry.Config) {
+			c.MaxAttempts = 3
+			c.Tiers = []time.Duration{200 * time.Millisecond, 2 * time.Second}
+		})
+		e.declare()
+		var pattern []string
+		for _, wq := range e.waitQueues() {
+			pattern = append(pattern, strings.ReplaceAll(wq, ".", `\.`))
+		}
+		pol := e.prefix + ".full"
+		putPolicy(t, mgmt, pol, "^("+strings.Join(pattern, "|")+")$", 100, map[string]any{"max-length": 0, "overflow": "reject-publish"})
+		for _, wq := range e.waitQueues() {
+			awaitPolicy(t, mgmt, wq, pol)
+		}
+		const asked = 1500 * time.Millisecond
+		l := newTimedLedger()
+		e.start(func(msg *message.Message) error {
+			if err := l.failOnce(msg); err != nil {
+				return middleware.RetryAfter(err, asked)
+			}
+			return nil
+		})
+		const n = 6
+		uuids, ps := newMessages(n, nil)
+		e.publish(ps...)
+		settled := e.settle(n, l.handled, time.Minute)
+		e.stop()
+		poisoned, _ := e.poisoned()
+		acc := account(t, uuids, l.successes(), poisoned)
+		if !settled || acc.Handled != n {
+			t.Errorf("handled %d of %d (settled %v)", acc.Handled, n, settled)
+		}
+		gap, ran := l.earliestGap()
+		t.Logf("%d retried through the fallback; earliest second attempt %v after the first (asked %v)", ran, gap.Round(time.Millisecond), asked)
+		if ran != n || gap < asked {
+			t.Errorf("%d of %d retried; earliest %v after the failure, asked %v", ran, n, gap, asked)
+		}
+		if len(e.logs.find("info", "Fallback copy held")) == 0 {
+			t.Errorf("no retry went through the fallback")
+		}
+	})
+}
