@@ -50,7 +50,8 @@ const routeCheckTimeout = 3 * time.Second
 //     reject-publish holds at-least-once dead-letters in Q's dead-letter
 //     buffer, invisible, until it has room;
 //   - an adopted Q (AdoptQueue), both modes: the policy that applies to Q
-//     (the matching policy of highest priority, from GET
+//     (the matching policy of highest priority, all of them if several
+//     share it, from GET
 //     /api/policies/{vhost}, which is current; the queue's own view lags by
 //     the statistics interval) carries the keys of the library's policy
 //     (Topology.QueuePolicy) with the same values. A declared Q needs no
@@ -135,8 +136,10 @@ func (r *routeChecker) check(ctx context.Context, q string) string {
 	}
 	if r.topo.adopt != nil {
 		want, needed := r.topo.QueuePolicy(q, r.priority)
-		if needed {
-			got := effectivePolicy(policies, q)
+		for _, got := range topPolicies(policies, q) {
+			if !needed {
+				break
+			}
 			var bad []string
 			for k, v := range want.Definition {
 				have, ok := got.Definition[k]
@@ -162,10 +165,12 @@ func (r *routeChecker) check(ctx context.Context, q string) string {
 		if err != nil {
 			return "reading operator policies: " + err.Error()
 		}
-		for kind, p := range map[string]namedPolicy{"policy": effectivePolicy(policies, wq), "operator policy": effectivePolicy(ops, wq)} {
-			for _, k := range []string{"max-length", "max-length-bytes"} {
-				if v, ok := p.Definition[k]; ok {
-					return fmt.Sprintf("%s %q gives the first wait queue %q a length limit (%s %v): dead-letters it refuses would wait unseen in %q's dead-letter buffer", kind, p.Name, wq, k, v, q)
+		for kind, list := range map[string][]namedPolicy{"policy": topPolicies(policies, wq), "operator policy": topPolicies(ops, wq)} {
+			for _, p := range list {
+				for _, k := range []string{"max-length", "max-length-bytes"} {
+					if v, ok := p.Definition[k]; ok {
+						return fmt.Sprintf("%s %q gives the first wait queue %q a length limit (%s %v): dead-letters it refuses would wait unseen in %q's dead-letter buffer", kind, p.Name, wq, k, v, q)
+					}
 				}
 			}
 		}
@@ -211,14 +216,15 @@ func (m *mgmtClient) policies(ctx context.Context, path string) ([]namedPolicy, 
 	return ps, nil
 }
 
-// effectivePolicy returns the policy RabbitMQ applies to the quorum queue
+// topPolicies returns the policies RabbitMQ may apply to the quorum queue
 // q: among those whose apply-to covers quorum queues and whose pattern
-// matches q, the one of highest priority ("Policies", "Priorities"); ties
-// go to the first by name. A pattern Go cannot compile counts as matching
-// (the check then errs towards the publish path). None: a zero namedPolicy.
-func effectivePolicy(ps []namedPolicy, q string) namedPolicy {
-	var best namedPolicy
-	found := false
+// matches q, those of the highest priority ("Policies", "Priorities"): one,
+// unless several share it (RabbitMQ then applies one of them; the check
+// requires all to be right). A pattern Go cannot compile counts as
+// matching (the check then errs towards the publish path). No match: one
+// zero namedPolicy (no keys).
+func topPolicies(ps []namedPolicy, q string) []namedPolicy {
+	var top []namedPolicy
 	for _, p := range ps {
 		switch p.ApplyTo {
 		case "all", "queues", "quorum_queues":
@@ -228,11 +234,17 @@ func effectivePolicy(ps []namedPolicy, q string) namedPolicy {
 		if re, err := regexp.Compile(p.Pattern); err == nil && !re.MatchString(q) {
 			continue
 		}
-		if !found || p.Priority > best.Priority || (p.Priority == best.Priority && p.Name < best.Name) {
-			best, found = p, true
+		switch {
+		case len(top) == 0 || p.Priority > top[0].Priority:
+			top = []namedPolicy{p}
+		case p.Priority == top[0].Priority:
+			top = append(top, p)
 		}
 	}
-	return best
+	if len(top) == 0 {
+		return []namedPolicy{{}}
+	}
+	return top
 }
 
 // newRouteChecker returns the checker of the broker-side route the
