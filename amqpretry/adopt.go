@@ -50,6 +50,14 @@ import (
 // ManagementURL the library cannot see Q's type, policy or arguments: it
 // logs the rabbitmqctl set_policy command once per queue (Error level) and
 // goes on, and the operator applies it.
+//
+// After the start, DeadLetterFirstRetry and NativeDelayedRetry check before
+// each nack that relies on the policy (the result reused for 2 s per queue)
+// that the policy applying to Q still carries the library's keys (GET
+// /api/policies/{vhost}: an operator's policy of higher priority, or the
+// library's deleted, is seen at once); if not, the retry takes the publish
+// path, and the drift is logged and reported to a middleware.RouteObserver.
+// The policy is not re-applied until the next start.
 type AdoptQueue struct {
 	// ManagementURL is the RabbitMQ management HTTP API's base URL with
 	// credentials, e.g. "http://guest:guest@127.0.0.1:15672". Empty: the
@@ -127,10 +135,15 @@ type mgmtClient struct {
 	client *http.Client
 }
 
-func newMgmtClient(cfg *AdoptQueue) (*mgmtClient, error) {
+// newMgmtClient parses cfg.ManagementURL; field names it in the error.
+func newMgmtClient(cfg *AdoptQueue, field string) (*mgmtClient, error) {
 	u, err := url.Parse(strings.TrimSuffix(cfg.ManagementURL, "/"))
 	if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
-		return nil, fmt.Errorf("amqpretry.Config.AdoptQueue.ManagementURL %q is not an http(s) URL", cfg.ManagementURL)
+		shown := "(unparsable)"
+		if err == nil {
+			shown = u.Redacted()
+		}
+		return nil, fmt.Errorf("amqpretry.Config.%s %q is not an http(s) URL", field, shown)
 	}
 	c := cfg.HTTPClient
 	if c == nil {
@@ -294,7 +307,7 @@ func newAdopter(cfg *AdoptQueue, topo *Topology, uri string) (*adopter, error) {
 	}
 	a.vhost = u.Vhost
 	if a.cfg.ManagementURL != "" {
-		if a.mgmt, err = newMgmtClient(&a.cfg); err != nil {
+		if a.mgmt, err = newMgmtClient(&a.cfg, "AdoptQueue.ManagementURL"); err != nil {
 			return nil, err
 		}
 	}

@@ -100,6 +100,18 @@ type Config struct {
 	// (rabbitretry-first-failure is then the first failure that took the
 	// publish path). Requires QueueType "quorum", whose dead-lettering is
 	// at-least-once; a classic queue's is at-most-once. Default false.
+	//
+	// The nack gets no confirm, so before relying on it the Delayer checks
+	// that the route is in place, at most every 2 s per queue: the first
+	// wait queue exists (passive declare), and, with a management API
+	// (ManagementURL), no policy or operator policy gives it a length limit
+	// (a full reject-publish target holds dead-letters unseen in Q's
+	// dead-letter buffer) and, for an adopted Q, the library's policy is
+	// the one that applies ("Policies", "Dead Letter Exchanges"). While a
+	// check fails, first retries take the publish path (confirmed copy,
+	// fallback behind it); the change is logged (Error, then Info when the
+	// route is back) and reported to an Observer that implements
+	// middleware.RouteObserver (metrics.Metrics does).
 	DeadLetterFirstRetry bool
 	// NativeDelayedRetry, when set, hands short retries to the queue's own
 	// delayed retry (RabbitMQ 4.3+ quorum queues; see NativeDelayedRetry):
@@ -128,6 +140,16 @@ type Config struct {
 	// deploy with tiers are left alone (Topology.Inspect reports them as
 	// orphans; TidyOrphans deletes them once empty). Default nil (tiers).
 	DelayerFactory DelayerFactory
+	// ManagementURL is the RabbitMQ management HTTP API's base URL with
+	// credentials, e.g. "http://guest:guest@127.0.0.1:15672", used to check
+	// the broker-side routes of DeadLetterFirstRetry and NativeDelayedRetry
+	// against the current policies and operator policies (GET
+	// /api/policies/{vhost}, /api/operator-policies/{vhost}; see
+	// DeadLetterFirstRetry). Empty: AdoptQueue.ManagementURL, if any; with
+	// neither, only what AMQP shows is checked (the first wait queue
+	// exists), so a length limit an operator puts on it goes unseen.
+	// Never logged with its password.
+	ManagementURL string
 	// AdoptQueue, when set, adopts existing originating queues: their queue
 	// arguments are left alone (passive declare) and what the retry mode
 	// needs from them is set by a policy, applied through the management
@@ -141,7 +163,9 @@ type Config struct {
 	MaxRedeliveries int
 	// FallbackPause is how long a message whose retry or poison copy the
 	// broker did not confirm waits before the fallback copy back to its queue
-	// (or, if that fails too, the requeue). Default 1 s; negative: none.
+	// (or, if that fails too, the requeue). Default 1 s; negative: none. A
+	// retry whose handler asked for a longer RetryAfter waits that long
+	// instead (router.Config.FallbackPause): never earlier than asked.
 	FallbackPause time.Duration
 	// PublisherChannels is the number of AMQP channels used for republishing.
 	// Default 2.
@@ -234,12 +258,17 @@ func (c Config) Validate() error {
 	if err := c.validateNative(); err != nil {
 		return err
 	}
+	if c.ManagementURL != "" {
+		if _, err := newMgmtClient(&AdoptQueue{ManagementURL: c.ManagementURL}, "ManagementURL"); err != nil {
+			return err
+		}
+	}
 	if a := c.AdoptQueue; a != nil {
 		if a.ManagementURL == "" && (c.DeadLetterFirstRetry || c.NativeDelayedRetry != nil) {
 			return errors.New("amqpretry.Config.AdoptQueue.ManagementURL is empty, and DeadLetterFirstRetry and NativeDelayedRetry cannot work on an adopted queue until their policy applies: set ManagementURL so the library applies and checks it")
 		}
 		if a.ManagementURL != "" {
-			if _, err := newMgmtClient(a); err != nil {
+			if _, err := newMgmtClient(a, "AdoptQueue.ManagementURL"); err != nil {
 				return err
 			}
 		}
@@ -370,8 +399,13 @@ func New(cfg Config) (*Retry, error) {
 		}
 		topo.open = pub.Channel
 	}
+	routes, err := newRouteChecker(cfg, topo, pub)
+	if err != nil {
+		_ = pub.Close()
+		return nil, err
+	}
 	delayer := &Delayer{publisher: pub, topology: topo, marshaler: marshaler, queueName: cfg.QueueName, logger: cfg.Logger,
-		deadLetterFirst: cfg.DeadLetterFirstRetry, native: cfg.NativeDelayedRetry}
+		deadLetterFirst: cfg.DeadLetterFirstRetry, native: cfg.NativeDelayedRetry, routes: routes}
 	var chainDelayer middleware.Delayer = delayer
 	var custom CustomDelayer
 	if cfg.DelayerFactory != nil {
@@ -523,6 +557,9 @@ type Delayer struct {
 	deadLetterFirst bool
 	// native: retries within its range are left to Q's delayed retry.
 	native *NativeDelayedRetry
+	// routes checks the broker-side route before deadLetterFirst or native
+	// relies on it (nil: nothing to check).
+	routes *routeChecker
 }
 
 // Schedule publishes msg to its wait queue and waits for the confirm. A copy
@@ -531,7 +568,8 @@ type Delayer struct {
 // Config.DeadLetterFirstRetry, a first-tier retry returns
 // middleware.ErrDeadLetter without publishing; with
 // Config.NativeDelayedRetry, a retry in its range (NativeDelayedRetry) returns
-// middleware.ErrNativeRetry without publishing. The
+// middleware.ErrNativeRetry without publishing; either only while the
+// route checks out (see Config.DeadLetterFirstRetry), else it publishes. The
 // tier is TierFor(delay), or, when ctx carries a middleware.MinimumDelay (a
 // handler's RetryAfter), the smallest tier at or above it. If the
 // wait queue or exchange is missing (returned as unroutable, or 404
@@ -561,11 +599,11 @@ func (d *Delayer) Schedule(ctx context.Context, msg *message.Message, delay time
 	}
 	if d.native != nil {
 		minimum, _ := middleware.MinimumDelay(ctx)
-		if d.native.fits(delay, minimum) {
+		if d.native.fits(delay, minimum) && d.routes.usable(q) {
 			return middleware.ErrNativeRetry // the nack with requeue puts it into Q's delayed state
 		}
 	}
-	if d.deadLetterFirst && tier == d.topology.tiers[0] {
+	if d.deadLetterFirst && tier == d.topology.tiers[0] && d.routes.usable(q) {
 		return middleware.ErrDeadLetter // Q's DLX routes to the first wait queue
 	}
 	wq := d.topology.naming.WaitQueue(q, tier)

@@ -229,6 +229,12 @@ type ConsumerStats struct {
 	Undecodable uint64
 	// LastWriteLatency is how long the last successful Store.Write took.
 	LastWriteLatency time.Duration
+	// Lag is the audit's lag: at the commit of the last batch holding
+	// attempt records, how long ago the newest of them ended (its StartedAt
+	// + Duration, by the Recorder's clock). It grows while records wait in
+	// the attempts queue (PostgreSQL down or slow, no Consumer running);
+	// it is not updated while no attempt records arrive.
+	Lag time.Duration
 }
 
 // Consumer moves audit records from RabbitMQ into a Store: arrivals (one
@@ -267,7 +273,7 @@ type Consumer struct {
 
 	arrivals, attempts, batches, failures, malformed, reconnects atomic.Uint64
 	setAside, undecodable                                        atomic.Uint64
-	lastLatency                                                  atomic.Int64
+	lastLatency, lag                                             atomic.Int64
 }
 
 // NewConsumer validates cfg (after filling in defaults) and returns a
@@ -287,7 +293,7 @@ func (c *Consumer) Stats() ConsumerStats {
 		Arrivals: c.arrivals.Load(), Attempts: c.attempts.Load(), Batches: c.batches.Load(),
 		WriteFailures: c.failures.Load(), Malformed: c.malformed.Load(), Reconnects: c.reconnects.Load(),
 		SetAside: c.setAside.Load(), Undecodable: c.undecodable.Load(),
-		LastWriteLatency: time.Duration(c.lastLatency.Load()),
+		LastWriteLatency: time.Duration(c.lastLatency.Load()), Lag: time.Duration(c.lag.Load()),
 	}
 }
 
@@ -786,6 +792,15 @@ func (c *Consumer) write(ctx context.Context, conn *amqp.Connection, arr []Arriv
 	c.batches.Add(1)
 	c.arrivals.Add(uint64(len(arr)))
 	c.attempts.Add(uint64(len(att)))
+	if len(att) > 0 {
+		var newest time.Time
+		for _, a := range att {
+			if end := a.StartedAt.Add(a.Duration); end.After(newest) {
+				newest = end
+			}
+		}
+		c.lag.Store(int64(max(time.Since(newest), 0)))
+	}
 	return nil
 }
 

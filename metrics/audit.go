@@ -14,18 +14,19 @@ import (
 //
 //	reg.MustRegister(metrics.NewAuditConsumerCollector("", consumer.Stats))
 //
-// Metrics (all counters, no labels, names prefixed "<namespace>_audit_"):
+// Metrics (counters but lag_seconds, names prefixed "<namespace>_audit_"):
 //
 //	records_written_total{kind="arrival"|"attempt"}  records written to the store (a redelivered record counts again)
 //	write_failures_total        failed Store.Write / SetAside calls (each retried, or a rejected batch split)
 //	set_aside_total             records the store rejected for good (audit.ErrRecordRejected), set aside with the reason
 //	malformed_total             attempt records that could not be decoded (logged and acked)
 //	reconnects_total            sessions ended by a lost connection or channel
+//	lag_seconds (gauge)         audit.ConsumerStats.Lag: how old the newest attempt record of the last batch was when committed
 //	undecodable_total           connections the AMQP client closed on a delivery it could not decode; a growing value is
 //	                            a message looping until the queue's delivery limit dead-letters it to the set-aside queue
 type AuditConsumerCollector struct {
-	stats                                                           func() audit.ConsumerStats
-	written, failures, setAside, malformed, reconnects, undecodable *prometheus.Desc
+	stats                                                                func() audit.ConsumerStats
+	written, failures, setAside, malformed, reconnects, undecodable, lag *prometheus.Desc
 }
 
 // NewAuditConsumerCollector returns a collector of stats (usually
@@ -49,12 +50,13 @@ func NewAuditConsumerCollector(namespace string, stats func() audit.ConsumerStat
 		malformed:   d("malformed_total", "Attempt records that could not be decoded (logged and acked)."),
 		reconnects:  d("reconnects_total", "Audit consumer sessions ended by a lost connection or channel."),
 		undecodable: d("undecodable_total", "Connections the AMQP client closed on an audit delivery it could not decode (a looping message)."),
+		lag:         d("lag_seconds", "How old the newest attempt record of the last written batch was when it was committed: the audit's lag."),
 	}
 }
 
 // Describe implements prometheus.Collector.
 func (c *AuditConsumerCollector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{c.written, c.failures, c.setAside, c.malformed, c.reconnects, c.undecodable} {
+	for _, d := range []*prometheus.Desc{c.written, c.failures, c.setAside, c.malformed, c.reconnects, c.undecodable, c.lag} {
 		ch <- d
 	}
 }
@@ -62,6 +64,7 @@ func (c *AuditConsumerCollector) Describe(ch chan<- *prometheus.Desc) {
 // Collect implements prometheus.Collector.
 func (c *AuditConsumerCollector) Collect(ch chan<- prometheus.Metric) {
 	s := c.stats()
+	ch <- prometheus.MustNewConstMetric(c.lag, prometheus.GaugeValue, s.Lag.Seconds())
 	ch <- prometheus.MustNewConstMetric(c.written, prometheus.CounterValue, float64(s.Arrivals), audit.KindArrival)
 	ch <- prometheus.MustNewConstMetric(c.written, prometheus.CounterValue, float64(s.Attempts), audit.KindAttempt)
 	for _, v := range []struct {

@@ -3,6 +3,7 @@ package metrics_test
 import (
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
@@ -14,7 +15,7 @@ import (
 // TestAuditConsumerCollector: the audit consumer's counters, set-aside
 // records and undecodable-delivery loops included, are exported.
 func TestAuditConsumerCollector(t *testing.T) {
-	st := audit.ConsumerStats{Arrivals: 7, Attempts: 3, WriteFailures: 2, SetAside: 1, Reconnects: 4, Undecodable: 5}
+	st := audit.ConsumerStats{Arrivals: 7, Attempts: 3, WriteFailures: 2, SetAside: 1, Reconnects: 4, Undecodable: 5, Lag: 1500 * time.Millisecond}
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(metrics.NewAuditConsumerCollector("", func() audit.ConsumerStats { return st }))
 	want := `
@@ -28,12 +29,15 @@ rabbitretry_audit_undecodable_total 5
 # TYPE rabbitretry_audit_records_written_total counter
 rabbitretry_audit_records_written_total{kind="arrival"} 7
 rabbitretry_audit_records_written_total{kind="attempt"} 3
+# HELP rabbitretry_audit_lag_seconds How old the newest attempt record of the last written batch was when it was committed: the audit's lag.
+# TYPE rabbitretry_audit_lag_seconds gauge
+rabbitretry_audit_lag_seconds 1.5
 `
 	if err := testutil.GatherAndCompare(reg, strings.NewReader(want),
-		"rabbitretry_audit_set_aside_total", "rabbitretry_audit_undecodable_total", "rabbitretry_audit_records_written_total"); err != nil {
+		"rabbitretry_audit_set_aside_total", "rabbitretry_audit_undecodable_total", "rabbitretry_audit_records_written_total", "rabbitretry_audit_lag_seconds"); err != nil {
 		t.Fatal(err)
 	}
-	if n, err := testutil.GatherAndCount(reg); err != nil || n != 7 {
-		t.Fatalf("%d series, %v; want 7", n, err)
+	if n, err := testutil.GatherAndCount(reg); err != nil || n != 8 {
+		t.Fatalf("%d series, %v; want 8", n, err)
 	}
 }

@@ -36,6 +36,8 @@
 //	poisoned_total            counter    queue,class   messages confirmed into the poison queue
 //	poison_failures_total     counter    queue         poison publishes that failed; the message was nacked
 //	dropped_total             counter    queue         messages acked and discarded on middleware.ActionDrop
+//	broker_route_in_place     gauge      queue,route   1 if the last check found the broker-side retry route in place, 0 if retries take the publish path
+//	broker_route_problems_total counter  queue,route   checks that found it not in place (a policy changed, the first wait queue missing or length-limited)
 //
 // # Labels and cardinality
 //
@@ -47,6 +49,8 @@
 //     "rabbitretry-original-queue" metadata, else "unknown". One value per
 //     consumed queue.
 //   - outcome: "success" or "error".
+//   - route: the broker-side retry route of amqpretry ("dead-letter-first",
+//     "native-delayed-retry"; see middleware.RouteObserver).
 //   - tier: Config.Tier of the requested delay, rendered compactly ("250ms",
 //     "1s", "5m", "2h"). The default Tier only rounds the delay to a
 //     millisecond: with a constant backoff that is one value per delay, but

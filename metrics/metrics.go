@@ -144,11 +144,14 @@ type Metrics struct {
 	paused           *prometheus.GaugeVec
 	pauses           *prometheus.CounterVec
 	pausedSeconds    *prometheus.CounterVec
+	routeInPlace     *prometheus.GaugeVec
+	routeProblems    *prometheus.CounterVec
 }
 
 var (
 	_ middleware.Observer      = (*Metrics)(nil)
 	_ middleware.PauseObserver = (*Metrics)(nil)
+	_ middleware.RouteObserver = (*Metrics)(nil)
 )
 
 // Description describes one metric.
@@ -177,6 +180,8 @@ const (
 	namePaused           = "paused"
 	namePauses           = "pauses_total"
 	namePausedSeconds    = "paused_seconds_total"
+	nameRouteInPlace     = "broker_route_in_place"
+	nameRouteProblems    = "broker_route_problems_total"
 )
 
 type spec struct {
@@ -210,6 +215,10 @@ var specs = []spec{
 		`Times consumption paused, by reason ("dependency-unavailable" or "failure-rate").`},
 	{namePausedSeconds, "counter", nil,
 		"Seconds consumption spent paused, added when it resumes."},
+	{nameRouteInPlace, "gauge", []string{"queue", "route"},
+		"1 when the last check found the broker-side retry route (dead-letter-first, native-delayed-retry) in place, 0 when retries take the publish path."},
+	{nameRouteProblems, "counter", []string{"queue", "route"},
+		"Checks that found the broker-side retry route not in place (policy drift, missing or length-limited first wait queue)."},
 }
 
 // Descriptions returns the metrics New registers, with full names for
@@ -279,6 +288,8 @@ func New(cfg Config) (*Metrics, error) {
 		paused:           gauge(namePaused),
 		pauses:           counter(namePauses),
 		pausedSeconds:    counter(namePausedSeconds),
+		routeInPlace:     gauge(nameRouteInPlace),
+		routeProblems:    counter(nameRouteProblems),
 	}
 	collectors := []struct {
 		name string
@@ -296,6 +307,8 @@ func New(cfg Config) (*Metrics, error) {
 		{namePaused, m.paused},
 		{namePauses, m.pauses},
 		{namePausedSeconds, m.pausedSeconds},
+		{nameRouteInPlace, m.routeInPlace},
+		{nameRouteProblems, m.routeProblems},
 	}
 	for i, c := range collectors {
 		if err := cfg.Registerer.Register(c.c); err != nil {
@@ -385,6 +398,21 @@ func (m *Metrics) PauseStarted(reason string) {
 func (m *Metrics) PauseEnded(d time.Duration) {
 	m.paused.WithLabelValues().Set(0)
 	m.pausedSeconds.WithLabelValues().Add(d.Seconds())
+}
+
+// RouteChecked implements middleware.RouteObserver: it sets
+// broker_route_in_place to 1 (problem "") or 0, and counts
+// broker_route_problems_total when problem is not "".
+func (m *Metrics) RouteChecked(queue, route, problem string) {
+	if queue == "" {
+		queue = UnknownQueue
+	}
+	if problem == "" {
+		m.routeInPlace.WithLabelValues(queue, route).Set(1)
+		return
+	}
+	m.routeInPlace.WithLabelValues(queue, route).Set(0)
+	m.routeProblems.WithLabelValues(queue, route).Inc()
 }
 
 // queue returns the queue label of msg.

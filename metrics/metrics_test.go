@@ -714,6 +714,7 @@ func TestDescriptions(t *testing.T) {
 	m.Dropped(msg, 1)
 	m.PauseStarted("dependency-unavailable")
 	m.PauseEnded(time.Second)
+	m.RouteChecked("q", "dead-letter-first", "policy drift")
 
 	mfs, err := reg.Gather()
 	if err != nil {

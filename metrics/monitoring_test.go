@@ -8,6 +8,9 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/rabbitretry/rabbitretry/audit"
 	"github.com/rabbitretry/rabbitretry/metrics"
 )
 
@@ -19,6 +22,16 @@ func TestMonitoringNamesExist(t *testing.T) {
 	known := map[string]string{}
 	for _, d := range append(metrics.Descriptions(""), metrics.WaitingDescriptions("")...) {
 		known[d.Name] = d.Type
+	}
+	// The audit Consumer's collector emits every series at each scrape.
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(metrics.NewAuditConsumerCollector("", func() audit.ConsumerStats { return audit.ConsumerStats{} }))
+	mfs, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, mf := range mfs {
+		known[mf.GetName()] = strings.ToLower(mf.GetType().String())
 	}
 	name := regexp.MustCompile(`\brabbitretry_[a-z_]+`)
 	files, err := filepath.Glob(filepath.Join("..", "monitoring", "*"))

@@ -89,7 +89,13 @@ type Config struct {
 	// FallbackPause is how long a message whose retry or poison copy was not
 	// held waits before the fallback copy (or the requeue), so a refusing
 	// broker is not hammered. Default DefaultFallbackPause (1 s); negative:
-	// no pause (tests).
+	// no pause (tests). A failed retry whose handler asked for a longer
+	// delay (middleware.RetryAfter) waits that delay instead, up to one
+	// minute (the delivery stays unacked meanwhile): the fallback copy goes
+	// straight back to the queue, so the next attempt never runs earlier
+	// than asked. A longer RetryAfter is handed to the Delayer once more
+	// after the pause; only if that fails too does the copy come back after
+	// a minute.
 	FallbackPause time.Duration
 	// Pause, when set, pauses consumption while a dependency is down instead
 	// of charging attempts (see middleware.Pause): it goes just inside the

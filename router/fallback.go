@@ -16,6 +16,11 @@ import (
 // DefaultFallbackPause is the default of Config.FallbackPause.
 const DefaultFallbackPause = time.Second
 
+// fallbackMaxHold bounds how long the fallback holds a delivery for a
+// handler's RetryAfter (the subscription handles one message at a time, and
+// the broker's consumer timeout, 30 min by default, must not fire).
+const fallbackMaxHold = time.Minute
+
 // fallback is the outermost settlement step, just inside the attempt
 // counter. It sees only failures that nothing further in could settle: a
 // retry copy the Delayer did not hold (*middleware.ScheduleError), a poison
@@ -26,6 +31,13 @@ const DefaultFallbackPause = time.Second
 //
 //  1. it pauses (FallbackPause, cut short by shutdown), so a broker that
 //     refuses publishes (alarm, full queue, missing exchange) is not hammered;
+//     for a failed retry whose handler asked for a delay (RetryAfter) it
+//     pauses at least that long, since the copy it then sends has no
+//     broker-side delay: the next attempt never runs earlier than asked.
+//     A RetryAfter above one minute is not held here: after the pause the
+//     copy is handed to the Delayer once more with the remaining delay;
+//     only if that fails too does the copy come back after at most a
+//     minute, earlier than asked (logged at Error);
 //  2. it hands a copy to the Delayer with delay 0 (amqpretry: straight back to
 //     the origin queue through the loop-back exchange, confirmed), counted as
 //     the next attempt for a failed retry, or as past the last attempt for a
@@ -69,29 +81,53 @@ func (f *fallback) onFailure(msg *message.Message, err error) error {
 		return err
 	}
 	ctx := msg.Context()
+	start := time.Now()
 	attempt := middleware.Attempt(msg)
 	var next int
 	var handlerErr error
+	var asked time.Duration // the handler's RetryAfter, if any
 	var se *middleware.ScheduleError
 	var pe *poison.PoisonError
 	switch {
 	case errors.As(err, &se) && se.HandlerRan():
 		next, handlerErr = se.Attempt+1, se.HandlerErr
+		asked, _ = middleware.RetryAfterFrom(se.HandlerErr)
 	case errors.As(err, &pe):
 		next, handlerErr = max(attempt, f.maxAttempts+1), pe.HandlerErr
 	default:
 		// Nothing a copy would fix (e.g. the RedeliveryGuard's own copy of a
 		// redelivered message was refused): pause, then requeue.
-		f.wait(ctx)
+		f.wait(ctx, f.pause)
 		return err
 	}
-	if !f.wait(ctx) {
+	if !f.wait(ctx, f.pause) {
 		return err // shutting down: the subscriber returns the delivery
 	}
 	c := middleware.CloneMessage(msg)
 	middleware.RecordFailure(c.Metadata, time.Now(), f.errorText(handlerErr), poison.ErrorClass(handlerErr), f.queueName(ctx))
 	middleware.StripDeliveryMetadata(c.Metadata)
 	c.Metadata.Set(middleware.AttemptKey, strconv.Itoa(next))
+	if remaining := asked - time.Since(start); remaining > 0 {
+		// The handler asked for a delay (RetryAfter) and the copy below goes
+		// straight back to the queue: never let it run earlier than asked.
+		if remaining > fallbackMaxHold {
+			// Too long to hold the delivery here: try the delayed path again.
+			serr := f.delayer.Schedule(middleware.WithMinimumDelay(ctx, remaining), c, remaining)
+			if serr == nil {
+				f.logger.Info("Fallback: retry copy held on the second try", watermill.LogFields{
+					"message_uuid": msg.UUID, "queue": f.queueName(ctx), "attempt": attempt, "next_attempt": next, "delay": remaining.String(),
+				})
+				return nil
+			}
+			f.logger.Error("Fallback: retry copy not held on the second try; the copy goes back to the queue earlier than the handler asked", serr, watermill.LogFields{
+				"message_uuid": msg.UUID, "queue": f.queueName(ctx), "attempt": attempt, "asked": asked.String(), "held": fallbackMaxHold.String(),
+			})
+			remaining = fallbackMaxHold
+		}
+		if !f.wait(ctx, remaining) {
+			return err
+		}
+	}
 	if serr := f.delayer.Schedule(ctx, c, 0); serr != nil {
 		f.logger.Error("Fallback copy not held either; returning the message to the broker (requeue)", serr, watermill.LogFields{
 			"message_uuid": msg.UUID, "queue": f.queueName(ctx), "attempt": attempt, "next_attempt": next,
@@ -104,12 +140,12 @@ func (f *fallback) onFailure(msg *message.Message, err error) error {
 	return nil
 }
 
-// wait pauses for f.pause; false if ctx ended first.
-func (f *fallback) wait(ctx context.Context) bool {
-	if f.pause <= 0 {
+// wait pauses for d; false if ctx ended first.
+func (f *fallback) wait(ctx context.Context, d time.Duration) bool {
+	if d <= 0 {
 		return ctx.Err() == nil
 	}
-	t := time.NewTimer(f.pause)
+	t := time.NewTimer(d)
 	defer t.Stop()
 	select {
 	case <-t.C:

@@ -173,3 +173,67 @@ func TestDrainingSubscriberLetsHandlersFinish(t *testing.T) {
 		t.Fatalf("second Close: %v", err)
 	}
 }
+
+// A handler that asked for RetryAfter longer than the fallback pause: the
+// fallback copy (straight back to the queue, no broker-side delay) is not
+// handed over before the requested delay has passed since the failure, so
+// the next attempt never runs earlier than the handler asked (issue 18
+// item 8: with a 1 s pause a RetryAfter of 1.5 s came back up to 0.5 s
+// early).
+func TestFallbackHonoursRetryAfter(t *testing.T) {
+	d := &tierDelayer{}
+	c := newFallbackChain(t, d, nopPublisher{}) // FallbackPause 30 ms
+	const asked = 300 * time.Millisecond
+	var failedAt time.Time
+	_, err := c.Middleware(func(*message.Message) ([]*message.Message, error) {
+		failedAt = time.Now()
+		return nil, middleware.RetryAfter(errTransient, asked)
+	})(msgAt(1))
+	if err != nil {
+		t.Fatalf("want ack after the fallback copy, got %v", err)
+	}
+	if len(d.zero) != 1 {
+		t.Fatalf("fallback copies %d, want 1", len(d.zero))
+	}
+	if early := asked - time.Since(failedAt); early > 0 {
+		t.Errorf("fallback copy handed over %v after the failure, %v earlier than the RetryAfter of %v", asked-early, early, asked)
+	}
+}
+
+// secondTryDelayer refuses the first delayed copy and holds the next.
+type secondTryDelayer struct {
+	mu     sync.Mutex
+	calls  int
+	held   []time.Duration
+	minima []time.Duration
+}
+
+func (d *secondTryDelayer) Schedule(ctx context.Context, _ *message.Message, delay time.Duration) error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.calls++
+	if d.calls == 1 {
+		return errors.New("wait queue refused the copy")
+	}
+	minimum, _ := middleware.MinimumDelay(ctx)
+	d.held, d.minima = append(d.held, delay), append(d.minima, minimum)
+	return nil
+}
+
+// A RetryAfter too long to hold the delivery for (above a minute): after the
+// pause the fallback hands the copy to the Delayer again with the remaining
+// delay as delay and floor, instead of sending it straight back early.
+func TestFallbackLongRetryAfterTriesDelayerAgain(t *testing.T) {
+	d := &secondTryDelayer{}
+	c := newFallbackChain(t, d, nopPublisher{})
+	const asked = 10 * time.Minute
+	_, err := c.Middleware(func(*message.Message) ([]*message.Message, error) {
+		return nil, middleware.RetryAfter(errTransient, asked)
+	})(msgAt(1))
+	if err != nil {
+		t.Fatalf("want ack after the second try, got %v", err)
+	}
+	if len(d.held) != 1 || d.held[0] < asked-time.Second || d.held[0] > asked || d.minima[0] != d.held[0] {
+		t.Fatalf("second try: delays %v, floors %v; want one of about %v with the same floor", d.held, d.minima, asked)
+	}
+}

@@ -400,8 +400,10 @@ func (s *scan) release() error {
 // basic.nack requeue=true ("Consumer Acknowledgements and Publisher
 // Confirms"). They come back with the redelivered flag, and on quorum queues
 // with x-delivery-count incremented, which on RabbitMQ 4.0+ counts toward
-// the delivery limit (default 20): give poison queues a policy with
-// delivery-limit -1 there ("Quorum Queues"). Only messages that were ready
+// the delivery limit (default 20) on 4.0-4.2 (4.3 counts rejects, not
+// nacks): give poison queues a policy with a large finite delivery-limit
+// there, e.g. 1000000, not -1 (see the package doc, "Quorum Queues").
+// Only messages that were ready
 // when List started are examined (passive queue.declare message count,
 // "Queues").
 //

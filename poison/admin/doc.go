@@ -31,9 +31,21 @@
 //     On RabbitMQ 4.0 and later that count is checked against the queue's
 //     delivery limit (default 20): a message listed 20 times is dropped or
 //     dead-lettered by the broker ("Quorum Queues", "Poison Message
-//     Handling"). Set a policy with delivery-limit -1 (unlimited) on poison
-//     queues, e.g.
-//     rabbitmqctl set_policy poison-unlimited '\.poison$' '{"delivery-limit":-1}' --apply-to quorum_queues
+//     Handling"). RabbitMQ 4.3 counts only basic.reject and crashes, not
+//     the nacks these tools send; on 4.0-4.2 give poison queues a policy
+//     with a large finite delivery-limit, e.g.
+//     rabbitmqctl set_policy --apply-to quorum_queues --priority 0 poison-delivery-limit '\.poison$' '{"delivery-limit":1000000}'
+//     (tested on 4.3.6: the queue's delivery_limit reads back 1000000 and
+//     a message returned 25 times stays). Do not use -1 in a policy: the
+//     docs said for a time that -1 is not accepted there, NServiceBus users
+//     lost messages relying on it (NServiceBus.RabbitMQ issues 1688,
+//     1689), a -1 policy made 4.x re-apply policies every 5 s
+//     (rabbitmq-server issue 14202), and delivery-limit policy changes on
+//     existing quorum queues were fixed only in 2026 (PR 16035). -1 is
+//     safe only as the x-delivery-limit argument at declaration on 4.x
+//     (never on 3.x, where a negative limit acts as 0), and the library
+//     declares poison queues without it. RabbitMQ applies one policy per
+//     queue: if another policy matches poison queues, add the key to it.
 //   - Messages held unacknowledged by other consumers of the queue, and
 //     messages published after the scan started, are not seen. Run one
 //     operation at a time per queue and stop consumers of a poison queue
