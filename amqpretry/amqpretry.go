@@ -339,7 +339,6 @@ func New(cfg Config) (*Retry, error) {
 	if err != nil {
 		return nil, fmt.Errorf("amqpretry: connecting the retry publisher: %w", err)
 	}
-	var sources []middleware.AttemptSource
 	if cfg.NativeDelayedRetry != nil {
 		props, err := pub.serverProperties()
 		if err == nil {
@@ -348,12 +347,6 @@ func New(cfg Config) (*Retry, error) {
 		if err != nil {
 			_ = pub.Close()
 			return nil, err
-		}
-		qn := cfg.QueueName
-		sources = []middleware.AttemptSource{
-			middleware.HeaderSource(),
-			middleware.XDeathSource(func(msg *message.Message) string { return qn(msg.Context()) }),
-			middleware.AcquiredCountSource(),
 		}
 	}
 	if cfg.AdoptQueue != nil {
@@ -390,9 +383,9 @@ func New(cfg Config) (*Retry, error) {
 		Observer:        cfg.Observer,
 		Logger:          cfg.Logger,
 
-		// Native delayed retry: each retry is a redelivery, counted by
-		// x-acquired-count (nil sources: the router's defaults).
-		AttemptSources:      sources,
+		// The router's default sources, the same in every mode; with native
+		// delayed retry every redelivery (crashes too) is an attempt,
+		// counted by x-acquired-count.
 		RedeliveriesCounted: cfg.NativeDelayedRetry != nil,
 	})
 	if err != nil {

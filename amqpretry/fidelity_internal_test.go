@@ -347,7 +347,7 @@ func TestRetryPathDelivery(t *testing.T) {
 		{"configured loop-back", "lb", nil, false, true},
 		{"wait queue expiry", "", []middleware.DeathRecord{death("Q.wait.1s", "expired")}, true, true},
 		{"wait queue expiry, ms tier", "", []middleware.DeathRecord{death("Q.wait.200ms", "expired")}, true, true},
-		{"unknown tier", "", []middleware.DeathRecord{death("Q.wait.7s", "expired")}, true, false},
+		{"unknown tier (removed by a deploy)", "", []middleware.DeathRecord{death("Q.wait.7s", "expired")}, true, true},
 		{"not a tier", "", []middleware.DeathRecord{death("Q.wait.x1s", "expired")}, false, false},
 		{"another queue's wait queue", "", []middleware.DeathRecord{death("P.wait.1s", "expired")}, false, false},
 		{"older expiry", "", []middleware.DeathRecord{death("X", "expired"), death("Q.wait.1s", "expired")}, false, false},
@@ -362,6 +362,24 @@ func TestRetryPathDelivery(t *testing.T) {
 		}
 		if got := (Marshaler{Topology: topo}).retryPathDelivery(&d, tc.deaths); got != tc.topo {
 			t.Errorf("%s, Topology: %v, want %v", tc.name, got, tc.topo)
+		}
+	}
+	// The route (DeliveryRetryRouteKey) ignores deaths in Q: a
+	// DeadLetterFirstRetry comeback is on the route, not a copy.
+	for _, tc := range []struct {
+		name     string
+		exchange string
+		deaths   []middleware.DeathRecord
+		want     bool
+	}{
+		{"dead-letter first retry back from the wait queue", "", []middleware.DeathRecord{death("Q.wait.1s", "expired"), death("Q", "rejected")}, true},
+		{"delivery limit, back through the loop-back", "rabbitretry.loopback", []middleware.DeathRecord{death("Q", "delivery_limit")}, true},
+		{"business exchange with a forged rejection in Q", "orders", []middleware.DeathRecord{death("Q", "rejected")}, false},
+		{"default exchange, forged rejection in Q", "", []middleware.DeathRecord{death("Q", "rejected")}, false},
+	} {
+		d := amqp.Delivery{Exchange: tc.exchange, RoutingKey: "Q"}
+		if route, _ := (Marshaler{}).retryRoute(&d, tc.deaths); route != tc.want {
+			t.Errorf("%s: route %v, want %v", tc.name, route, tc.want)
 		}
 	}
 }

@@ -218,7 +218,7 @@ func (m Marshaler) Unmarshal(d amqp.Delivery) (*message.Message, error) {
 			}
 			headers[middleware.XAcquiredCountKey] = strconv.FormatInt(n, 10)
 		case PublishIDHeader, middleware.HeaderErrorKey, middleware.DeliveryExchangeKey, middleware.DeliveryRoutingKeyKey,
-			middleware.DeliveryRedeliveredKey, middleware.DeliveryRetryPathKey, TypedHeadersKey:
+			middleware.DeliveryRedeliveredKey, middleware.DeliveryRetryPathKey, middleware.DeliveryRetryRouteKey, TypedHeadersKey:
 			continue
 		default:
 			s, err := headerToString(v)
@@ -267,7 +267,7 @@ func onlyPlainStringHeaders(h amqp.Table) bool {
 		}
 		switch k {
 		case headerXDeath, headerXDeliveryCount, headerXAcquiredCount, middleware.HeaderErrorKey, middleware.DeliveryExchangeKey, middleware.DeliveryRoutingKeyKey,
-			middleware.DeliveryRedeliveredKey, middleware.DeliveryRetryPathKey, TypedHeadersKey:
+			middleware.DeliveryRedeliveredKey, middleware.DeliveryRetryPathKey, middleware.DeliveryRetryRouteKey, TypedHeadersKey:
 			return false
 		}
 	}
@@ -294,7 +294,11 @@ func (m Marshaler) finishUnmarshal(msg *message.Message, d amqp.Delivery, proble
 	if d.Redelivered {
 		msg.Metadata.Set(middleware.DeliveryRedeliveredKey, "true")
 	}
-	if m.retryPathDelivery(&d, deaths) {
+	route, copyOf := m.retryRoute(&d, deaths)
+	if route {
+		msg.Metadata.Set(middleware.DeliveryRetryRouteKey, "true")
+	}
+	if copyOf {
 		msg.Metadata.Set(middleware.DeliveryRetryPathKey, "true")
 	} else {
 		// Whatever origin keys this message carries, the library did not
@@ -327,7 +331,7 @@ func isBrokerOwnedOrDeliveryOnly(k string) bool {
 	switch k {
 	case headerXDeath, headerXDeliveryCount, headerXAcquiredCount, // == middleware.XDeathKey, XDeliveryCountKey, XAcquiredCountKey
 		middleware.DeliveryExchangeKey, middleware.DeliveryRoutingKeyKey, middleware.DeliveryRedeliveredKey,
-		middleware.DeliveryRetryPathKey, middleware.HeaderErrorKey, PublishIDHeader, TypedHeadersKey:
+		middleware.DeliveryRetryPathKey, middleware.DeliveryRetryRouteKey, middleware.HeaderErrorKey, PublishIDHeader, TypedHeadersKey:
 		return true
 	}
 	return strings.HasPrefix(k, prefixXFirstDeath) || strings.HasPrefix(k, prefixXLastDeath)
@@ -414,32 +418,36 @@ func (m Marshaler) restoreTypedHeaders(md message.Metadata, h amqp.Table) {
 	}
 }
 
-// retryPathDelivery reports whether d came back to its queue Q through the
-// library's own retry path, so that the origin keys it carries were written
-// by the library (middleware.RecordFailure) when it published the copy:
-//   - through the loop-back exchange (zero-delay copies, fallback and
-//     redelivery copies, poison-queue replays; Q is bound to it with routing
-//     key Q), or
-//   - through the default exchange with routing key Q, its most recent
-//     x-death entry being reason "expired" in one of Q's wait queues (a wait
-//     queue dead-letters through the default exchange to Q), or
-//   - through a Config.DelayerFactory's mechanism: the Topology's
+// retryRoute reports whether d reached its queue Q through one of the
+// library's retry routes (route: middleware.DeliveryRetryRouteKey), and
+// whether, moreover, the message is a copy the library published for Q, so
+// that the attempt count and origin keys it carries were written by the
+// library (copyOf: middleware.DeliveryRetryPathKey). The routes are:
+//   - the loop-back exchange (zero-delay copies, fallback and redelivery
+//     copies, poison-queue replays; Q is bound to it with routing key Q), or
+//   - the default exchange with routing key Q, its most recent x-death
+//     entry being reason "expired" in one of Q's wait queues (a wait queue
+//     dead-letters through the default exchange to Q; with
+//     DeadLetterFirstRetry Q's DLX also leads there), or
+//   - a Config.DelayerFactory's mechanism: the Topology's
 //     CustomDelayer.DeliveredQueue recognises the delivery's exchange and
 //     routing key and names Q (the delay cascade: a level exchange or its
-//     delivery exchange, and a cascade key ending in Q),
+//     delivery exchange, and a cascade key ending in Q).
 //
-// and, in every case, its x-death has no entry for Q itself: a message
-// dead-lettered out of Q (a nack with DeadLetterFirstRetry, a delivery limit,
-// an overflow) since it was last published is the same message its last
-// publisher sent, maybe a producer, not a copy the library wrote. Q is
-// d.RoutingKey on the first two routes, which deliver to the queue named by
-// the routing key, and the queue DeliveredQueue names on the third. A
-// message published straight to a business exchange never qualifies. (Anyone
-// allowed to publish to the loop-back exchange, a cascade exchange, or to Q
-// through the default exchange, can still set the origin exchange and
-// routing key, never the origin queue: restrict those with RabbitMQ
+// copyOf additionally needs an x-death without an entry for Q itself: a
+// message dead-lettered out of Q (a nack with DeadLetterFirstRetry, a
+// delivery limit, an overflow) since it was last published is the same
+// message its last publisher sent, maybe a producer, not a copy the library
+// wrote; its x-death entries for Q are the broker's, and count (see
+// middleware.XDeathSource). Q is d.RoutingKey on the first two routes, which
+// deliver to the queue named by the routing key, and the queue
+// DeliveredQueue names on the third. A message published straight to a
+// business exchange never qualifies. (Anyone allowed to publish to the
+// loop-back exchange, a cascade exchange, or to Q through the default
+// exchange, can still set the origin exchange and routing key and the
+// attempt count, never the origin queue: restrict those with RabbitMQ
 // permissions.)
-func (m Marshaler) retryPathDelivery(d *amqp.Delivery, deaths []middleware.DeathRecord) bool {
+func (m Marshaler) retryRoute(d *amqp.Delivery, deaths []middleware.DeathRecord) (route, copyOf bool) {
 	q := d.RoutingKey
 	custom := false
 	if m.Topology != nil && m.Topology.deliveredQueue != nil {
@@ -448,29 +456,38 @@ func (m Marshaler) retryPathDelivery(d *amqp.Delivery, deaths []middleware.Death
 		}
 	}
 	if q == "" {
-		return false
-	}
-	for _, r := range deaths {
-		if r.Queue == q {
-			return false
-		}
-	}
-	if custom {
-		return true
+		return false, false
 	}
 	loopBack := "rabbitretry.loopback"
 	if m.Topology != nil {
 		loopBack = m.Topology.Naming().LoopBackExchange
 	}
-	if d.Exchange == loopBack {
-		return true
+	route = custom || d.Exchange == loopBack ||
+		d.Exchange == "" && len(deaths) > 0 && deaths[0].Reason == "expired" && m.isWaitQueueOf(deaths[0].Queue, q)
+	if !route {
+		return false, false
 	}
-	return d.Exchange == "" && len(deaths) > 0 && deaths[0].Reason == "expired" && m.isWaitQueueOf(deaths[0].Queue, q)
+	for _, r := range deaths {
+		if r.Queue == q {
+			return true, false
+		}
+	}
+	return true, true
+}
+
+// retryPathDelivery reports whether d is a copy the library published for
+// its queue (see retryRoute).
+func (m Marshaler) retryPathDelivery(d *amqp.Delivery, deaths []middleware.DeathRecord) bool {
+	_, copyOf := m.retryRoute(d, deaths)
+	return copyOf
 }
 
 // isWaitQueueOf reports whether name is one of queue's wait queues: by the
-// Topology's names when set, else by the default naming "<queue>.wait.<tier>"
-// with a tier as middleware.FormatDelay renders it ("200ms", "1s", "5m", "2h").
+// Topology's names when set, or by the default naming "<queue>.wait.<tier>"
+// with a tier as middleware.FormatDelay renders it ("200ms", "1s", "5m", "2h")
+// for any tier, so that a copy waiting in the wait queue of a tier a later
+// deploy removed (or of the tiers that a deploy replaced by a
+// DelayerFactory) still counts as the library's when it comes back.
 func (m Marshaler) isWaitQueueOf(name, queue string) bool {
 	if m.Topology != nil {
 		for _, w := range m.Topology.WaitQueues(queue) {
@@ -478,7 +495,6 @@ func (m Marshaler) isWaitQueueOf(name, queue string) bool {
 				return true
 			}
 		}
-		return false
 	}
 	tier, ok := strings.CutPrefix(name, queue+".wait.")
 	if !ok {

@@ -72,6 +72,20 @@ const (
 	// earlier failure); otherwise they may be a producer's and are replaced.
 	DeliveryRetryPathKey = "rabbitretry-delivery-retry-path"
 
+	// DeliveryRetryRouteKey is "true" when the current delivery reached its
+	// queue through one of the library's retry routes (the loop-back
+	// exchange, a wait queue's dead-lettering back to the queue, a
+	// Config.DelayerFactory's delivery), whether or not the message was
+	// dead-lettered out of the queue since the library last published it
+	// (DeliveryRetryPathKey additionally requires that it was not). Only on
+	// such a delivery does XDeathSource count the queue's own x-death
+	// entries: a DeadLetterFirstRetry or delivery-limit dead-lettering comes
+	// back this way, a producer's message does not, so an x-death count a
+	// producer wrote never decides a first delivery. Set by the amqpretry
+	// Marshaler from the delivery (exchange, routing key, x-death), never
+	// from a header; never travels on the wire.
+	DeliveryRetryRouteKey = "rabbitretry-delivery-retry-route"
+
 	// RedeliveriesKey holds, as a decimal string, how many times the message
 	// came back redelivered (see DeliveryRedeliveredKey) since it was first
 	// consumed: the RedeliveryGuard writes it into the copy it makes of a
