@@ -382,6 +382,27 @@ func TestRetryPathDelivery(t *testing.T) {
 			t.Errorf("%s: route %v, want %v", tc.name, route, tc.want)
 		}
 	}
+	// A delay cascade's delivery that the Topology does not know (a deploy
+	// left the cascade): recognised by its shape.
+	for _, tc := range []struct {
+		name, exchange, key string
+		deaths              []middleware.DeathRecord
+		route, copyOf       bool
+	}{
+		{"from the delivery exchange", "d.delivery", "0.1.1.Q", []middleware.DeathRecord{death("d.level.00", "expired"), death("d.level.01", "expired")}, true, true},
+		{"from a level exchange", "d.level.01", "1.1.0.Q", []middleware.DeathRecord{death("d.level.02", "expired")}, true, true},
+		{"dead-lettered out of Q since", "d.delivery", "0.0.1.Q", []middleware.DeathRecord{death("d.level.00", "expired"), death("Q", "delivery_limit")}, true, false},
+		{"no level death", "d.delivery", "0.0.1.Q", nil, false, false},
+		{"another prefix's level", "d.delivery", "0.0.1.Q", []middleware.DeathRecord{death("e.level.00", "expired")}, false, false},
+		{"business exchange", "orders", "0.0.1.Q", []middleware.DeathRecord{death("d.level.00", "expired")}, false, false},
+		{"no bit words", "d.delivery", "Q", []middleware.DeathRecord{death("d.level.00", "expired")}, false, false},
+	} {
+		d := amqp.Delivery{Exchange: tc.exchange, RoutingKey: tc.key}
+		route, copyOf := (Marshaler{}).retryRoute(&d, tc.deaths)
+		if route != tc.route || copyOf != tc.copyOf {
+			t.Errorf("cascade %s: route %v copy %v, want %v %v", tc.name, route, copyOf, tc.route, tc.copyOf)
+		}
+	}
 }
 
 // Origin keys on a delivery that did not come through the retry path are

@@ -432,7 +432,9 @@ func (m Marshaler) restoreTypedHeaders(md message.Metadata, h amqp.Table) {
 //   - a Config.DelayerFactory's mechanism: the Topology's
 //     CustomDelayer.DeliveredQueue recognises the delivery's exchange and
 //     routing key and names Q (the delay cascade: a level exchange or its
-//     delivery exchange, and a cascade key ending in Q).
+//     delivery exchange, and a cascade key ending in Q); or, without it, a
+//     delivery shaped like one from a delay cascade (cascadeShaped), which
+//     a deploy that left the cascade still receives.
 //
 // copyOf additionally needs an x-death without an entry for Q itself: a
 // message dead-lettered out of Q (a nack with DeadLetterFirstRetry, a
@@ -455,6 +457,11 @@ func (m Marshaler) retryRoute(d *amqp.Delivery, deaths []middleware.DeathRecord)
 			q, custom = cq, true
 		}
 	}
+	if !custom {
+		if cq, ok := cascadeShaped(d, deaths); ok {
+			q, custom = cq, true
+		}
+	}
 	if q == "" {
 		return false, false
 	}
@@ -473,6 +480,50 @@ func (m Marshaler) retryRoute(d *amqp.Delivery, deaths []middleware.DeathRecord)
 		}
 	}
 	return true, true
+}
+
+// cascadeShaped recognises a delivery from a delay cascade (package
+// amqpretry/cascade) that the Marshaler's Topology does not know, as after
+// a deploy that switched a queue from the cascade to wait queues or native
+// retry while copies were still waiting in the levels: its exchange is
+// "<P>.level.NN" or "<P>.delivery", its most recent x-death entry is reason
+// "expired" in level queue "<P>.level.MM" of the same prefix P, and its
+// routing key is bit words "0"/"1" followed by the destination queue, which
+// it returns. (A queue whose own name starts with a "0" or "1" word is cut
+// short and not recognised.) Publishing such a delivery takes permissions on
+// the cascade's exchanges and a dead-lettering by its level queue.
+func cascadeShaped(d *amqp.Delivery, deaths []middleware.DeathRecord) (string, bool) {
+	if len(deaths) == 0 || deaths[0].Reason != "expired" {
+		return "", false
+	}
+	prefix, ok := cascadeLevelPrefix(deaths[0].Queue)
+	if !ok {
+		return "", false
+	}
+	if p, ok := cascadeLevelPrefix(d.Exchange); !(ok && p == prefix) && d.Exchange != prefix+".delivery" {
+		return "", false
+	}
+	rest, bits := d.RoutingKey, 0
+	for len(rest) > 2 && (rest[0] == '0' || rest[0] == '1') && rest[1] == '.' {
+		rest, bits = rest[2:], bits+1
+	}
+	if bits == 0 || rest == "" {
+		return "", false
+	}
+	return rest, true
+}
+
+// cascadeLevelPrefix returns P for a name "<P>.level.NN" (NN two digits).
+func cascadeLevelPrefix(name string) (string, bool) {
+	i := strings.LastIndex(name, ".level.")
+	if i <= 0 {
+		return "", false
+	}
+	nn := name[i+len(".level."):]
+	if len(nn) != 2 || nn[0] < '0' || nn[0] > '9' || nn[1] < '0' || nn[1] > '9' {
+		return "", false
+	}
+	return name[:i], true
 }
 
 // retryPathDelivery reports whether d is a copy the library published for
