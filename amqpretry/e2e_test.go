@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/cenkalti/backoff/v4"
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -411,8 +412,31 @@ func TestE2E_NoHeadOfLineBlocking(t *testing.T) {
 // exactly MaxAttempts (3) times, its retry copies carrying this queue's own
 // count, then lands in the poison queue.
 func TestE2E_ForgedRetryHeaders(t *testing.T) {
-	forEachQueueType(t, func(t *testing.T, qt string) {
-		e := newEnv(t, qt)
+	for _, mode := range []struct {
+		name string
+		qt   string
+		opts []envOption
+	}{
+		{"classic", amqpretry.QueueTypeClassic, nil},
+		{"quorum", amqpretry.QueueTypeQuorum, nil},
+		{"quorum-dead-letter-first", amqpretry.QueueTypeQuorum, []envOption{func(c *amqpretry.Config) { c.DeadLetterFirstRetry = true }}},
+		{"quorum-native", amqpretry.QueueTypeQuorum, []envOption{func(c *amqpretry.Config) {
+			c.Backoff = testkit.ExactBackoff(200 * time.Millisecond) // 200 ms, 400 ms: both native
+			c.NativeDelayedRetry = &amqpretry.NativeDelayedRetry{Min: 200 * time.Millisecond, Max: 400 * time.Millisecond}
+		}}},
+	} {
+		t.Run(mode.name, func(t *testing.T) {
+			if mode.name == "quorum-native" {
+				broker43(t)
+			}
+			forgedRetryHeaders(t, mode.name, mode.qt, mode.opts...)
+		})
+	}
+}
+
+func forgedRetryHeaders(t *testing.T, mode, qt string, opts ...envOption) {
+	{
+		e := newEnv(t, qt, opts...)
 		rec := newRecorder()
 		q := e.handle("svc", func(msg *message.Message) error {
 			rec.record(msg, middleware.Attempt(msg))
@@ -468,8 +492,8 @@ func TestE2E_ForgedRetryHeaders(t *testing.T) {
 			}
 		}
 		t.Logf("ACCOUNT TestE2E_ForgedRetryHeaders/%s: published=%d handled=%d poisoned=%d duplicates=0 lost=%d",
-			qt, len(cases), handled, e.depth(pq), len(cases)-e.depth(pq)-e.depth(q))
-	})
+			mode, len(cases), handled, e.depth(pq), len(cases)-e.depth(pq)-e.depth(q))
+	}
 }
 
 // DeadLetterFirstRetry (quorum): a first-tier retry is the broker's
@@ -517,6 +541,41 @@ func TestE2E_DeadLetterFirstRetry(t *testing.T) {
 		QueueType: amqpretry.QueueTypeClassic, DeadLetterFirstRetry: true}); err == nil || !strings.Contains(err.Error(), "DeadLetterFirstRetry") {
 		t.Errorf("DeadLetterFirstRetry with classic queues: err = %v, want a Validate error naming the field", err)
 	}
+}
+
+// DeadLetterFirstRetry of a copy: a retry copy (attempt 3, published to the
+// second wait queue) whose next retry is again first-tier goes through Q's
+// dead-letter path; back from the first wait queue it is still the
+// library's copy (x-first-death-queue: its wait queue), so its attempt
+// header and the new rejection both count: attempts [1 2 3 4 5], never a
+// count that goes back.
+func TestE2E_DeadLetterFirstRetryOfACopy(t *testing.T) {
+	e := newEnv(t, amqpretry.QueueTypeQuorum, func(c *amqpretry.Config) {
+		c.DeadLetterFirstRetry = true
+		c.MaxAttempts = 5
+		c.Tiers = []time.Duration{200 * time.Millisecond, 500 * time.Millisecond}
+		c.Backoff = func() backoff.BackOff {
+			// 1 -> 2: dead-letter path; 2 -> 3: a copy in the 500 ms wait
+			// queue; 3 -> 4 and 4 -> 5: dead-letter path again.
+			return &seqBackoff{ds: []time.Duration{200 * time.Millisecond, 500 * time.Millisecond, 200 * time.Millisecond}}
+		}
+	})
+	rec := newRecorder()
+	q := e.handle("a", func(msg *message.Message) error {
+		rec.record(msg, middleware.Attempt(msg))
+		return errTransient
+	})
+	e.start()
+	msg := message.NewMessage(watermill.NewUUID(), []byte("x"))
+	e.publish(msg)
+	pq := e.retry.Topology().PoisonQueue(q)
+	waitFor(t, 15*time.Second, "poisoned", func() bool { return e.depth(pq) == 1 })
+	attempts, _ := rec.get(msg.UUID)
+	if fmt.Sprint(attempts) != "[1 2 3 4 5]" {
+		t.Errorf("attempts %v, want [1 2 3 4 5]", attempts)
+	}
+	t.Logf("ACCOUNT TestE2E_DeadLetterFirstRetryOfACopy: published=1 handled=%d poisoned=%d duplicates=0 lost=%d",
+		len(attempts), e.depth(pq), 1-e.depth(pq))
 }
 
 // AMQP properties survive the retry path: the handler sees them on every

@@ -382,6 +382,37 @@ func TestRetryPathDelivery(t *testing.T) {
 			t.Errorf("%s: route %v, want %v", tc.name, route, tc.want)
 		}
 	}
+	// Dead-lettered out of Q since the last publish: a copy of the library
+	// only if the broker's x-first-death headers say its first dead-lettering
+	// was in a wait queue, a cascade level, or in Q after the loop-back.
+	for _, tc := range []struct {
+		name     string
+		fq, fx   string
+		copyOf   bool
+		withTopo bool
+	}{
+		{"producer's message, dead-letter first retry", "Q", "orders", false, false},
+		{"no first-death headers", "", "", false, false},
+		{"copy from a wait queue", "Q.wait.1s", "rabbitretry.wait", true, false},
+		{"copy from a configured wait queue", "Q.wait.200ms", "w", true, true},
+		{"zero-delay copy via the loop-back", "Q", "rabbitretry.loopback", true, false},
+		{"zero-delay copy via the configured loop-back", "Q", "lb", true, true},
+		{"copy from a cascade level", "d.level.03", "d.level.03", true, false},
+		{"another queue's wait queue", "P.wait.1s", "rabbitretry.wait", false, false},
+	} {
+		d := amqp.Delivery{Exchange: "", RoutingKey: "Q", Headers: amqp.Table{}}
+		if tc.fq != "" {
+			d.Headers["x-first-death-queue"], d.Headers["x-first-death-exchange"] = tc.fq, tc.fx
+		}
+		m := Marshaler{}
+		if tc.withTopo {
+			m.Topology = topo
+		}
+		deaths := []middleware.DeathRecord{death("Q.wait.200ms", "expired"), death("Q", "rejected")}
+		if route, copyOf := m.retryRoute(&d, deaths); !route || copyOf != tc.copyOf {
+			t.Errorf("dead-lettered out of Q, %s: route %v copy %v, want true %v", tc.name, route, copyOf, tc.copyOf)
+		}
+	}
 	// A delay cascade's delivery that the Topology does not know (a deploy
 	// left the cascade): recognised by its shape.
 	for _, tc := range []struct {

@@ -436,12 +436,12 @@ func (m Marshaler) restoreTypedHeaders(md message.Metadata, h amqp.Table) {
 //     delivery shaped like one from a delay cascade (cascadeShaped), which
 //     a deploy that left the cascade still receives.
 //
-// copyOf additionally needs an x-death without an entry for Q itself: a
-// message dead-lettered out of Q (a nack with DeadLetterFirstRetry, a
-// delivery limit, an overflow) since it was last published is the same
-// message its last publisher sent, maybe a producer, not a copy the library
-// wrote; its x-death entries for Q are the broker's, and count (see
-// middleware.XDeathSource). Q is d.RoutingKey on the first two routes, which
+// copyOf additionally needs an x-death without an entry for Q itself, or
+// else copyBeforeDeath: a message dead-lettered out of Q (a nack with
+// DeadLetterFirstRetry, a delivery limit, an overflow) since it was last
+// published is the same message its last publisher sent, a copy of the
+// library only if its first dead-lettering since says so; its x-death
+// entries for Q are the broker's, and count (see middleware.XDeathSource). Q is d.RoutingKey on the first two routes, which
 // deliver to the queue named by the routing key, and the queue
 // DeliveredQueue names on the third. A message published straight to a
 // business exchange never qualifies. (Anyone allowed to publish to the
@@ -476,10 +476,33 @@ func (m Marshaler) retryRoute(d *amqp.Delivery, deaths []middleware.DeathRecord)
 	}
 	for _, r := range deaths {
 		if r.Queue == q {
-			return true, false
+			return true, m.copyBeforeDeath(d, q, loopBack)
 		}
 	}
 	return true, true
+}
+
+// copyBeforeDeath reports whether a message dead-lettered out of q since it
+// was last published (a DeadLetterFirstRetry nack, a delivery limit) was,
+// when it was in q, a copy the library had published for q, from the
+// broker's x-first-death-queue and x-first-death-exchange headers ("Dead
+// Letter Exchanges": set at the first dead-lettering of a message without
+// them). The library strips them from every copy it publishes, so they name
+// the copy's first dead-lettering: in a wait queue of q or a cascade level
+// (a delayed copy), or in q itself after arriving through the loop-back
+// exchange (a zero-delay copy). A producer's message dead-lettered out of q
+// has q and its business exchange there.
+func (m Marshaler) copyBeforeDeath(d *amqp.Delivery, q, loopBack string) bool {
+	fq, _ := d.Headers[prefixXFirstDeath+"queue"].(string)
+	fx, _ := d.Headers[prefixXFirstDeath+"exchange"].(string)
+	if fq == q {
+		return fx == loopBack
+	}
+	if m.isWaitQueueOf(fq, q) {
+		return true
+	}
+	_, level := cascadeLevelPrefix(fq)
+	return level
 }
 
 // cascadeShaped recognises a delivery from a delay cascade (package
