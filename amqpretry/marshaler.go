@@ -155,9 +155,12 @@ func (m Marshaler) uuidHeaderKey() string {
 // that comes back without a copy in between (requeued, or dead-lettered by the
 // broker after a nack) is a new delivery of the original and gets a new UUID.
 //
-// Origin: middleware.DeliveryRetryPathKey is set to "true" when the delivery
-// came back through the library's own retry path (see retryPathDelivery). On
-// any other delivery the origin keys cannot have been written by the library,
+// Origin and attempts: middleware.DeliveryRetryRouteKey is set to "true"
+// when the delivery reached its queue through one of the library's retry
+// routes, and middleware.DeliveryRetryPathKey when, moreover, it is a copy
+// the library published for that queue (see retryRoute): only then does
+// the attempt counter read its attempt header (and, on a retry route, its
+// x-death entries for the queue). On any other delivery the origin keys cannot have been written by the library,
 // so a producer's middleware.OriginalQueueKey is removed and
 // OriginalExchangeKey / OriginalRoutingKeyKey are set to d.Exchange and
 // d.RoutingKey: no copy of the message (retry, poison, redelivery or fallback

@@ -103,12 +103,14 @@ func parseCount(key, v string) (int64, error) {
 // it is OriginalQueueKey == queue, which RecordFailure writes on every
 // retry copy: a message from another queue's chain or a producer's message
 // without that key never is one (an in-process publisher that copies
-// OriginalQueueKey of this very queue can still pass).
+// OriginalQueueKey of this very queue can still pass). With queue "" (not
+// known, e.g. outside a message.Router) there is nothing to compare, and a
+// message without transport evidence counts as a copy.
 func OwnCopy(msg *message.Message, queue string) bool {
 	if _, amqp := msg.Metadata[DeliveryExchangeKey]; amqp {
 		return msg.Metadata.Get(DeliveryRetryPathKey) == "true"
 	}
-	return queue != "" && msg.Metadata.Get(OriginalQueueKey) == queue
+	return queue == "" || msg.Metadata.Get(OriginalQueueKey) == queue
 }
 
 // HeaderSource reads the library's own AttemptKey header, written by the
