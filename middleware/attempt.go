@@ -92,7 +92,7 @@ func parseCount(key, v string) (int64, error) {
 	return n, nil
 }
 
-// OwnCopy reports whether msg, consumed from queue, is a copy the library
+// ownCopy reports whether msg, consumed from queue, is a copy the library
 // itself published for that queue, so that the AttemptKey it carries was
 // written by this queue's retry chain and counts. With the amqpretry
 // Marshaler (any delivery it produced has DeliveryExchangeKey), that is
@@ -106,7 +106,7 @@ func parseCount(key, v string) (int64, error) {
 // OriginalQueueKey of this very queue can still pass). With queue "" (not
 // known, e.g. outside a message.Router) there is nothing to compare, and a
 // message without transport evidence counts as a copy.
-func OwnCopy(msg *message.Message, queue string) bool {
+func ownCopy(msg *message.Message, queue string) bool {
 	if _, amqp := msg.Metadata[DeliveryExchangeKey]; amqp {
 		return msg.Metadata.Get(DeliveryRetryPathKey) == "true"
 	}
@@ -115,7 +115,7 @@ func OwnCopy(msg *message.Message, queue string) bool {
 
 // HeaderSource reads the library's own AttemptKey header, written by the
 // delayed republisher (and the RedeliveryGuard, the fallback) on every copy
-// it schedules, but only on a copy of this queue's chain (OwnCopy with
+// it schedules, but only on a copy of this queue's chain (ownCopy with
 // queue(msg)): on any other delivery (a producer's message, one that
 // carries another queue's count, a first delivery here) the header says
 // nothing about this queue and counts 0, so the handler runs. The header
@@ -132,7 +132,7 @@ func HeaderSource(queue func(msg *message.Message) string) AttemptSource {
 	}
 	return AttemptSource{Name: "header", Previous: func(msg *message.Message) (int64, error) {
 		v, ok := msg.Metadata[AttemptKey]
-		if !ok || !OwnCopy(msg, queue(msg)) {
+		if !ok || !ownCopy(msg, queue(msg)) {
 			return 0, nil
 		}
 		n, err := parseCount(AttemptKey, v)
