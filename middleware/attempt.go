@@ -96,8 +96,9 @@ func parseCount(key, v string) (int64, error) {
 // itself published for that queue, so that the AttemptKey it carries was
 // written by this queue's retry chain and counts. With the amqpretry
 // Marshaler (any delivery it produced has DeliveryExchangeKey), that is
-// DeliveryRetryPathKey, which it derives from the delivery itself (the
-// exchange and the latest x-death entry), never from a header: a producer
+// DeliveryRetryPathKey, which it derives from the delivery itself (its
+// exchange and routing key, and the dead-lettering the broker recorded in
+// x-death and x-first-death-*), never from a library header: a producer
 // publishing to a business exchange cannot make its message one. With a
 // transport that carries no such evidence (gochannel and the MemoryDelayer),
 // it is OriginalQueueKey == queue, which RecordFailure writes on every
