@@ -65,11 +65,13 @@ const (
 	// its queue through the library's own retry path (a wait queue's
 	// dead-lettering, a zero-delay copy or a replay from a poison queue), as
 	// the Pub/Sub integration can tell from the delivery itself: the amqpretry
-	// Marshaler sets it from the delivery's exchange and its latest x-death
-	// entry, never from a header, and it never travels on the wire. Only then
-	// does RecordFailure keep the OriginalExchangeKey and
-	// OriginalRoutingKeyKey the message carries (written by the library on an
-	// earlier failure); otherwise they may be a producer's and are replaced.
+	// Marshaler sets it from the delivery's exchange, routing key and the
+	// broker's x-death (and x-first-death-*) headers, never from a library
+	// header, and it never travels on the wire. Only then does HeaderSource
+	// count the AttemptKey the message carries, and RecordFailure keep the
+	// OriginalExchangeKey and OriginalRoutingKeyKey (written by the library
+	// on an earlier failure); otherwise they may be a producer's: the
+	// attempt count starts at 1 and the origin keys are replaced.
 	DeliveryRetryPathKey = "rabbitretry-delivery-retry-path"
 
 	// DeliveryRetryRouteKey is "true" when the current delivery reached its
