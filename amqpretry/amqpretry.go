@@ -375,7 +375,6 @@ func New(cfg Config) (*Retry, error) {
 	if err != nil {
 		return nil, fmt.Errorf("amqpretry: connecting the retry publisher: %w", err)
 	}
-	var sources []middleware.AttemptSource
 	if cfg.NativeDelayedRetry != nil {
 		props, err := pub.serverProperties()
 		if err == nil {
@@ -384,12 +383,6 @@ func New(cfg Config) (*Retry, error) {
 		if err != nil {
 			_ = pub.Close()
 			return nil, err
-		}
-		qn := cfg.QueueName
-		sources = []middleware.AttemptSource{
-			middleware.HeaderSource(),
-			middleware.XDeathSource(func(msg *message.Message) string { return qn(msg.Context()) }),
-			middleware.AcquiredCountSource(),
 		}
 	}
 	if cfg.AdoptQueue != nil {
@@ -433,9 +426,9 @@ func New(cfg Config) (*Retry, error) {
 		Pause:           cfg.Pause,
 		Tracing:         cfg.Tracing,
 
-		// Native delayed retry: each retry is a redelivery, counted by
-		// x-acquired-count (nil sources: the router's defaults).
-		AttemptSources:      sources,
+		// The router's default sources, the same in every mode; with native
+		// delayed retry every redelivery (crashes too) is an attempt,
+		// counted by x-acquired-count.
 		RedeliveriesCounted: cfg.NativeDelayedRetry != nil,
 	})
 	if err != nil {
@@ -472,6 +465,11 @@ func (r *Retry) Middleware(h message.HandlerFunc) message.HandlerFunc {
 	inner := r.chain.Middleware(h)
 	return func(msg *message.Message) ([]*message.Message, error) {
 		defer forgetDelivery(msg)
+		if r.delayer.deadLetterFirst && msg.Metadata.Get(middleware.XDeathKey) != "" {
+			if ctx := msg.Context(); foreignDeaths(msg, r.queueName(ctx)) {
+				msg.SetContext(context.WithValue(ctx, foreignDeathsKey{}, true))
+			}
+		}
 		return inner(msg)
 	}
 }
@@ -566,7 +564,10 @@ type Delayer struct {
 // whose headers exceed MaxCopyHeaderBytes is refused with an error wrapping
 // middleware.ErrCannotDelay (the message is then poisoned). With
 // Config.DeadLetterFirstRetry, a first-tier retry returns
-// middleware.ErrDeadLetter without publishing; with
+// middleware.ErrDeadLetter without publishing, unless the message carries
+// delivery carries x-death entries for Q that did not come from its way back
+// to Q (a producer's: foreignDeaths, marked by Retry.Middleware), which the
+// dead-letter path would keep; with
 // Config.NativeDelayedRetry, a retry in its range (NativeDelayedRetry) returns
 // middleware.ErrNativeRetry without publishing; either only while the
 // route checks out (see Config.DeadLetterFirstRetry), else it publishes. The
@@ -603,11 +604,40 @@ func (d *Delayer) Schedule(ctx context.Context, msg *message.Message, delay time
 			return middleware.ErrNativeRetry // the nack with requeue puts it into Q's delayed state
 		}
 	}
-	if d.deadLetterFirst && tier == d.topology.tiers[0] && d.routes.usable(q) {
+	if d.deadLetterFirst && tier == d.topology.tiers[0] && ctx.Value(foreignDeathsKey{}) == nil && d.routes.usable(q) {
 		return middleware.ErrDeadLetter // Q's DLX routes to the first wait queue
 	}
 	wq := d.topology.naming.WaitQueue(q, tier)
 	return d.publish(ctx, msg, d.topology.naming.WaitExchange, wq, q)
+}
+
+// foreignDeathsKey marks, in a delivery's context (Retry.Middleware), a
+// delivery with foreignDeaths: its first-tier retry is a published copy,
+// not the dead-letter path.
+type foreignDeathsKey struct{}
+
+// foreignDeaths reports whether msg carries x-death entries for q that the
+// broker did not write on the way back to q (a producer's, or copied from
+// another message): the message is not on a retry route
+// (middleware.DeliveryRetryRouteKey). The dead-letter path would keep them
+// (RabbitMQ 3.x adds its own count to an x-death entry the message already
+// has), so that such a message's next delivery, back through the first wait
+// queue, would count them as attempts; a published copy, whose x-death is
+// stripped, counts only the attempts made here.
+func foreignDeaths(msg *message.Message, q string) bool {
+	if msg.Metadata.Get(middleware.DeliveryRetryRouteKey) == "true" {
+		return false
+	}
+	recs, err := middleware.ParseXDeath(msg.Metadata.Get(middleware.XDeathKey))
+	if err != nil {
+		return true
+	}
+	for _, r := range recs {
+		if r.Queue == q {
+			return true
+		}
+	}
+	return false
 }
 
 // publish marshals msg and publishes it to exchange with key (mandatory,

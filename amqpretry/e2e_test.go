@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/cenkalti/backoff/v4"
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -318,7 +319,8 @@ func refuseWaitQueues(t *testing.T, q string) {
 
 // Messages carrying x-death and x-delivery-count headers (non-string AMQP
 // values that watermill-amqp's DefaultMarshaler refuses) unmarshal and are
-// handled; x-death rejections of this queue count as attempts.
+// handled; x-death rejections of this queue written by the producer do not
+// count (only the broker's, on a delivery back through a retry route).
 func TestE2E_BrokerHeadersUnmarshal(t *testing.T) {
 	forEachQueueType(t, func(t *testing.T, qt string) {
 		e := newEnv(t, qt)
@@ -349,8 +351,8 @@ func TestE2E_BrokerHeadersUnmarshal(t *testing.T) {
 		md := rec.meta[msg.UUID][0]
 		att := rec.attempts[msg.UUID][0]
 		rec.mu.Unlock()
-		if att != 2 {
-			t.Errorf("attempt %d, want 2 (one x-death rejection from this queue)", att)
+		if att != 1 {
+			t.Errorf("attempt %d, want 1 (a producer's x-death never counts on a first delivery)", att)
 		}
 		if md.Get("x-delivery-count") != "2" || md.Get("an-int") != "7" {
 			t.Errorf("metadata x-delivery-count %q an-int %q", md.Get("x-delivery-count"), md.Get("an-int"))
@@ -402,51 +404,98 @@ func TestE2E_NoHeadOfLineBlocking(t *testing.T) {
 	})
 }
 
-// Forged retry headers give the documented behaviour and a bounded number of
-// attempts: non-numeric and negative values are ignored (counting starts at
-// 1), values beyond the cap read as the cap, which is past MaxAttempts: the
-// message is poisoned without running the handler.
+// Issue #18 item 1: a message's first run through this queue always runs
+// the handler. Whatever attempt evidence a producer or another queue's chain
+// put on it (the library's attempt header at any value, malformed or
+// huge, an x-death count for this queue, another chain's origin and
+// redelivery keys), the first delivery is attempt 1, and the message runs
+// exactly MaxAttempts (3) times, its retry copies carrying this queue's own
+// count, then lands in the poison queue.
 func TestE2E_ForgedRetryHeaders(t *testing.T) {
-	forEachQueueType(t, func(t *testing.T, qt string) {
-		e := newEnv(t, qt)
+	for _, mode := range []struct {
+		name string
+		qt   string
+		opts []envOption
+	}{
+		{"classic", amqpretry.QueueTypeClassic, nil},
+		{"quorum", amqpretry.QueueTypeQuorum, nil},
+		{"quorum-dead-letter-first", amqpretry.QueueTypeQuorum, []envOption{func(c *amqpretry.Config) { c.DeadLetterFirstRetry = true }}},
+		{"quorum-native", amqpretry.QueueTypeQuorum, []envOption{func(c *amqpretry.Config) {
+			c.Backoff = testkit.ExactBackoff(200 * time.Millisecond) // 200 ms, 400 ms: both native
+			c.NativeDelayedRetry = &amqpretry.NativeDelayedRetry{Min: 200 * time.Millisecond, Max: 400 * time.Millisecond}
+		}}},
+	} {
+		t.Run(mode.name, func(t *testing.T) {
+			if mode.name == "quorum-native" {
+				broker43(t)
+			}
+			forgedRetryHeaders(t, mode.name, mode.qt, mode.opts...)
+		})
+	}
+}
+
+func forgedRetryHeaders(t *testing.T, mode, qt string, opts ...envOption) {
+	{
+		e := newEnv(t, qt, opts...)
 		rec := newRecorder()
 		q := e.handle("svc", func(msg *message.Message) error {
 			rec.record(msg, middleware.Attempt(msg))
 			return errTransient
 		})
 		e.start()
-		cases := []struct {
-			value        string
-			wantAttempts string
-		}{
-			{"abc", "[1 2 3]"},
-			{"-5", "[1 2 3]"},
-			{"0", "[1 2 3]"},
-			{"99999999999999999999", "[]"}, // past MaxAttempts: poisoned without running
-			{"2", "[2 3]"},
+		type forged struct {
+			name    string
+			headers amqp.Table
 		}
-		msgs := map[string]string{}
+		cases := []forged{
+			{"attempt abc", amqp.Table{middleware.AttemptKey: "abc"}},
+			{"attempt -5", amqp.Table{middleware.AttemptKey: "-5"}},
+			{"attempt 0", amqp.Table{middleware.AttemptKey: "0"}},
+			{"attempt 2", amqp.Table{middleware.AttemptKey: "2"}},
+			{"attempt = MaxAttempts", amqp.Table{middleware.AttemptKey: "3"}},
+			{"attempt 99", amqp.Table{middleware.AttemptKey: "99"}},
+			{"attempt overflow", amqp.Table{middleware.AttemptKey: "99999999999999999999"}},
+			{"x-death 50 for Q", amqp.Table{"x-death": []interface{}{
+				amqp.Table{"queue": q, "reason": "rejected", "count": int64(50), "exchange": e.exchange,
+					"routing-keys": []interface{}{"order.created"}, "time": time.Now().Truncate(time.Second)},
+				amqp.Table{"queue": q + ".wait.1s", "reason": "expired", "count": int64(50)},
+			}}},
+			{"another queue's chain", amqp.Table{middleware.AttemptKey: "3", middleware.OriginalQueueKey: "payments",
+				middleware.RedeliveriesKey: "2", middleware.DeliveryRetryPathKey: "true", middleware.DeliveryRetryRouteKey: "true",
+				middleware.FirstFailureKey: "2026-01-01T00:00:00Z", "x-acquired-count": int64(7), "x-delivery-count": int64(7)}},
+		}
+		uuids := map[string]string{}
+		var all []string
 		for _, c := range cases {
-			m := message.NewMessage(watermill.NewUUID(), []byte(c.value))
-			m.Metadata.Set(middleware.AttemptKey, c.value)
-			msgs[c.value] = m.UUID
-			e.publish(m)
+			m := message.NewMessage(watermill.NewUUID(), []byte(c.name))
+			p, err := amqpretry.Marshaler{}.Marshal(m)
+			if err != nil {
+				t.Fatal(err)
+			}
+			for k, v := range c.headers {
+				p.Headers[k] = v
+			}
+			if err := e.ch.PublishWithContext(context.Background(), e.exchange, "order.created", false, false, p); err != nil {
+				t.Fatal(err)
+			}
+			uuids[c.name] = m.UUID
+			all = append(all, m.UUID)
 		}
 		pq := e.retry.Topology().PoisonQueue(q)
-		waitFor(t, 15*time.Second, "all forged messages poisoned", func() bool { return e.depth(pq) == len(cases) })
+		waitFor(t, 30*time.Second, "all forged messages poisoned", func() bool { return e.depth(pq) == len(cases) })
+		runs := 0
 		for _, c := range cases {
-			got, _ := rec.get(msgs[c.value])
-			if fmt.Sprint(got) != c.wantAttempts {
-				t.Errorf("header %q: attempts %v, want %s", c.value, got, c.wantAttempts)
+			got, _ := rec.get(uuids[c.name])
+			runs += len(got)
+			if fmt.Sprint(got) != "[1 2 3]" {
+				t.Errorf("%s: runs at attempts %v, want [1 2 3]", c.name, got)
 			}
 		}
-		rec.mu.Lock()
-		md := rec.meta[msgs["abc"]][0]
-		rec.mu.Unlock()
-		if !strings.Contains(md.Get(middleware.HeaderErrorKey), "not a decimal number") {
-			t.Errorf("ignored header not reported: %q", md.Get(middleware.HeaderErrorKey))
-		}
-	})
+		// handled: messages that succeeded (none: the handler always fails);
+		// every message ends poisoned, after exactly 3 runs.
+		t.Logf("ACCOUNT TestE2E_ForgedRetryHeaders/%s: published=%d handled=0 poisoned=%d duplicates=0 lost=%d (handler runs %d)",
+			mode, len(cases), e.depth(pq), len(cases)-e.depth(pq)-e.depth(q), runs)
+	}
 }
 
 // DeadLetterFirstRetry (quorum): a first-tier retry is the broker's
@@ -494,6 +543,41 @@ func TestE2E_DeadLetterFirstRetry(t *testing.T) {
 		QueueType: amqpretry.QueueTypeClassic, DeadLetterFirstRetry: true}); err == nil || !strings.Contains(err.Error(), "DeadLetterFirstRetry") {
 		t.Errorf("DeadLetterFirstRetry with classic queues: err = %v, want a Validate error naming the field", err)
 	}
+}
+
+// DeadLetterFirstRetry of a copy: a retry copy (attempt 3, published to the
+// second wait queue) whose next retry is again first-tier goes through Q's
+// dead-letter path; back from the first wait queue it is still the
+// library's copy (x-first-death-queue: its wait queue), so its attempt
+// header and the new rejection both count: attempts [1 2 3 4 5], never a
+// count that goes back.
+func TestE2E_DeadLetterFirstRetryOfACopy(t *testing.T) {
+	e := newEnv(t, amqpretry.QueueTypeQuorum, func(c *amqpretry.Config) {
+		c.DeadLetterFirstRetry = true
+		c.MaxAttempts = 5
+		c.Tiers = []time.Duration{200 * time.Millisecond, 500 * time.Millisecond}
+		c.Backoff = func() backoff.BackOff {
+			// 1 -> 2: dead-letter path; 2 -> 3: a copy in the 500 ms wait
+			// queue; 3 -> 4 and 4 -> 5: dead-letter path again.
+			return &seqBackoff{ds: []time.Duration{200 * time.Millisecond, 500 * time.Millisecond, 200 * time.Millisecond}}
+		}
+	})
+	rec := newRecorder()
+	q := e.handle("a", func(msg *message.Message) error {
+		rec.record(msg, middleware.Attempt(msg))
+		return errTransient
+	})
+	e.start()
+	msg := message.NewMessage(watermill.NewUUID(), []byte("x"))
+	e.publish(msg)
+	pq := e.retry.Topology().PoisonQueue(q)
+	waitFor(t, 15*time.Second, "poisoned", func() bool { return e.depth(pq) == 1 })
+	attempts, _ := rec.get(msg.UUID)
+	if fmt.Sprint(attempts) != "[1 2 3 4 5]" {
+		t.Errorf("attempts %v, want [1 2 3 4 5]", attempts)
+	}
+	t.Logf("ACCOUNT TestE2E_DeadLetterFirstRetryOfACopy: published=1 handled=0 poisoned=%d duplicates=0 lost=%d (handler runs %d)",
+		e.depth(pq), 1-e.depth(pq), len(attempts))
 }
 
 // AMQP properties survive the retry path: the handler sees them on every

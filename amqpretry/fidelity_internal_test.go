@@ -347,7 +347,7 @@ func TestRetryPathDelivery(t *testing.T) {
 		{"configured loop-back", "lb", nil, false, true},
 		{"wait queue expiry", "", []middleware.DeathRecord{death("Q.wait.1s", "expired")}, true, true},
 		{"wait queue expiry, ms tier", "", []middleware.DeathRecord{death("Q.wait.200ms", "expired")}, true, true},
-		{"unknown tier", "", []middleware.DeathRecord{death("Q.wait.7s", "expired")}, true, false},
+		{"unknown tier (removed by a deploy)", "", []middleware.DeathRecord{death("Q.wait.7s", "expired")}, true, true},
 		{"not a tier", "", []middleware.DeathRecord{death("Q.wait.x1s", "expired")}, false, false},
 		{"another queue's wait queue", "", []middleware.DeathRecord{death("P.wait.1s", "expired")}, false, false},
 		{"older expiry", "", []middleware.DeathRecord{death("X", "expired"), death("Q.wait.1s", "expired")}, false, false},
@@ -362,6 +362,76 @@ func TestRetryPathDelivery(t *testing.T) {
 		}
 		if got := (Marshaler{Topology: topo}).retryPathDelivery(&d, tc.deaths); got != tc.topo {
 			t.Errorf("%s, Topology: %v, want %v", tc.name, got, tc.topo)
+		}
+	}
+	// The route (DeliveryRetryRouteKey) ignores deaths in Q: a
+	// DeadLetterFirstRetry comeback is on the route, not a copy.
+	for _, tc := range []struct {
+		name     string
+		exchange string
+		deaths   []middleware.DeathRecord
+		want     bool
+	}{
+		{"dead-letter first retry back from the wait queue", "", []middleware.DeathRecord{death("Q.wait.1s", "expired"), death("Q", "rejected")}, true},
+		{"delivery limit, back through the loop-back", "rabbitretry.loopback", []middleware.DeathRecord{death("Q", "delivery_limit")}, true},
+		{"business exchange with a forged rejection in Q", "orders", []middleware.DeathRecord{death("Q", "rejected")}, false},
+		{"default exchange, forged rejection in Q", "", []middleware.DeathRecord{death("Q", "rejected")}, false},
+	} {
+		d := amqp.Delivery{Exchange: tc.exchange, RoutingKey: "Q"}
+		if route, _ := (Marshaler{}).retryRoute(&d, tc.deaths); route != tc.want {
+			t.Errorf("%s: route %v, want %v", tc.name, route, tc.want)
+		}
+	}
+	// Dead-lettered out of Q since the last publish: a copy of the library
+	// only if the broker's x-first-death headers say its first dead-lettering
+	// was in a wait queue, a cascade level, or in Q after the loop-back.
+	for _, tc := range []struct {
+		name     string
+		fq, fx   string
+		copyOf   bool
+		withTopo bool
+	}{
+		{"producer's message, dead-letter first retry", "Q", "orders", false, false},
+		{"no first-death headers", "", "", false, false},
+		{"copy from a wait queue", "Q.wait.1s", "rabbitretry.wait", true, false},
+		{"copy from a configured wait queue", "Q.wait.200ms", "w", true, true},
+		{"zero-delay copy via the loop-back", "Q", "rabbitretry.loopback", true, false},
+		{"zero-delay copy via the configured loop-back", "Q", "lb", true, true},
+		{"copy from a cascade level", "d.level.03", "d.level.03", true, false},
+		{"another queue's wait queue", "P.wait.1s", "rabbitretry.wait", false, false},
+	} {
+		d := amqp.Delivery{Exchange: "", RoutingKey: "Q", Headers: amqp.Table{}}
+		if tc.fq != "" {
+			d.Headers["x-first-death-queue"], d.Headers["x-first-death-exchange"] = tc.fq, tc.fx
+		}
+		m := Marshaler{}
+		if tc.withTopo {
+			m.Topology = topo
+		}
+		deaths := []middleware.DeathRecord{death("Q.wait.200ms", "expired"), death("Q", "rejected")}
+		if route, copyOf := m.retryRoute(&d, deaths); !route || copyOf != tc.copyOf {
+			t.Errorf("dead-lettered out of Q, %s: route %v copy %v, want true %v", tc.name, route, copyOf, tc.copyOf)
+		}
+	}
+	// A delay cascade's delivery that the Topology does not know (a deploy
+	// left the cascade): recognised by its shape.
+	for _, tc := range []struct {
+		name, exchange, key string
+		deaths              []middleware.DeathRecord
+		route, copyOf       bool
+	}{
+		{"from the delivery exchange", "d.delivery", "0.1.1.Q", []middleware.DeathRecord{death("d.level.00", "expired"), death("d.level.01", "expired")}, true, true},
+		{"from a level exchange", "d.level.01", "1.1.0.Q", []middleware.DeathRecord{death("d.level.02", "expired")}, true, true},
+		{"dead-lettered out of Q since", "d.delivery", "0.0.1.Q", []middleware.DeathRecord{death("d.level.00", "expired"), death("Q", "delivery_limit")}, true, false},
+		{"no level death", "d.delivery", "0.0.1.Q", nil, false, false},
+		{"another prefix's level", "d.delivery", "0.0.1.Q", []middleware.DeathRecord{death("e.level.00", "expired")}, false, false},
+		{"business exchange", "orders", "0.0.1.Q", []middleware.DeathRecord{death("d.level.00", "expired")}, false, false},
+		{"no bit words", "d.delivery", "Q", []middleware.DeathRecord{death("d.level.00", "expired")}, false, false},
+	} {
+		d := amqp.Delivery{Exchange: tc.exchange, RoutingKey: tc.key}
+		route, copyOf := (Marshaler{}).retryRoute(&d, tc.deaths)
+		if route != tc.route || copyOf != tc.copyOf {
+			t.Errorf("cascade %s: route %v copy %v, want %v %v", tc.name, route, copyOf, tc.route, tc.copyOf)
 		}
 	}
 }

@@ -153,7 +153,8 @@ func TestRecorderOutcomes(t *testing.T) {
 	})
 	permanent := newMsg(func(int) error { return middleware.Permanent(errors.New("unknown customer")) })
 	exhaustedNotRun := newMsg(func(int) error { return errors.New("must not run") })
-	exhaustedNotRun.Metadata.Set(middleware.AttemptKey, "4") // past MaxAttempts 3
+	exhaustedNotRun.Metadata.Set(middleware.AttemptKey, "4")            // past MaxAttempts 3
+	exhaustedNotRun.Metadata.Set(middleware.OriginalQueueKey, "orders") // a copy of this queue's chain (gochannel)
 	dropped := newMsg(func(int) error { return middleware.Drop(errors.New("obsolete event")) })
 	nacked := newMsg(func(n int) error {
 		if n == 1 {

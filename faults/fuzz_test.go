@@ -42,7 +42,7 @@ func FuzzAttemptCounter(f *testing.F) {
 			msg.Metadata.Set(middleware.XDeliveryCountKey, deliveryCount)
 		}
 		c, err := middleware.NewAttemptCounter(middleware.AttemptCounterConfig{Sources: []middleware.AttemptSource{
-			middleware.HeaderSource(),
+			middleware.HeaderSource(nil),
 			middleware.XDeathSource(func(*message.Message) string { return queue }),
 			middleware.DeliveryCountSource(),
 		}})

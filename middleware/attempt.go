@@ -35,13 +35,14 @@ func AttemptFromContext(ctx context.Context) (int, bool) {
 
 // Attempt returns the attempt number (1 on the first delivery) of msg: the
 // value the AttemptCounter put in the message's context; without a counter
-// in the chain, the AttemptKey metadata when it is a valid number in
-// [1, MaxAttemptsCap] (a larger one reads as MaxAttemptsCap); else 1.
+// in the chain, the AttemptKey metadata of a copy of this queue's chain
+// (HeaderSource with the router's subscribe topic) when it is a valid number
+// in [1, MaxAttemptsCap] (a larger one reads as MaxAttemptsCap); else 1.
 func Attempt(msg *message.Message) int {
 	if n, ok := AttemptFromContext(msg.Context()); ok {
 		return n
 	}
-	prev, err := HeaderSource().Previous(msg)
+	prev, err := HeaderSource(nil).Previous(msg)
 	if err != nil {
 		return 1
 	}
@@ -91,16 +92,48 @@ func parseCount(key, v string) (int64, error) {
 	return n, nil
 }
 
+// ownCopy reports whether msg, consumed from queue, is a copy the library
+// itself published for that queue, so that the AttemptKey it carries was
+// written by this queue's retry chain and counts. With the amqpretry
+// Marshaler (any delivery it produced has DeliveryExchangeKey), that is
+// DeliveryRetryPathKey, which it derives from the delivery itself (its
+// exchange and routing key, and the dead-lettering the broker recorded in
+// x-death and x-first-death-*), never from a library header: a producer
+// publishing to a business exchange cannot make its message one. With a
+// transport that carries no such evidence (gochannel and the MemoryDelayer),
+// it is OriginalQueueKey == queue, which RecordFailure writes on every
+// retry copy: a message from another queue's chain or a producer's message
+// without that key never is one (an in-process publisher that copies
+// OriginalQueueKey of this very queue can still pass). With queue "" (not
+// known, e.g. outside a message.Router) there is nothing to compare, and a
+// message without transport evidence counts as a copy.
+func ownCopy(msg *message.Message, queue string) bool {
+	if _, amqp := msg.Metadata[DeliveryExchangeKey]; amqp {
+		return msg.Metadata.Get(DeliveryRetryPathKey) == "true"
+	}
+	return queue == "" || msg.Metadata.Get(OriginalQueueKey) == queue
+}
+
 // HeaderSource reads the library's own AttemptKey header, written by the
-// delayed republisher on every copy it schedules. The header holds the
-// attempt number of that delivery, so it contributes value-1 earlier
-// attempts. Absent: 0. Non-numeric, negative or zero: an error (ignored by the
-// counter). Larger than MaxAttemptsCap (including values that overflow
-// int64): MaxAttemptsCap.
-func HeaderSource() AttemptSource {
+// delayed republisher (and the RedeliveryGuard, the fallback) on every copy
+// it schedules, but only on a copy of this queue's chain (ownCopy with
+// queue(msg)): on any other delivery (a producer's message, one that
+// carries another queue's count, a first delivery here) the header says
+// nothing about this queue and counts 0, so the handler runs. The header
+// holds the attempt number of that delivery, so it contributes value-1
+// earlier attempts. Absent: 0. Non-numeric, negative or zero: an error
+// (ignored by the counter). Larger than MaxAttemptsCap (including values
+// that overflow int64): MaxAttemptsCap.
+//
+// queue returns the consuming queue's name; nil means the router's
+// subscribe topic (message.SubscribeTopicFromCtx).
+func HeaderSource(queue func(msg *message.Message) string) AttemptSource {
+	if queue == nil {
+		queue = func(msg *message.Message) string { return message.SubscribeTopicFromCtx(msg.Context()) }
+	}
 	return AttemptSource{Name: "header", Previous: func(msg *message.Message) (int64, error) {
 		v, ok := msg.Metadata[AttemptKey]
-		if !ok {
+		if !ok || !ownCopy(msg, queue(msg)) {
 			return 0, nil
 		}
 		n, err := parseCount(AttemptKey, v)
@@ -124,6 +157,14 @@ func HeaderSource() AttemptSource {
 // x-death from the copies it schedules, so these counts are the failures
 // since the last scheduled copy, and they add to HeaderSource.
 //
+// They count only on a delivery that reached the queue through one of the
+// library's retry routes (DeliveryRetryRouteKey, set by the amqpretry
+// Marshaler from the delivery): a dead-lettering out of the queue comes back
+// that way (DeadLetterFirstRetry, a delivery limit), while an x-death a
+// producer wrote (or one copied from another message) arrives with a first
+// delivery and counts 0 there. A transport without that evidence
+// (gochannel) has no broker x-death: there an x-death never counts.
+//
 // queue returns the originating queue name; nil means the router's subscribe
 // topic (message.SubscribeTopicFromCtx). Malformed JSON is an error; a count
 // below 0 is an error; the sum is capped at MaxAttemptsCap.
@@ -132,6 +173,9 @@ func XDeathSource(queue func(msg *message.Message) string) AttemptSource {
 		queue = func(msg *message.Message) string { return message.SubscribeTopicFromCtx(msg.Context()) }
 	}
 	return AttemptSource{Name: XDeathKey, Previous: func(msg *message.Message) (int64, error) {
+		if msg.Metadata.Get(DeliveryRetryRouteKey) != "true" {
+			return 0, nil // not back through a retry route: a first delivery here
+		}
 		recs, err := ParseXDeath(msg.Metadata[XDeathKey])
 		if err != nil || len(recs) == 0 {
 			return 0, err // the common case: never dead-lettered
@@ -172,8 +216,8 @@ func DeliveryCountSource() AttemptSource {
 // AttemptCounterConfig configures an AttemptCounter.
 type AttemptCounterConfig struct {
 	// Sources are summed: attempt = 1 + sum of Previous over all sources,
-	// clamped to [1, MaxAttemptsCap]. Default: HeaderSource and
-	// XDeathSource(nil).
+	// clamped to [1, MaxAttemptsCap]. Default: HeaderSource(nil),
+	// XDeathSource(nil) and NackCountSource().
 	Sources []AttemptSource
 	// Logger logs ignored malformed values at Info level. Default NopLogger.
 	Logger watermill.LoggerAdapter
@@ -181,7 +225,7 @@ type AttemptCounterConfig struct {
 
 func (c *AttemptCounterConfig) setDefaults() {
 	if len(c.Sources) == 0 {
-		c.Sources = []AttemptSource{HeaderSource(), XDeathSource(nil)}
+		c.Sources = []AttemptSource{HeaderSource(nil), XDeathSource(nil), NackCountSource()}
 	}
 	if c.Logger == nil {
 		c.Logger = watermill.NopLogger{}

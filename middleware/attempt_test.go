@@ -69,7 +69,7 @@ func TestAttemptCounterHeader(t *testing.T) {
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
-			msg := newMsg("p")
+			msg := ownCopy(newMsg("p"))
 			if tc.header != nil {
 				msg.Metadata.Set(middleware.AttemptKey, *tc.header)
 			}
@@ -109,7 +109,7 @@ func TestAttemptCounterXDeathInRouter(t *testing.T) {
 	c := newCounter(t) // XDeathSource(nil): the router's subscribe topic is the queue
 
 	t.Run("x-death only", func(t *testing.T) {
-		msg := newMsg("p")
+		msg := ownCopy(newMsg("p"))
 		msg.Metadata.Set(middleware.XDeathKey, middleware.EncodeXDeath(xdeathFixture()))
 		res := deliverViaRouter(t, "Q", msg, c.Middleware, func(*message.Message) ([]*message.Message, error) { return nil, nil })
 		if n, _ := middleware.AttemptFromContext(res.seenCtx); n != 3 {
@@ -124,7 +124,7 @@ func TestAttemptCounterXDeathInRouter(t *testing.T) {
 	})
 
 	t.Run("x-death plus header", func(t *testing.T) {
-		msg := newMsg("p")
+		msg := ownCopy(newMsg("p"))
 		msg.Metadata.Set(middleware.AttemptKey, "2")
 		msg.Metadata.Set(middleware.XDeathKey, middleware.EncodeXDeath(xdeathFixture()))
 		res := deliverViaRouter(t, "Q", msg, c.Middleware, func(*message.Message) ([]*message.Message, error) { return nil, nil })
@@ -134,7 +134,7 @@ func TestAttemptCounterXDeathInRouter(t *testing.T) {
 	})
 
 	t.Run("other topic ignores Q's records", func(t *testing.T) {
-		msg := newMsg("p")
+		msg := ownCopy(newMsg("p"))
 		msg.Metadata.Set(middleware.XDeathKey, middleware.EncodeXDeath(xdeathFixture()))
 		res := deliverViaRouter(t, "other", msg, c.Middleware, func(*message.Message) ([]*message.Message, error) { return nil, nil })
 		if n, _ := middleware.AttemptFromContext(res.seenCtx); n != 8 {
@@ -147,7 +147,7 @@ func TestXDeathSource(t *testing.T) {
 	queueQ := func(*message.Message) string { return "Q" }
 	src := middleware.XDeathSource(queueQ)
 	prev := func(recs string) (int64, error) {
-		msg := newMsg("p")
+		msg := ownCopy(newMsg("p"))
 		if recs != "" {
 			msg.Metadata.Set(middleware.XDeathKey, recs)
 		}
@@ -210,8 +210,8 @@ func TestParseEncodeXDeathRoundTrip(t *testing.T) {
 }
 
 func TestAttemptCounterMalformedXDeathIgnored(t *testing.T) {
-	c := newCounter(t, middleware.HeaderSource(), middleware.XDeathSource(func(*message.Message) string { return "Q" }))
-	msg := newMsg("p")
+	c := newCounter(t, middleware.HeaderSource(nil), middleware.XDeathSource(func(*message.Message) string { return "Q" }))
+	msg := ownCopy(newMsg("p"))
 	msg.Metadata.Set(middleware.AttemptKey, "2")
 	msg.Metadata.Set(middleware.XDeathKey, `[{"queue":"Q","reason":"rejected","count":`)
 	n, md := countVia(t, c, msg)
@@ -225,8 +225,8 @@ func TestAttemptCounterMalformedXDeathIgnored(t *testing.T) {
 }
 
 func TestAttemptCounterTwoBadSources(t *testing.T) {
-	c := newCounter(t, middleware.HeaderSource(), middleware.DeliveryCountSource())
-	msg := newMsg("p")
+	c := newCounter(t, middleware.HeaderSource(nil), middleware.DeliveryCountSource())
+	msg := ownCopy(newMsg("p"))
 	msg.Metadata.Set(middleware.AttemptKey, "abc")
 	msg.Metadata.Set(middleware.XDeliveryCountKey, "-1")
 	n, bad := c.Count(msg)
@@ -242,13 +242,13 @@ func TestAttemptCounterTwoBadSources(t *testing.T) {
 func TestDeliveryCountSource(t *testing.T) {
 	// Not a default source.
 	def := newCounter(t)
-	msg := newMsg("p")
+	msg := ownCopy(newMsg("p"))
 	msg.Metadata.Set(middleware.XDeliveryCountKey, "4")
 	if n, _ := def.Count(msg); n != 1 {
 		t.Fatalf("default counter counted x-delivery-count: %d", n)
 	}
 
-	c := newCounter(t, middleware.HeaderSource(), middleware.DeliveryCountSource())
+	c := newCounter(t, middleware.HeaderSource(nil), middleware.DeliveryCountSource())
 	tests := []struct {
 		header, count string
 		want          int
@@ -264,7 +264,7 @@ func TestDeliveryCountSource(t *testing.T) {
 		{"900", "500", middleware.MaxAttemptsCap, false},
 	}
 	for _, tc := range tests {
-		msg := newMsg("p")
+		msg := ownCopy(newMsg("p"))
 		if tc.header != "" {
 			msg.Metadata.Set(middleware.AttemptKey, tc.header)
 		}
@@ -288,10 +288,10 @@ func TestAttemptCounterCustomSource(t *testing.T) {
 		return 4, nil
 	}}
 	c := newCounter(t, src)
-	if n, bad := c.Count(newMsg("p")); n != 5 || bad != "" {
+	if n, bad := c.Count(ownCopy(newMsg("p"))); n != 5 || bad != "" {
 		t.Fatalf("got %d %q, want 5", n, bad)
 	}
-	if n, bad := c.Count(newMsg("p")); n != 1 || bad != "custom: flaky" {
+	if n, bad := c.Count(ownCopy(newMsg("p"))); n != 1 || bad != "custom: flaky" {
 		t.Fatalf("got %d %q, want 1 and \"custom: flaky\"", n, bad)
 	}
 }
@@ -314,7 +314,7 @@ func TestAttemptFallbackWithoutCounter(t *testing.T) {
 		{"", 1}, {"1", 1}, {"4", 4}, {"abc", 1}, {"-3", 1}, {"0", 1}, {"5000", middleware.MaxAttemptsCap}, {"99999999999999999999", middleware.MaxAttemptsCap},
 	}
 	for _, tc := range tests {
-		msg := newMsg("p")
+		msg := ownCopy(newMsg("p"))
 		if tc.header != "" {
 			msg.Metadata.Set(middleware.AttemptKey, tc.header)
 		}
@@ -323,7 +323,7 @@ func TestAttemptFallbackWithoutCounter(t *testing.T) {
 		}
 	}
 	// The context wins over the metadata.
-	msg := newMsg("p")
+	msg := ownCopy(newMsg("p"))
 	msg.Metadata.Set(middleware.AttemptKey, "4")
 	msg.SetContext(middleware.ContextWithAttempt(msg.Context(), 7))
 	if got := middleware.Attempt(msg); got != 7 {
@@ -339,7 +339,7 @@ func TestAttemptCounterIsSafeForConcurrentUse(t *testing.T) {
 	errs := make(chan error, 50)
 	for i := range 50 {
 		go func() {
-			msg := newMsg("p")
+			msg := ownCopy(newMsg("p"))
 			msg.Metadata.Set(middleware.AttemptKey, strconv.Itoa(i%7+1))
 			_, err := c.Middleware(func(m *message.Message) ([]*message.Message, error) {
 				if got := middleware.Attempt(m); got != i%7+1 {
@@ -353,6 +353,106 @@ func TestAttemptCounterIsSafeForConcurrentUse(t *testing.T) {
 	for range 50 {
 		if err := recv(t, errs, 5*time.Second); err != nil {
 			t.Error(err)
+		}
+	}
+}
+
+// Issue #18 item 1: only this queue's own evidence counts. A first delivery
+// here (no retry route: a producer's message, another queue chain's copy)
+// is attempt 1 whatever it carries; a DeadLetterFirstRetry comeback counts
+// its x-death for Q but not the producer's header; a native return counts
+// the nacks only when redelivered.
+func TestAttemptCounterOwnEvidenceOnly(t *testing.T) {
+	qf := func(*message.Message) string { return "Q" }
+	c := newCounter(t, middleware.HeaderSource(qf), middleware.XDeathSource(qf), middleware.NackCountSource()) // the defaults, queue Q
+	q := func(msg *message.Message) *message.Message { return msg }
+	amqpFirst := func(md map[string]string) *message.Message {
+		msg := q(newMsg("p"))
+		msg.Metadata.Set(middleware.DeliveryExchangeKey, "business")
+		for k, v := range md {
+			msg.Metadata.Set(k, v)
+		}
+		return msg
+	}
+	xdQ := func(n int64) string {
+		return middleware.EncodeXDeath([]middleware.DeathRecord{{Queue: "Q", Reason: "rejected", Count: n}})
+	}
+	tests := []struct {
+		name string
+		msg  *message.Message
+		want int
+	}{
+		{"amqp first delivery, attempt 99", amqpFirst(map[string]string{middleware.AttemptKey: "99"}), 1},
+		{"amqp first delivery, attempt cap", amqpFirst(map[string]string{middleware.AttemptKey: "1000"}), 1},
+		{"amqp first delivery, x-death 50 for Q", amqpFirst(map[string]string{middleware.XDeathKey: xdQ(50)}), 1},
+		{"amqp first delivery, forged retry-path keys are dropped by the Marshaler; OriginalQueueKey alone is no evidence",
+			amqpFirst(map[string]string{middleware.AttemptKey: "7", middleware.OriginalQueueKey: "Q"}), 1},
+		{"amqp first delivery, forged x-acquired-count", amqpFirst(map[string]string{middleware.XAcquiredCountKey: "9"}), 1},
+		{"dead-letter-first comeback: x-death counts, producer header does not",
+			amqpFirst(map[string]string{middleware.DeliveryRetryRouteKey: "true", middleware.AttemptKey: "99", middleware.XDeathKey: xdQ(1)}), 2},
+		{"own copy via wait queue", amqpFirst(map[string]string{middleware.DeliveryRetryRouteKey: "true",
+			middleware.DeliveryRetryPathKey: "true", middleware.AttemptKey: "3"}), 3},
+		{"native returns: 3 nacks, 1 crash", amqpFirst(map[string]string{middleware.DeliveryRedeliveredKey: "true",
+			middleware.XAcquiredCountKey: "4", middleware.XDeliveryCountKey: "1", middleware.AttemptKey: "99"}), 4},
+		{"gochannel, attempt 99 from a producer", q(newMsg("p")), 1},
+		{"gochannel, another queue's chain", func() *message.Message {
+			m := q(newMsg("p"))
+			m.Metadata.Set(middleware.AttemptKey, "4")
+			m.Metadata.Set(middleware.OriginalQueueKey, "payments")
+			return m
+		}(), 1},
+		{"gochannel, x-death 50 for Q", func() *message.Message {
+			m := q(newMsg("p"))
+			m.Metadata.Set(middleware.XDeathKey, xdQ(50))
+			return m
+		}(), 1},
+		{"gochannel, this queue's own copy", func() *message.Message {
+			m := q(newMsg("p"))
+			m.Metadata.Set(middleware.AttemptKey, "4")
+			m.Metadata.Set(middleware.OriginalQueueKey, "Q")
+			return m
+		}(), 4},
+	}
+	for _, tc := range tests {
+		if tc.name == "gochannel, attempt 99 from a producer" {
+			tc.msg.Metadata.Set(middleware.AttemptKey, "99")
+		}
+		if n, bad := c.Count(tc.msg); n != tc.want || bad != "" {
+			t.Errorf("%s: attempt %d (%q), want %d", tc.name, n, bad, tc.want)
+		}
+	}
+}
+
+func TestNackCountSource(t *testing.T) {
+	src := middleware.NackCountSource()
+	for _, tc := range []struct {
+		redelivered     bool
+		acquired, count string
+		want            int64
+		wantErr         bool
+	}{
+		{false, "5", "", 0, false},
+		{true, "", "", 0, false},
+		{true, "3", "", 3, false},
+		{true, "3", "1", 2, false},
+		{true, "1", "3", 0, false},
+		{true, "x", "", 0, true},
+		{true, "3", "-1", 0, true},
+		{true, "99999999999999999999", "", middleware.MaxAttemptsCap, false},
+	} {
+		msg := newMsg("p")
+		if tc.redelivered {
+			msg.Metadata.Set(middleware.DeliveryRedeliveredKey, "true")
+		}
+		if tc.acquired != "" {
+			msg.Metadata.Set(middleware.XAcquiredCountKey, tc.acquired)
+		}
+		if tc.count != "" {
+			msg.Metadata.Set(middleware.XDeliveryCountKey, tc.count)
+		}
+		n, err := src.Previous(msg)
+		if n != tc.want || (err != nil) != tc.wantErr {
+			t.Errorf("%+v: %d, %v", tc, n, err)
 		}
 	}
 }

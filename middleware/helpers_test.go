@@ -177,3 +177,13 @@ func recv[T any](t testing.TB, ch <-chan T, timeout time.Duration) T {
 	t.Helper()
 	return testkit.Recv(t, ch, timeout)
 }
+
+// ownCopy marks msg the way the amqpretry Marshaler marks a copy the
+// library published for its queue, back through a retry route: its attempt
+// header and its queue's x-death entries count.
+func ownCopy(msg *message.Message) *message.Message {
+	msg.Metadata.Set(middleware.DeliveryExchangeKey, "")
+	msg.Metadata.Set(middleware.DeliveryRetryPathKey, "true")
+	msg.Metadata.Set(middleware.DeliveryRetryRouteKey, "true")
+	return msg
+}

@@ -76,12 +76,28 @@ const (
 	// its queue through the library's own retry path (a wait queue's
 	// dead-lettering, a zero-delay copy or a replay from a poison queue), as
 	// the Pub/Sub integration can tell from the delivery itself: the amqpretry
-	// Marshaler sets it from the delivery's exchange and its latest x-death
-	// entry, never from a header, and it never travels on the wire. Only then
-	// does RecordFailure keep the OriginalExchangeKey and
-	// OriginalRoutingKeyKey the message carries (written by the library on an
-	// earlier failure); otherwise they may be a producer's and are replaced.
+	// Marshaler sets it from the delivery's exchange, routing key and the
+	// broker's x-death (and x-first-death-*) headers, never from a library
+	// header, and it never travels on the wire. Only then does HeaderSource
+	// count the AttemptKey the message carries, and RecordFailure keep the
+	// OriginalExchangeKey and OriginalRoutingKeyKey (written by the library
+	// on an earlier failure); otherwise they may be a producer's: the
+	// attempt count starts at 1 and the origin keys are replaced.
 	DeliveryRetryPathKey = "rabbitretry-delivery-retry-path"
+
+	// DeliveryRetryRouteKey is "true" when the current delivery reached its
+	// queue through one of the library's retry routes (the loop-back
+	// exchange, a wait queue's dead-lettering back to the queue, a
+	// Config.DelayerFactory's delivery), whether or not the message was
+	// dead-lettered out of the queue since the library last published it
+	// (DeliveryRetryPathKey additionally requires that it was not). Only on
+	// such a delivery does XDeathSource count the queue's own x-death
+	// entries: a DeadLetterFirstRetry or delivery-limit dead-lettering comes
+	// back this way, a producer's message does not, so an x-death count a
+	// producer wrote never decides a first delivery. Set by the amqpretry
+	// Marshaler from the delivery (exchange, routing key, x-death), never
+	// from a header; never travels on the wire.
+	DeliveryRetryRouteKey = "rabbitretry-delivery-retry-route"
 
 	// RedeliveriesKey holds, as a decimal string, how many times the message
 	// came back redelivered (see DeliveryRedeliveredKey) since it was first
@@ -145,9 +161,9 @@ const (
 //     ("Dead Letter Exchanges"); x-delivery-count and x-acquired-count count
 //     the returns of the consumed delivery, not of the copy ("Quorum Queues",
 //     poison message handling);
-//   - DeliveryExchangeKey, DeliveryRoutingKeyKey, DeliveryRedeliveredKey and
-//     DeliveryRetryPathKey, set from basic.deliver by the amqpretry
-//     Marshaler;
+//   - DeliveryExchangeKey, DeliveryRoutingKeyKey, DeliveryRedeliveredKey,
+//     DeliveryRetryPathKey and DeliveryRetryRouteKey, set from basic.deliver
+//     by the amqpretry Marshaler;
 //   - HeaderErrorKey, the description of this delivery's malformed headers.
 //
 // StripDeliveryMetadata deletes these keys; the amqpretry Marshaler drops
@@ -156,7 +172,7 @@ func IsDeliveryOnly(k string) bool {
 	switch k {
 	case XDeathKey, XDeliveryCountKey, XAcquiredCountKey,
 		DeliveryExchangeKey, DeliveryRoutingKeyKey, DeliveryRedeliveredKey, DeliveryRetryPathKey,
-		HeaderErrorKey:
+		DeliveryRetryRouteKey, HeaderErrorKey:
 		return true
 	}
 	return strings.HasPrefix(k, XFirstDeathPrefix) || strings.HasPrefix(k, XLastDeathPrefix)

@@ -49,3 +49,47 @@ func AcquiredCountSource() AttemptSource {
 		return parseCount(XAcquiredCountKey, v)
 	}}
 }
+
+// NackCountSource counts the returns of a message to its quorum queue that
+// were nacks (basic.nack with requeue) rather than failures: x-acquired-count
+// minus x-delivery-count, on a delivery with the redelivered flag only (on a
+// first delivery both headers can only be a producer's). RabbitMQ 4.3's
+// quorum queue docs ("When is delivery count incremented?"): basic.nack
+// raises x-acquired-count only; basic.reject, a client crash or a connection
+// loss raise both. So the difference is the library's native delayed
+// retries (each a nack with requeue, see ErrNativeRetry), plus the fallback's
+// requeue of a failure it could not settle and a consumer timeout, also
+// counted as attempts; crashes and connection losses are not (the
+// RedeliveryGuard counts those, as redeliveries).
+//
+// It is in the default sources of every retry mode, so that a switch from
+// amqpretry's native delayed retry to wait queues, the delay cascade or
+// DeadLetterFirstRetry keeps the attempts already made: the first delivery
+// after the deploy is a redelivery carrying them. (In the native mode
+// itself AcquiredCountSource, which also counts crashes, replaces it.) On
+// brokers without x-acquired-count (3.x) and on classic queues it counts 0.
+//
+// Absent x-acquired-count: 0. Non-numeric or negative values: an error (the
+// counter ignores the source). Above MaxAttemptsCap: MaxAttemptsCap.
+func NackCountSource() AttemptSource {
+	return AttemptSource{Name: "nack-count", Previous: func(msg *message.Message) (int64, error) {
+		if msg.Metadata.Get(DeliveryRedeliveredKey) == "" {
+			return 0, nil
+		}
+		v, ok := msg.Metadata[XAcquiredCountKey]
+		if !ok {
+			return 0, nil
+		}
+		acquired, err := parseCount(XAcquiredCountKey, v)
+		if err != nil {
+			return 0, err
+		}
+		var failures int64
+		if d, ok := msg.Metadata[XDeliveryCountKey]; ok {
+			if failures, err = parseCount(XDeliveryCountKey, d); err != nil {
+				return 0, err
+			}
+		}
+		return max(acquired-failures, 0), nil
+	}}
+}

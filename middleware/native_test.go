@@ -51,12 +51,12 @@ func TestAcquiredCountSource(t *testing.T) {
 // copy) add up; a forged count on a first delivery does not.
 func TestAcquiredCountSourceWithHeader(t *testing.T) {
 	c, err := middleware.NewAttemptCounter(middleware.AttemptCounterConfig{Sources: []middleware.AttemptSource{
-		middleware.HeaderSource(), middleware.XDeathSource(nil), middleware.AcquiredCountSource(),
+		middleware.HeaderSource(nil), middleware.XDeathSource(nil), middleware.AcquiredCountSource(),
 	}})
 	if err != nil {
 		t.Fatal(err)
 	}
-	msg := message.NewMessage("u", nil)
+	msg := ownCopy(message.NewMessage("u", nil))
 	msg.Metadata.Set(middleware.AttemptKey, "3")
 	msg.Metadata.Set(middleware.XAcquiredCountKey, "2")
 	if n, _ := c.Count(msg); n != 3 {

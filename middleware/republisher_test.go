@@ -350,7 +350,7 @@ func TestRepublisherPassesNonRetryErrors(t *testing.T) {
 func TestRepublisherAttemptFromMetadataWithoutCounter(t *testing.T) {
 	d := &recordingDelayer{}
 	r := newRepublisher(t, middleware.RepublisherConfig{Delayer: d, MaxAttempts: 4})
-	msg := newMsg("p")
+	msg := ownCopy(newMsg("p"))
 	msg.Metadata.Set(middleware.AttemptKey, "3")
 	if _, err := r.Middleware(failWith(errors.New("x")))(msg); err != nil {
 		t.Fatal(err)

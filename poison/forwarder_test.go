@@ -155,6 +155,7 @@ func TestForwarderPoisonsPermanentInRouter(t *testing.T) {
 	msg.Metadata.Set(middleware.FirstFailureKey, earlier)
 	msg.Metadata.Set(middleware.XDeathKey, `[]`)
 	msg.Metadata.Set(middleware.DeliveryExchangeKey, "orders-ex")
+	msg.Metadata.Set(middleware.DeliveryRetryPathKey, "true") // a copy of this queue's chain, as the Marshaler tells
 
 	res := runInRouter(t, msg, f.Middleware, failWith(middleware.Permanent(errors.New("order 42 refused"))))
 	if res.err != nil || res.out != nil {
@@ -221,6 +222,10 @@ func TestForwarderWithCounterInRouter(t *testing.T) {
 	msg := newMsg()
 	msg.Metadata.Set(middleware.AttemptKey, "1")
 	msg.Metadata.Set(middleware.XDeathKey, middleware.EncodeXDeath([]middleware.DeathRecord{{Queue: "orders", Reason: "rejected", Count: 3}}))
+	// This queue's own evidence: a copy of its chain (gochannel: the origin
+	// queue is this one), back through a retry route.
+	msg.Metadata.Set(middleware.OriginalQueueKey, "orders")
+	msg.Metadata.Set(middleware.DeliveryRetryRouteKey, "true")
 	mw := func(h message.HandlerFunc) message.HandlerFunc { return counter.Middleware(f.Middleware(h)) }
 	res := runInRouter(t, msg, mw, failWith(&middleware.ExhaustedError{Err: errors.New("down"), Attempts: 4}))
 	if res.err != nil {

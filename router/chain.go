@@ -68,7 +68,12 @@ type Config struct {
 	// everything else transient.
 	Classifier middleware.ClassifierConfig
 	// AttemptSources are summed into the attempt number. Default: the
-	// library's attempt header plus x-death rejections from QueueName.
+	// attempt header of the library's own copies for QueueName
+	// (middleware.HeaderSource), x-death rejections from QueueName on
+	// deliveries back through a retry route (middleware.XDeathSource), and
+	// the broker's count of returns: middleware.NackCountSource, or
+	// middleware.AcquiredCountSource with RedeliveriesCounted. Counts a
+	// producer or another queue's chain wrote never count.
 	AttemptSources []middleware.AttemptSource
 	// QueueName names the originating queue of a message. Default: the
 	// router's subscribe topic.
@@ -173,10 +178,16 @@ func New(cfg Config) (*Chain, error) {
 	}
 	sources := cfg.AttemptSources
 	if len(sources) == 0 {
-		sources = []middleware.AttemptSource{
-			middleware.HeaderSource(),
-			middleware.XDeathSource(func(msg *message.Message) string { return queueName(msg.Context()) }),
+		// One counting rule for every retry mode: this queue's own evidence
+		// (its chain's attempt header, its own x-death entries, the returns
+		// the broker counted), so a deploy that switches modes keeps the
+		// count.
+		returns := middleware.NackCountSource()
+		if cfg.RedeliveriesCounted {
+			returns = middleware.AcquiredCountSource()
 		}
+		qn := func(msg *message.Message) string { return queueName(msg.Context()) }
+		sources = []middleware.AttemptSource{middleware.HeaderSource(qn), middleware.XDeathSource(qn), returns}
 	}
 	counter, err := middleware.NewAttemptCounter(middleware.AttemptCounterConfig{Sources: sources, Logger: cfg.Logger})
 	if err != nil {

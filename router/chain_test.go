@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -516,6 +517,8 @@ func TestChainDirect(t *testing.T) {
 	}
 	// x-death rejections from the queue count: header 1 + 1 rejection = attempt 2; + 1 more = 3 = exhausted.
 	msg = message.NewMessage("b", nil)
+	msg.Metadata.Set(middleware.DeliveryExchangeKey, "") // back through a retry route, as the Marshaler tells
+	msg.Metadata.Set(middleware.DeliveryRetryRouteKey, "true")
 	msg.Metadata.Set(middleware.XDeathKey, middleware.EncodeXDeath([]middleware.DeathRecord{{Queue: "q", Reason: "rejected", Count: 2}}))
 	if _, err := chain.Middleware(fail)(msg); err != nil {
 		t.Fatal(err)
@@ -610,4 +613,57 @@ func TestConfigValidate(t *testing.T) {
 	if err != nil || c.Republisher.MaxAttempts() != 5 {
 		t.Fatalf("defaults: %v %v", c, err)
 	}
+}
+
+// Issue #18 item 1 on gochannel: whatever attempt headers a message arrives
+// with (a producer's, another queue's chain's, a forged x-death), its first
+// run here happens, and it runs exactly MaxAttempts times before the poison
+// queue; the copies carry this queue's own count.
+func TestForeignCountsNeverDecideFirstRun(t *testing.T) {
+	const maxAttempts = 3
+	var seen calls
+	e := newEnv(t, router.Config{MaxAttempts: maxAttempts}, func(msg *message.Message) ([]*message.Message, error) {
+		seen.record(msg)
+		return nil, errTransient
+	})
+	forged := map[string]map[string]string{
+		"attempt 99":            {middleware.AttemptKey: "99"},
+		"attempt = MaxAttempts": {middleware.AttemptKey: strconv.Itoa(maxAttempts)},
+		"x-death 50 for Q": {middleware.XDeathKey: middleware.EncodeXDeath([]middleware.DeathRecord{
+			{Queue: topic, Reason: "rejected", Count: 50}})},
+		"another queue's chain": {middleware.AttemptKey: "4", middleware.OriginalQueueKey: "payments",
+			middleware.RedeliveriesKey: "2", middleware.FirstFailureKey: "2026-01-01T00:00:00Z"},
+	}
+	names := map[string]string{}
+	for name, md := range forged {
+		msg := message.NewMessage(watermill.NewUUID(), []byte(name))
+		for k, v := range md {
+			msg.Metadata.Set(k, v)
+		}
+		names[msg.UUID] = name
+		e.publish(t, msg)
+	}
+	poisoned := map[string]*message.Message{}
+	for len(poisoned) < len(forged) {
+		p := recv(t, e.poisonCh, 10*time.Second)
+		p.Ack()
+		poisoned[p.UUID] = p
+	}
+	e.closeRouter(t)
+	runs := map[string][]int{}
+	for _, c := range seen.get() {
+		runs[c.uuid] = append(runs[c.uuid], c.attempt)
+	}
+	handlerRuns := 0
+	for uuid, name := range names {
+		handlerRuns += len(runs[uuid])
+		if !slices.Equal(runs[uuid], []int{1, 2, 3}) {
+			t.Errorf("%s: runs at attempts %v, want [1 2 3]", name, runs[uuid])
+		}
+		if p := poisoned[uuid]; p == nil || p.Metadata.Get(poison.AttemptsKey) != strconv.Itoa(maxAttempts) {
+			t.Errorf("%s: poison copy %v", name, p)
+		}
+	}
+	t.Logf("ACCOUNT TestForeignCountsNeverDecideFirstRun: published=%d handled=0 poisoned=%d duplicates=0 lost=%d (handler runs %d)",
+		len(forged), len(poisoned), len(forged)-len(poisoned), handlerRuns)
 }
