@@ -28,6 +28,8 @@ import (
 	"context"
 	"encoding/json"
 	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
 )
 
 // Outcome is how an attempt ended.
@@ -57,10 +59,20 @@ const (
 // Arrival records one message published to an audited business exchange,
 // as the audit queue received it.
 type Arrival struct {
-	// ID is the record's idempotency key: a hex SHA-256 over the exchange,
-	// routing key, message id, AMQP timestamp, headers and body, so a
-	// redelivery of the same audit-queue message maps to the same record.
+	// ID is the record's idempotency key, one per publish: the Consumer
+	// gives every first delivery of the arrivals queue a new ID (a hex
+	// SHA-256 over ContentID and a random nonce), and a redelivery of it
+	// (after a lost connection or a crash between commit and ack) the same
+	// ID again when this Consumer process delivered it before, so a
+	// redelivered record is written once while two identical publishes
+	// (the same bytes within one second, or one UUID published twice) are
+	// two arrivals. See Consumer for the one case that can store a publish
+	// twice (never merge two).
 	ID string `json:"id"`
+	// ContentID is a hex SHA-256 over the exchange, routing key, message
+	// id, AMQP timestamp, headers and body: equal for identical publishes
+	// (ArrivalFromDelivery sets it, and ID to it). Not stored.
+	ContentID string `json:"-"`
 	// MessageID is the Watermill message UUID (the UUID header, else the
 	// AMQP message-id property); empty if the message had neither.
 	MessageID string `json:"message_id"`
@@ -74,8 +86,15 @@ type Arrival struct {
 	// ArrivedAt is when the audit consumer received it.
 	ArrivedAt time.Time `json:"arrived_at"`
 	// Headers are the AMQP headers, as JSON values (tables as objects,
-	// byte arrays base64, times RFC 3339).
+	// byte arrays base64, times RFC 3339): for search and display.
 	Headers map[string]any `json:"headers,omitempty"`
+	// HeaderTable are the same headers exactly as they arrived, each value
+	// with its AMQP field type (int32, int64, decimal, timestamp, byte
+	// array, ...), which the JSON form cannot keep; Resend publishes these.
+	// Stored by pgstore (migration 0004) as amqpretry.EncodeHeaderTable's
+	// text; nil for arrivals recorded before, whose resend falls back to
+	// the JSON form.
+	HeaderTable amqp.Table `json:"-"`
 	// Properties are the other AMQP properties that were set (content-type,
 	// content-encoding, delivery-mode, priority, reply-to, expiration, type,
 	// user-id, app-id), by their AMQP names.
@@ -86,6 +105,12 @@ type Arrival struct {
 	BodySize int `json:"body_size"`
 	// BodyTruncated is true when Body was cut (len(Body) < BodySize).
 	BodyTruncated bool `json:"body_truncated,omitempty"`
+	// MaybeDuplicate is true for an arrival recorded from a redelivery the
+	// Consumer could not match to its first delivery (that delivery went to
+	// a Consumer process that died, or to another one): if the first
+	// delivery had been stored before the crash, this is a second record of
+	// the same publish (same content: ArrivalVariants does not count it).
+	MaybeDuplicate bool `json:"maybe_duplicate,omitempty"`
 }
 
 // Attempt records one attempt at a message by the retry chain.
@@ -119,15 +144,34 @@ type Attempt struct {
 	// (redacted, cut to 1 KiB by default); for OutcomeNacked, also why no
 	// copy could be held.
 	Error string `json:"error,omitempty"`
+	// RecordedBy is the RabbitMQ user that published the record: the
+	// AMQP user-id property, which the broker validates against the
+	// publishing connection's user ("Validated User-ID"). The Consumer sets
+	// it from the delivery (never from the record's body) and stores only
+	// records of its ConsumerConfig.RecorderUsers.
+	RecordedBy string `json:"recorded_by,omitempty"`
 }
 
 // Message is one message's story as the store returns it: its arrival (nil
 // if it arrived before auditing began, or not through an audited exchange)
 // and its attempts, oldest first.
+//
+// A message id can have several arrivals (the same id published twice, or
+// on two exchanges): Arrival is the first (oldest) one that matches the
+// Filter's arrival conditions (Exchange, RoutingKey, Headers), else the
+// first one; ArrivalCount says how many matched and ArrivalVariants how
+// many of those differ in what a resend would publish (exchange, routing
+// key, headers, properties, body). Resend refuses a message whose
+// ArrivalVariants is above 1 (ambiguous: which one to send?).
 type Message struct {
-	MessageID string    `json:"message_id"`
-	Arrival   *Arrival  `json:"arrival,omitempty"`
-	Attempts  []Attempt `json:"attempts"`
+	MessageID string   `json:"message_id"`
+	Arrival   *Arrival `json:"arrival,omitempty"`
+	// ArrivalCount is the number of arrivals of the message matching the
+	// filter (0 without an arrival).
+	ArrivalCount int `json:"arrival_count,omitempty"`
+	// ArrivalVariants is the number of distinct contents among them.
+	ArrivalVariants int       `json:"arrival_variants,omitempty"`
+	Attempts        []Attempt `json:"attempts"`
 }
 
 // Filter selects messages in Search and Resend. Zero fields do not filter;

@@ -107,6 +107,24 @@ type ConsumerConfig struct {
 	// rabbitmqctl list_connections and the management UI ("Connections").
 	// Default "rabbitretry-audit-consumer".
 	ConnectionName string
+	// RecorderUsers are the RabbitMQ users whose attempt records are
+	// stored: a record's AMQP user-id property must be one of them. RabbitMQ
+	// refuses a publish whose user-id is not the publishing connection's
+	// user ("Validated User-ID", the "Publishers" guide), and the Recorder
+	// sets it to its own (RecorderConfig.UserID), so a record that passes
+	// was published by that user, not by anyone else allowed to write to
+	// the audit exchange. Other records (user-id absent or another user)
+	// are refused: logged, counted in ConsumerStats.Untrusted, acked and
+	// not stored. Default: the user of URI (amqp.ParseURI; "guest" if the
+	// URI names none), for recorders that connect with the same
+	// credentials as the Consumer.
+	RecorderUsers []string
+	// AcceptRecordsWithoutUserID also stores attempt records that carry no
+	// user-id (published by a Recorder of an earlier version, which did not
+	// set it). Set it only while such records drain from the attempts queue
+	// during an upgrade: anyone allowed to publish to the audit exchange can
+	// publish those. Default false.
+	AcceptRecordsWithoutUserID bool
 	// Logger logs outages and malformed records. Default NopLogger.
 	Logger watermill.LoggerAdapter
 }
@@ -154,6 +172,11 @@ func (c *ConsumerConfig) setDefaults() {
 	if c.ConnectionName == "" {
 		c.ConnectionName = "rabbitretry-audit-consumer"
 	}
+	if len(c.RecorderUsers) == 0 {
+		if u, err := amqp.ParseURI(c.URI); err == nil {
+			c.RecorderUsers = []string{u.Username}
+		}
+	}
 	for i := range c.Exchanges {
 		if c.Exchanges[i].RoutingKey == "" {
 			c.Exchanges[i].RoutingKey = "#"
@@ -190,6 +213,11 @@ func (c ConsumerConfig) Validate() error {
 	if c.BatchWait < 0 {
 		return fmt.Errorf("audit: ConsumerConfig.BatchWait %v is negative", c.BatchWait)
 	}
+	for i, u := range c.RecorderUsers {
+		if u == "" {
+			return fmt.Errorf("audit: ConsumerConfig.RecorderUsers[%d] is empty", i)
+		}
+	}
 	if err := checkQueueType("ConsumerConfig", c.QueueType); err != nil {
 		return err
 	}
@@ -208,6 +236,10 @@ type ConsumerStats struct {
 	// Malformed counts attempt records that could not be decoded (logged
 	// and acked).
 	Malformed uint64
+	// Untrusted counts attempt records refused because their user-id is
+	// absent or not one of ConsumerConfig.RecorderUsers (logged and acked,
+	// not stored).
+	Untrusted uint64
 	// Reconnects counts sessions that ended with a lost connection or
 	// channel.
 	Reconnects uint64
@@ -238,7 +270,9 @@ type ConsumerStats struct {
 // one would drop records; watch their depth.
 type Consumer struct {
 	cfg ConsumerConfig
+	ids *publishIDs
 
+	untrusted                                                    atomic.Uint64
 	arrivals, attempts, batches, failures, malformed, reconnects atomic.Uint64
 	lastLatency                                                  atomic.Int64
 }
@@ -251,14 +285,14 @@ func NewConsumer(cfg ConsumerConfig) (*Consumer, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	return &Consumer{cfg: cfg}, nil
+	return &Consumer{cfg: cfg, ids: newPublishIDs()}, nil
 }
 
 // Stats returns the counters.
 func (c *Consumer) Stats() ConsumerStats {
 	return ConsumerStats{
 		Arrivals: c.arrivals.Load(), Attempts: c.attempts.Load(), Batches: c.batches.Load(),
-		WriteFailures: c.failures.Load(), Malformed: c.malformed.Load(), Reconnects: c.reconnects.Load(),
+		WriteFailures: c.failures.Load(), Malformed: c.malformed.Load(), Untrusted: c.untrusted.Load(), Reconnects: c.reconnects.Load(),
 		LastWriteLatency: time.Duration(c.lastLatency.Load()),
 	}
 }
@@ -381,6 +415,9 @@ type batch struct {
 }
 
 func (c *Consumer) session(ctx context.Context) error {
+	// Last, once the writers and the acker are done: what is still unacked
+	// is redelivered (publishIDs).
+	defer func() { c.ids.sessionEnded(time.Now()) }()
 	conn, err := c.dial()
 	if err != nil {
 		return fmt.Errorf("audit: connecting: %w", err)
@@ -539,8 +576,14 @@ func (c *Consumer) session(ctx context.Context) error {
 			if err == nil && (a.ID == "" || a.MessageID == "") {
 				err = errors.New("record without id or message_id")
 			}
+			a.RecordedBy = d.UserId // broker-validated, never the body's
 			b.attTag, b.pending = d.DeliveryTag, b.pending+1
-			if err != nil {
+			if err == nil && !c.trusted(d.UserId) {
+				c.untrusted.Add(1)
+				c.cfg.Logger.Error("Attempt record from an untrusted user; acking it, not stored", errUntrusted, watermill.LogFields{
+					"message_id": d.MessageId, "user_id": d.UserId, "record_message_id": a.MessageID,
+				})
+			} else if err != nil {
 				c.malformed.Add(1)
 				c.cfg.Logger.Error("Malformed attempt record; acking it", err, watermill.LogFields{
 					"message_id": d.MessageId, "body": truncate(string(d.Body), 200),
@@ -563,6 +606,7 @@ func (c *Consumer) ack(arrCh, attCh *amqp.Channel, b batch) error {
 		if err := arrCh.Ack(b.arrTag, true); err != nil {
 			return fmt.Errorf("audit: acking arrivals: %w", err)
 		}
+		c.ids.acked(b.arrivals)
 	}
 	if b.attTag > 0 {
 		if err := attCh.Ack(b.attTag, true); err != nil {
@@ -630,9 +674,30 @@ func truncate(s string, n int) string {
 // same record).
 var deliveryOnlyHeaders = map[string]bool{"x-delivery-count": true, "x-acquired-count": true}
 
-// arrival converts a delivery of the arrivals queue.
+// errUntrusted is logged for an attempt record whose user-id is not one
+// of ConsumerConfig.RecorderUsers.
+var errUntrusted = errors.New("audit: attempt record's user-id is absent or not one of ConsumerConfig.RecorderUsers")
+
+// trusted reports whether an attempt record published with this
+// (broker-validated) user-id is stored.
+func (c *Consumer) trusted(userID string) bool {
+	if userID == "" {
+		return c.cfg.AcceptRecordsWithoutUserID
+	}
+	for _, u := range c.cfg.RecorderUsers {
+		if u == userID {
+			return true
+		}
+	}
+	return false
+}
+
+// arrival converts a delivery of the arrivals queue and gives it its
+// per-publish ID (publishIDs).
 func (c *Consumer) arrival(d amqp.Delivery) Arrival {
-	return ArrivalFromDelivery(d, c.cfg.UUIDHeader, c.cfg.BodyLimit, time.Now())
+	a := ArrivalFromDelivery(d, c.cfg.UUIDHeader, c.cfg.BodyLimit, time.Now())
+	c.ids.assign(&a, d.Redelivered)
+	return a
 }
 
 // ArrivalFromDelivery converts a delivery of the arrivals queue into an
@@ -640,10 +705,11 @@ func (c *Consumer) arrival(d amqp.Delivery) Arrival {
 // the message-id property); headers become JSON values
 // (amqpretry.HeadersToJSON; a header that cannot be converted is recorded
 // under "rabbitretry-headers-error"), without the queue's x-delivery-count
-// and x-acquired-count; the body is cut to bodyLimit bytes. ID is the hex
-// SHA-256 over exchange, routing key, message id, timestamp, headers
-// (canonical JSON: keys sorted) and the whole body, so a redelivery gives
-// the same ID.
+// and x-acquired-count; HeaderTable keeps them with their AMQP types; the
+// body is cut to bodyLimit bytes. ContentID (and ID) is the hex SHA-256
+// over exchange, routing key, message id, timestamp, headers (canonical
+// JSON: keys sorted) and the whole body: the same for a redelivery and for
+// an identical publish; the Consumer replaces ID with a per-publish one.
 func ArrivalFromDelivery(d amqp.Delivery, uuidHeader string, bodyLimit int, now time.Time) Arrival {
 	a := Arrival{
 		CorrelationID: d.CorrelationId, Exchange: d.Exchange, RoutingKey: d.RoutingKey,
@@ -671,7 +737,7 @@ func ArrivalFromDelivery(d amqp.Delivery, uuidHeader string, bodyLimit int, now 
 		h = map[string]any{"rabbitretry-headers-error": err.Error()}
 	}
 	if len(h) > 0 {
-		a.Headers = h
+		a.Headers, a.HeaderTable = h, hdrs
 	}
 	props := map[string]string{}
 	set := func(k, v string) {
@@ -716,5 +782,6 @@ func ArrivalFromDelivery(d amqp.Delivery, uuidHeader string, bodyLimit int, now 
 		sum.Write(f)
 	}
 	a.ID = hex.EncodeToString(sum.Sum(nil))
+	a.ContentID = a.ID
 	return a
 }

@@ -317,11 +317,23 @@ type pager interface {
 // UUID header (or, without one, message-id = the message id), the
 // correlation-id, timestamp and the other properties of the arrival, except
 // user-id (RabbitMQ refuses a user-id that is not the connection's user:
-// "Validated User-ID"). Header values come back from their JSON form
-// (amqpretry.HeadersToJSON, as the audit Consumer records them): strings,
-// booleans, integers (as int64, whatever their AMQP width), other numbers
-// and AMQP decimals (float64), nested tables and arrays; timestamps (RFC
-// 3339) and byte arrays (base64) recorded as strings stay strings.
+// "Validated User-ID"). Header values are published exactly as they
+// arrived, each with its AMQP field type (Arrival.HeaderTable: int32 stays
+// int32, int64 stays exact, decimals, timestamps and byte arrays keep
+// their type). Only for an arrival recorded before that was stored (no
+// HeaderTable) do they come back from their JSON form
+// (amqpretry.HeadersToJSON): strings, booleans, integers (as int64,
+// whatever their AMQP width), other numbers and AMQP decimals (float64),
+// nested tables and arrays; timestamps (RFC 3339) and byte arrays
+// (base64) recorded as strings stay strings.
+//
+// The message published is the arrival the filter matched
+// (Message.Arrival: the first arrival of the message id that matches the
+// Filter's Exchange, RoutingKey and Headers). A message id whose matching
+// arrivals differ (Message.ArrivalVariants > 1: one id published with two
+// contents, e.g. by two tenants on two exchanges) is never resent: it is
+// skipped as ambiguous, with the counts, until the filter narrows it to
+// one.
 //
 // Every publish is mandatory and waits for its publisher confirm
 // (amqpretry.ConfirmPublisher; RabbitMQ "Publishers" and "Consumer
@@ -608,6 +620,8 @@ func (r *Resender) plan(m Message, filterQueue string, opts ResendOptions, now t
 	switch {
 	case a == nil:
 		return skip(res, "no arrival record (no body): the message arrived before auditing began or not through an audited exchange")
+	case m.ArrivalVariants > 1:
+		return skip(res, fmt.Sprintf("ambiguous: %d arrivals of this message id match, %d different (exchange, routing key, headers, properties or body); narrow the filter (exchange, routing key, headers) to one", m.ArrivalCount, m.ArrivalVariants))
 	case a.BodyTruncated || len(a.Body) < a.BodySize:
 		return skip(res, fmt.Sprintf("body truncated in the audit (%d of %d bytes stored)", len(a.Body), a.BodySize))
 	}
@@ -639,15 +653,24 @@ func stripHeader(k string) bool {
 func (r *Resender) publishing(m Message, mode ResendMode, now time.Time) (amqp.Publishing, error) {
 	a := m.Arrival
 	h := amqp.Table{}
-	for k, v := range a.Headers {
-		if stripHeader(k) {
-			continue
+	if a.HeaderTable != nil {
+		// Exact: every value with its AMQP field type, as it arrived.
+		for k, v := range a.HeaderTable {
+			if !stripHeader(k) {
+				h[k] = v
+			}
 		}
-		av, err := amqpValue(v, 0)
-		if err != nil {
-			return amqp.Publishing{}, fmt.Errorf("header %q: %v", k, err)
+	} else {
+		for k, v := range a.Headers {
+			if stripHeader(k) {
+				continue
+			}
+			av, err := amqpValue(v, 0)
+			if err != nil {
+				return amqp.Publishing{}, fmt.Errorf("header %q: %v", k, err)
+			}
+			h[k] = av
 		}
-		h[k] = av
 	}
 	h[ResentKey] = now.Format(time.RFC3339)
 	if mode == ResendToQueue && a.Exchange != "" {

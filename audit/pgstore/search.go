@@ -13,6 +13,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgtype"
 
+	"github.com/rabbitretry/rabbitretry/amqpretry"
 	"github.com/rabbitretry/rabbitretry/audit"
 )
 
@@ -73,7 +74,7 @@ func (s *Store) SearchPage(ctx context.Context, f audit.Filter) ([]audit.Message
 	for i, k := range keys {
 		ids[i] = k.id
 	}
-	msgs, err := s.load(ctx, ids)
+	msgs, err := s.load(ctx, ids, f)
 	if err != nil {
 		return nil, "", err
 	}
@@ -88,7 +89,7 @@ func (s *Store) SearchPage(ctx context.Context, f audit.Filter) ([]audit.Message
 // Get returns the message with this id, with its first arrival and all its
 // attempts; false if the store has no record of it.
 func (s *Store) Get(ctx context.Context, messageID string) (audit.Message, bool, error) {
-	msgs, err := s.load(ctx, []string{messageID})
+	msgs, err := s.load(ctx, []string{messageID}, audit.Filter{})
 	if err != nil {
 		return audit.Message{}, false, err
 	}
@@ -96,8 +97,11 @@ func (s *Store) Get(ctx context.Context, messageID string) (audit.Message, bool,
 	return m, m.Arrival != nil || len(m.Attempts) > 0, nil
 }
 
-// load returns one Message per id, in the order of ids.
-func (s *Store) load(ctx context.Context, ids []string) ([]audit.Message, error) {
+// load returns one Message per id, in the order of ids, each with its
+// first arrival that matches f's arrival conditions (Exchange,
+// RoutingKey, Headers) and the counts of those (Message.ArrivalCount,
+// ArrivalVariants).
+func (s *Store) load(ctx context.Context, ids []string, f audit.Filter) ([]audit.Message, error) {
 	out := make([]audit.Message, len(ids))
 	pos := make(map[string]int, len(ids))
 	for i, id := range ids {
@@ -107,7 +111,16 @@ func (s *Store) load(ctx context.Context, ids []string) ([]audit.Message, error)
 	if len(ids) == 0 {
 		return out, nil
 	}
-	rows, err := s.pool.Query(ctx, s.q.arrivalsOf, ids)
+	arrSQL, arrArgs := s.q.arrivalsOf, []any{ids}
+	args := sqlArgs{args: []any{ids}}
+	ac, err := arrivalConds(f, &args)
+	if err != nil {
+		return nil, err
+	}
+	if len(ac) > 0 {
+		arrSQL, arrArgs = arrivalsOfSQL(s.q.arrivals, strings.Join(ac, " AND ")), args.args
+	}
+	rows, err := s.pool.Query(ctx, arrSQL, arrArgs...)
 	if err != nil {
 		return nil, fmt.Errorf("pgstore: load arrivals: %w", err)
 	}
@@ -118,6 +131,7 @@ func (s *Store) load(ctx context.Context, ids []string) ([]audit.Message, error)
 	for i := range arrs {
 		if p, ok := pos[arrs[i].key]; ok {
 			out[p].Arrival = &arrs[i].a
+			out[p].ArrivalCount, out[p].ArrivalVariants = int(arrs[i].count), int(arrs[i].variants)
 		}
 	}
 	rows, err = s.pool.Query(ctx, s.q.attemptsOf, ids)
@@ -137,28 +151,35 @@ func (s *Store) load(ctx context.Context, ids []string) ([]audit.Message, error)
 }
 
 type keyedArrival struct {
-	key string
-	a   audit.Arrival
+	key             string
+	a               audit.Arrival
+	count, variants int64
 }
 
 func scanKeyedArrival(r pgx.CollectableRow) (keyedArrival, error) {
-	var k keyedArrival
-	var err error
-	k.a, err = scanArrival(r, &k.key)
-	return k, err
-}
-
-func scanArrival(r pgx.CollectableRow, key *string) (audit.Arrival, error) {
 	var (
-		a           audit.Arrival
+		k           keyedArrival
 		pub         pgtype.Timestamptz
 		hdrs, props []byte
 		size        int32
+		table       *string
 	)
-	if err := r.Scan(key, &a.ID, &a.MessageID, &a.CorrelationID, &a.Exchange, &a.RoutingKey, &pub, &a.ArrivedAt,
-		&hdrs, &props, &a.Body, &size, &a.BodyTruncated); err != nil {
-		return a, err
+	a := &k.a
+	if err := r.Scan(&k.key, &a.ID, &a.MessageID, &a.CorrelationID, &a.Exchange, &a.RoutingKey, &pub, &a.ArrivedAt,
+		&hdrs, &props, &a.Body, &size, &a.BodyTruncated, &table, &a.MaybeDuplicate, &k.count, &k.variants); err != nil {
+		return k, err
 	}
+	if table != nil {
+		t, err := amqpretry.DecodeHeaderTable(*table)
+		if err != nil {
+			return k, fmt.Errorf("arrival %s header table: %w", a.ID, err)
+		}
+		a.HeaderTable = t
+	}
+	return k, finishArrival(a, pub, hdrs, props, size)
+}
+
+func finishArrival(a *audit.Arrival, pub pgtype.Timestamptz, hdrs, props []byte, size int32) error {
 	if pub.Valid {
 		a.PublishedAt = pub.Time.UTC()
 	}
@@ -169,15 +190,15 @@ func scanArrival(r pgx.CollectableRow, key *string) (audit.Arrival, error) {
 	}
 	if len(hdrs) > 0 && string(hdrs) != "{}" {
 		if err := json.Unmarshal(hdrs, &a.Headers); err != nil {
-			return a, fmt.Errorf("arrival %s headers: %w", a.ID, err)
+			return fmt.Errorf("arrival %s headers: %w", a.ID, err)
 		}
 	}
 	if len(props) > 0 && string(props) != "{}" {
 		if err := json.Unmarshal(props, &a.Properties); err != nil {
-			return a, fmt.Errorf("arrival %s properties: %w", a.ID, err)
+			return fmt.Errorf("arrival %s properties: %w", a.ID, err)
 		}
 	}
-	return a, nil
+	return nil
 }
 
 func scanAttempt(r pgx.CollectableRow) (audit.Attempt, error) {
@@ -188,7 +209,7 @@ func scanAttempt(r pgx.CollectableRow) (audit.Attempt, error) {
 		outcome          string
 	)
 	if err := r.Scan(&a.ID, &a.MessageID, &a.CorrelationID, &a.Queue, &num, &a.StartedAt, &dur, &outcome,
-		&delay, &tier, &a.ErrorClass, &a.Error); err != nil {
+		&delay, &tier, &a.ErrorClass, &a.Error, &a.RecordedBy); err != nil {
 		return a, err
 	}
 	a.Attempt = int(num)
@@ -211,6 +232,26 @@ func (a *sqlArgs) add(v any) string {
 // escape character).
 func likeEscape(s string) string {
 	return strings.NewReplacer(`\`, `\\`, `%`, `\%`, `_`, `\_`).Replace(s)
+}
+
+// arrivalConds are the Filter's conditions on one arrival (alias a):
+// Exchange, RoutingKey, Headers.
+func arrivalConds(f audit.Filter, a *sqlArgs) ([]string, error) {
+	var ac []string
+	if f.Exchange != "" {
+		ac = append(ac, "a.exchange = "+a.add(f.Exchange))
+	}
+	if f.RoutingKey != "" {
+		ac = append(ac, "a.routing_key = "+a.add(f.RoutingKey))
+	}
+	if len(f.Headers) > 0 {
+		h, err := json.Marshal(f.Headers)
+		if err != nil {
+			return nil, fmt.Errorf("pgstore: Filter.Headers: %w", err)
+		}
+		ac = append(ac, "a.headers @> "+a.add(string(h))+"::jsonb")
+	}
+	return ac, nil
 }
 
 // searchSQL builds the page query: message ids and times, newest first.
@@ -243,19 +284,9 @@ func (s *Store) searchSQL(f audit.Filter) (string, []any, int, error) {
 	if !f.To.IsZero() {
 		conds = append(conds, "m.message_time < "+a.add(f.To))
 	}
-	var ac []string
-	if f.Exchange != "" {
-		ac = append(ac, "a.exchange = "+a.add(f.Exchange))
-	}
-	if f.RoutingKey != "" {
-		ac = append(ac, "a.routing_key = "+a.add(f.RoutingKey))
-	}
-	if len(f.Headers) > 0 {
-		h, err := json.Marshal(f.Headers)
-		if err != nil {
-			return "", nil, 0, fmt.Errorf("pgstore: Filter.Headers: %w", err)
-		}
-		ac = append(ac, "a.headers @> "+a.add(string(h))+"::jsonb")
+	ac, err := arrivalConds(f, &a)
+	if err != nil {
+		return "", nil, 0, err
 	}
 	if len(ac) > 0 {
 		conds = append(conds, "m.message_id IN (SELECT "+arrivalKey("a.")+" FROM "+s.q.arrivals+" a WHERE "+strings.Join(ac, " AND ")+")")

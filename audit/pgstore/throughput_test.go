@@ -84,14 +84,14 @@ func (s *Store) writeRows(ctx context.Context, arrivals []audit.Arrival, attempt
 	msgUpsert := full.QueuedQueries[len(full.QueuedQueries)-1]
 	b := &pgx.Batch{}
 	for _, a := range arrivals {
-		b.Queue(`INSERT INTO `+s.q.arrivals+` (`+arrivalCols+`) VALUES ($1,$2,$3,$4,$5,$6,$7,$8::jsonb,$9::jsonb,$10,$11,$12) ON CONFLICT (id) DO NOTHING`,
+		b.Queue(`INSERT INTO `+s.q.arrivals+` (`+arrivalCols+`) VALUES ($1,$2,$3,$4,$5,$6,$7,$8::jsonb,$9::jsonb,$10,$11,$12,NULL,false) ON CONFLICT (id) DO NOTHING`,
 			a.ID, a.MessageID, a.CorrelationID, a.Exchange, a.RoutingKey, tstz(a.PublishedAt), a.ArrivedAt,
 			jsonObject(a.Headers), jsonObject(a.Properties), a.Body, int32(a.BodySize), a.BodyTruncated)
 	}
 	for _, a := range attempts {
-		b.Queue(`INSERT INTO `+s.q.attempts+` (`+attemptCols+`) VALUES ($1,$2,$3,$4,$5,$6,$7,$8,$9,$10,$11,$12) ON CONFLICT (id) DO NOTHING`,
+		b.Queue(`INSERT INTO `+s.q.attempts+` (`+attemptCols+`) VALUES ($1,$2,$3,$4,$5,$6,$7,$8,$9,$10,$11,$12,$13) ON CONFLICT (id) DO NOTHING`,
 			a.ID, a.MessageID, a.CorrelationID, a.Queue, int32(a.Attempt), a.StartedAt, a.Duration.Microseconds(),
-			string(a.Outcome), a.Delay.Milliseconds(), a.Tier.Milliseconds(), a.ErrorClass, a.Error)
+			string(a.Outcome), a.Delay.Milliseconds(), a.Tier.Milliseconds(), a.ErrorClass, a.Error, a.RecordedBy)
 	}
 	b.Queue(msgUpsert.SQL, msgUpsert.Arguments...)
 	return pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error { return tx.SendBatch(ctx, b).Close() })

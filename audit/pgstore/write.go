@@ -13,6 +13,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgtype"
 
+	"github.com/rabbitretry/rabbitretry/amqpretry"
 	"github.com/rabbitretry/rabbitretry/audit"
 )
 
@@ -92,6 +93,8 @@ func buildWriteBatch(q queries, arrivals []audit.Arrival, attempts []audit.Attem
 			bodies                                 = make([][]byte, n)
 			sizes                                  = make([]int32, n)
 			truncs                                 = make([]bool, n)
+			tables                                 = make([]*string, n)
+			dups                                   = make([]bool, n)
 		)
 		for k, i := range idx {
 			a := &arrivals[i]
@@ -105,7 +108,14 @@ func buildWriteBatch(q queries, arrivals []audit.Arrival, attempts []audit.Attem
 				bodies[k] = []byte{}
 			}
 			sizes[k] = int32(min(max(a.BodySize, len(a.Body)), 1<<31-1))
-			truncs[k] = a.BodyTruncated
+			truncs[k], dups[k] = a.BodyTruncated, a.MaybeDuplicate
+			if a.HeaderTable != nil {
+				// Exact types for Resend; a table the codec cannot hold
+				// (not from a delivery) keeps only the JSON form.
+				if enc, err := amqpretry.EncodeHeaderTable(a.HeaderTable); err == nil {
+					tables[k] = &enc
+				}
+			}
 			key := mids[k]
 			if key == "" { // listed under its own record ID (see arrivalKey)
 				key = ids[k]
@@ -115,7 +125,7 @@ func buildWriteBatch(q queries, arrivals []audit.Arrival, attempts []audit.Attem
 				m.firstArrival = arrs[k]
 			}
 		}
-		b.Queue(q.insertArrivals, ids, mids, cids, exs, rks, pubs, arrs, hdrs, props, bodies, sizes, truncs)
+		b.Queue(q.insertArrivals, ids, mids, cids, exs, rks, pubs, arrs, hdrs, props, bodies, sizes, truncs, tables, dups)
 	}
 
 	if len(attempts) > 0 {
@@ -123,6 +133,7 @@ func buildWriteBatch(q queries, arrivals []audit.Arrival, attempts []audit.Attem
 		n := len(attempts)
 		var (
 			ids, mids, cids, queues, outcomes, classes, errs = make([]string, n), make([]string, n), make([]string, n), make([]string, n), make([]string, n), make([]string, n), make([]string, n)
+			users                                            = make([]string, n)
 			nums                                             = make([]int32, n)
 			starts                                           = make([]pgtype.Timestamptz, n)
 			durs, delays, tiers                              = make([]int64, n), make([]int64, n), make([]int64, n)
@@ -132,6 +143,7 @@ func buildWriteBatch(q queries, arrivals []audit.Arrival, attempts []audit.Attem
 			ids[k], mids[k], cids[k] = cleanText(a.ID), cleanText(a.MessageID), cleanText(a.CorrelationID)
 			queues[k], outcomes[k] = cleanText(a.Queue), cleanText(string(a.Outcome))
 			classes[k], errs[k] = cleanText(a.ErrorClass), cleanText(a.Error)
+			users[k] = cleanText(a.RecordedBy)
 			nums[k] = int32(min(max(a.Attempt, -1<<31), 1<<31-1))
 			starts[k] = pgtype.Timestamptz{Time: a.StartedAt, Valid: true}
 			durs[k], delays[k], tiers[k] = a.Duration.Microseconds(), a.Delay.Milliseconds(), a.Tier.Milliseconds()
@@ -143,7 +155,7 @@ func buildWriteBatch(q queries, arrivals []audit.Arrival, attempts []audit.Attem
 				m.lastAttempt, m.lastStarted, m.lastID, m.lastOutcome = &nums[k], starts[k], &ids[k], &outcomes[k]
 			}
 		}
-		b.Queue(q.insertAttempts, ids, mids, cids, queues, nums, starts, durs, outcomes, delays, tiers, classes, errs)
+		b.Queue(q.insertAttempts, ids, mids, cids, queues, nums, starts, durs, outcomes, delays, tiers, classes, errs, users)
 	}
 
 	n := len(msgs)

@@ -1,0 +1,272 @@
+package audit_test
+
+import (
+	"context"
+	"fmt"
+	"math"
+	"reflect"
+	"strings"
+	"testing"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/rabbitretry/rabbitretry/audit"
+	"github.com/rabbitretry/rabbitretry/audit/pgstore"
+	"github.com/rabbitretry/rabbitretry/internal/testkit"
+)
+
+// exactEnv is two topic exchanges (tenant A's and tenant B's), each with a
+// business queue bound "#", audited by a Consumer into PostgreSQL.
+type exactEnv struct {
+	t          *testing.T
+	uri        string
+	ch         *amqp.Channel
+	exA, exB   string
+	qA, qB     string
+	naming     audit.Naming
+	store      *pgstore.Store
+	cons       *audit.Consumer
+	resender   *audit.Resender
+	consConfig func(*audit.ConsumerConfig)
+}
+
+func newExactEnv(t *testing.T, mod func(*audit.ConsumerConfig)) *exactEnv {
+	t.Helper()
+	e := &exactEnv{t: t, uri: testkit.URI(t),
+		exA: testkit.UniqueName(t, "ex.a"), exB: testkit.UniqueName(t, "ex.b"),
+		qA: testkit.UniqueName(t, "q.a"), qB: testkit.UniqueName(t, "q.b"),
+		naming: audit.Naming{Exchange: testkit.UniqueName(t, "audit"), AttemptsQueue: testkit.UniqueName(t, "audit.att"), ArrivalsQueue: testkit.UniqueName(t, "audit.arr")}}
+	conn, err := amqp.Dial(e.uri)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { conn.Close() })
+	if e.ch, err = conn.Channel(); err != nil {
+		t.Fatal(err)
+	}
+	for _, p := range [][2]string{{e.exA, e.qA}, {e.exB, e.qB}} {
+		if err := e.ch.ExchangeDeclare(p[0], "topic", false, false, false, false, nil); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := e.ch.QueueDeclare(p[1], false, false, false, false, nil); err != nil {
+			t.Fatal(err)
+		}
+		if err := e.ch.QueueBind(p[1], "#", p[0], false, nil); err != nil {
+			t.Fatal(err)
+		}
+	}
+	t.Cleanup(func() {
+		c, err := conn.Channel()
+		if err != nil {
+			return
+		}
+		_ = audit.DeleteTopology(c, e.naming)
+		for _, q := range []string{e.qA, e.qB} {
+			_, _ = c.QueueDelete(q, false, false, false)
+		}
+		for _, x := range []string{e.exA, e.exB} {
+			_ = c.ExchangeDelete(x, false, false)
+		}
+	})
+	e.store, _ = pgStore(t)
+	cfg := audit.ConsumerConfig{URI: e.uri, Store: e.store, Naming: e.naming, QueueType: audit.QueueTypeClassic,
+		BatchWait: 20 * time.Millisecond, Exchanges: []audit.Binding{{Exchange: e.exA}, {Exchange: e.exB}}}
+	if mod != nil {
+		mod(&cfg)
+	}
+	if e.cons, err = audit.NewConsumer(cfg); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.cons.Declare(); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- e.cons.Run(ctx) }()
+	t.Cleanup(func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("Consumer.Run: %v", err)
+		}
+	})
+	if e.resender, err = audit.NewResender(audit.ResenderConfig{URI: e.uri, Store: e.store, ConfirmTimeout: 10 * time.Second}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { e.resender.Close() })
+	if err := e.ch.Confirm(false); err != nil {
+		t.Fatal(err)
+	}
+	return e
+}
+
+// publish publishes p to exchange with key and waits for its confirm.
+func (e *exactEnv) publish(exchange, key string, p amqp.Publishing) {
+	e.t.Helper()
+	c, err := e.ch.PublishWithDeferredConfirmWithContext(context.Background(), exchange, key, true, false, p)
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	if ok, err := c.WaitContext(context.Background()); !ok || err != nil {
+		e.t.Fatalf("publish to %s not confirmed: %v %v", exchange, ok, err)
+	}
+}
+
+// take gets every message of q until want arrived (then checks none is
+// left over).
+func (e *exactEnv) take(q string, want int) []amqp.Delivery {
+	e.t.Helper()
+	tp := &resendTopology{ch: e.ch}
+	return tp.drain(e.t, q, want)
+}
+
+func (e *exactEnv) waitArrivals(f audit.Filter, want int) []audit.Message {
+	e.t.Helper()
+	var msgs []audit.Message
+	testkit.WaitFor(e.t, 15*time.Second, fmt.Sprintf("%d arrivals matching %+v recorded", want, f), func() bool {
+		var err error
+		msgs, err = e.store.Search(context.Background(), f)
+		n := 0
+		for _, m := range msgs {
+			n += m.ArrivalCount
+		}
+		return err == nil && n >= want
+	})
+	return msgs
+}
+
+// Issue #19 item 5: one message id published on two exchanges (two
+// tenants' systems that reuse ids). Search by the second exchange must
+// show the second's arrival, a resend filtered to tenant B must publish
+// B's body to B's exchange, and a resend by the id alone (which matches
+// both, with different bodies) must publish nothing: skipped as
+// ambiguous, never A's or B's silently.
+func TestAuditSameIDOnTwoExchanges(t *testing.T) {
+	e := newExactEnv(t, nil)
+	const id = "shared-id-1"
+	for _, p := range []struct{ ex, tenant string }{{e.exA, "A"}, {e.exB, "B"}} {
+		e.publish(p.ex, "order.created", amqp.Publishing{
+			Headers: amqp.Table{audit.DefaultUUIDHeader: id, "tenant": p.tenant}, Body: []byte("body of tenant " + p.tenant),
+			Timestamp: time.Now(),
+		})
+	}
+	e.take(e.qA, 1)
+	e.take(e.qB, 1)
+	e.waitArrivals(audit.Filter{MessageID: id}, 2)
+
+	msgs, err := e.store.Search(context.Background(), audit.Filter{Exchange: e.exB})
+	if err != nil || len(msgs) != 1 || msgs[0].Arrival == nil {
+		t.Fatalf("search by exchange B: %+v %v", msgs, err)
+	}
+	if a := msgs[0].Arrival; a.Exchange != e.exB || string(a.Body) != "body of tenant B" {
+		t.Fatalf("search by exchange B shows the arrival on %s with body %q", a.Exchange, a.Body)
+	}
+
+	rep, err := e.resender.Resend(context.Background(), audit.Filter{Headers: map[string]any{"tenant": "B"}}, audit.ResendOptions{Mode: audit.ResendToExchange})
+	if err != nil || rep.Sent != 1 {
+		t.Fatalf("resend tenant B: %+v %v", rep, err)
+	}
+	gotB := e.take(e.qB, 1)
+	e.take(e.qA, 0)
+	if string(gotB[0].Body) != "body of tenant B" || gotB[0].Headers["tenant"] != "B" {
+		t.Fatalf("tenant B's resend published body %q tenant %v", gotB[0].Body, gotB[0].Headers["tenant"])
+	}
+
+	// The resent copy is a third arrival of the id (with rabbitretry-resent:
+	// not a different content).
+	e.waitArrivals(audit.Filter{MessageID: id}, 3)
+	rep, err = e.resender.Resend(context.Background(), audit.Filter{MessageID: id}, audit.ResendOptions{Mode: audit.ResendToExchange})
+	if err != nil || rep.Sent != 0 || rep.Skipped != 1 || !strings.Contains(rep.Results[0].Error, "ambiguous") {
+		t.Fatalf("resend of the ambiguous id: %+v %v", rep, err)
+	}
+	e.take(e.qA, 0)
+	e.take(e.qB, 0)
+	t.Logf("ACCOUNT TestAuditSameIDOnTwoExchanges: published=2 handled=1 poisoned=0 duplicates=0 lost=0 (resend of tenant B: 1 to B, 0 to A; ambiguous resend by id: %s)", rep.Results[0].Error)
+}
+
+// everyFieldType is one header of every AMQP field value type amqp091-go
+// writes and reads (its write.go writeField / read.go readField: t, b, B,
+// s, u, I, i, l, f, d, D, S, x, T, F, A, V), with values JSON cannot keep
+// exactly.
+func everyFieldType() amqp.Table {
+	return amqp.Table{
+		"bool":      true,
+		"int8":      int8(-8),
+		"uint8":     uint8(200),
+		"int16":     int16(-16000),
+		"uint16":    uint16(65000),
+		"int32":     int32(-7),
+		"uint32":    uint32(4_000_000_000),
+		"int64":     int64(1)<<53 + 1,
+		"float32":   float32(1.5),
+		"float64":   float64(3),
+		"float-max": math.MaxFloat64,
+		"decimal":   amqp.Decimal{Scale: 2, Value: -12345},
+		"string":    "héllo",
+		"bytes":     []byte{0, 1, 0xfe, 0xff},
+		"timestamp": time.Unix(1_790_000_000, 0),
+		"void":      nil,
+		"table":     amqp.Table{"i32": int32(5), "f": float64(2), "b": []byte("x"), "d": amqp.Decimal{Scale: 1, Value: 7}},
+		"array":     []any{int32(1), int64(1) << 60, "s", []byte{9}, time.Unix(1, 0), amqp.Table{"u8": uint8(1)}, []any{float32(0.25)}},
+	}
+}
+
+// normal makes decoded header values comparable: times in UTC.
+func normal(v any) any {
+	switch x := v.(type) {
+	case time.Time:
+		return x.UTC()
+	case amqp.Table:
+		o := amqp.Table{}
+		for k, e := range x {
+			o[k] = normal(e)
+		}
+		return o
+	case []any:
+		o := make([]any, len(x))
+		for i, e := range x {
+			o[i] = normal(e)
+		}
+		return o
+	}
+	return v
+}
+
+// Issue #19 item 7: every AMQP field type round-trips exactly, value and
+// type, from the original publish through the audit's store to the
+// resent copy (a resend used to turn int64 2^53+1 into a float, bytes into
+// base64 text, a decimal into a float, a timestamp into text, int32 into
+// int64 and float 3 into an int).
+func TestAuditHeadersRoundTripExactly(t *testing.T) {
+	e := newExactEnv(t, nil)
+	h := everyFieldType()
+	h[audit.DefaultUUIDHeader] = "typed-1"
+	e.publish(e.exA, "order.created", amqp.Publishing{Headers: h, Body: []byte("typed"), Timestamp: time.Now()})
+	orig := e.take(e.qA, 1)[0]
+	e.waitArrivals(audit.Filter{MessageID: "typed-1"}, 1)
+	rep, err := e.resender.Resend(context.Background(), audit.Filter{MessageID: "typed-1"}, audit.ResendOptions{Mode: audit.ResendToExchange})
+	if err != nil || rep.Sent != 1 {
+		t.Fatalf("resend: %+v %v", rep, err)
+	}
+	copy := e.take(e.qA, 1)[0]
+	for k := range copy.Headers {
+		if strings.HasPrefix(k, "rabbitretry-") { // rabbitretry-resent, and the publisher's rabbitretry-publish-id
+			delete(copy.Headers, k)
+		}
+	}
+	changed := 0
+	for k, want := range orig.Headers {
+		got, ok := copy.Headers[k]
+		if !ok || !reflect.DeepEqual(normal(got), normal(want)) {
+			changed++
+			t.Errorf("header %q: sent %T %#v, resent %T %#v", k, want, want, got, got)
+		}
+	}
+	for k, v := range copy.Headers {
+		if _, ok := orig.Headers[k]; !ok {
+			changed++
+			t.Errorf("resent header %q = %#v was not sent", k, v)
+		}
+	}
+	t.Logf("ACCOUNT TestAuditHeadersRoundTripExactly: published=1 handled=1 poisoned=0 duplicates=0 lost=0 (headers %d, changed by the resend %d)", len(orig.Headers), changed)
+}
