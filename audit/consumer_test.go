@@ -587,6 +587,7 @@ func TestConsumerConfigValidate(t *testing.T) {
 		{audit.ConsumerConfig{URI: "amqp://x/", Store: store, Writers: -1}, "Writers -1"},
 		{audit.ConsumerConfig{URI: "amqp://x/", Store: store, Writers: 8, BatchSize: 8000}, "(Writers+1)×BatchSize = 72000"},
 		{audit.ConsumerConfig{URI: "amqp://x/", Store: store, QueueType: "stream"}, "QueueType \"stream\""},
+		{audit.ConsumerConfig{URI: "amqp://x/", Store: store, RecorderUsers: []string{"svc", ""}}, "RecorderUsers[1] is empty"},
 	} {
 		_, err := audit.NewConsumer(c.cfg)
 		if err == nil || !strings.Contains(err.Error(), c.want) {

@@ -2,6 +2,7 @@ package audit_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"math"
 	"reflect"
@@ -9,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill/message"
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitretry/rabbitretry/audit"
@@ -90,7 +92,9 @@ func newExactEnv(t *testing.T, mod func(*audit.ConsumerConfig)) *exactEnv {
 			t.Errorf("Consumer.Run: %v", err)
 		}
 	})
-	if e.resender, err = audit.NewResender(audit.ResenderConfig{URI: e.uri, Store: e.store, ConfirmTimeout: 10 * time.Second}); err != nil {
+	mgmt := testkit.MgmtURI()
+	if e.resender, err = audit.NewResender(audit.ResenderConfig{URI: e.uri, Store: e.store, ConfirmTimeout: 10 * time.Second,
+		ArrivalsQueue: e.naming.ArrivalsQueue, ManagementURL: mgmt, SkipRouteCheck: mgmt == ""}); err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { e.resender.Close() })
@@ -269,4 +273,116 @@ func TestAuditHeadersRoundTripExactly(t *testing.T) {
 		}
 	}
 	t.Logf("ACCOUNT TestAuditHeadersRoundTripExactly: published=1 handled=1 poisoned=0 duplicates=0 lost=0 (headers %d, changed by the resend %d)", len(orig.Headers), changed)
+}
+
+// Issue #19 item 9: anyone allowed to publish to the audit exchange could
+// forge an attempt record and flip a message's last outcome. Records now
+// carry the AMQP user-id, which RabbitMQ validates against the publishing
+// connection's user; the Consumer stores only its RecorderUsers' records.
+// The Recorder's record is stored (RecordedBy = its user); a forged record
+// without user-id is refused (Stats.Untrusted) and the last outcome stays;
+// a forged user-id is refused by the broker itself (406).
+func TestAuditRefusesForgedAttemptRecords(t *testing.T) {
+	e := newExactEnv(t, nil)
+	const id = "forge-1"
+	rec, err := audit.NewRecorder(audit.RecorderConfig{URI: e.uri, Naming: e.naming, QueueType: audit.QueueTypeClassic,
+		QueueName: func(context.Context) string { return "orders" }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, herr := rec.Middleware(func(*message.Message) ([]*message.Message, error) {
+		return nil, errors.New("boom")
+	})(message.NewMessage(id, []byte("x")))
+	if herr == nil {
+		t.Fatal("handler error lost")
+	}
+	if err := rec.Close(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	var msgs []audit.Message
+	testkit.WaitFor(t, 15*time.Second, "the recorder's attempt stored", func() bool {
+		msgs, err = e.store.Search(context.Background(), audit.Filter{MessageID: id})
+		return err == nil && len(msgs) == 1 && len(msgs[0].Attempts) == 1
+	})
+	genuine := msgs[0].Attempts[0]
+	user, _ := amqp.ParseURI(e.uri)
+	if genuine.RecordedBy != user.Username || genuine.Outcome != audit.OutcomeNacked {
+		t.Fatalf("recorder's attempt: %+v", genuine)
+	}
+
+	forged, _ := audit.MarshalAttempt(audit.Attempt{ID: "forged-1", MessageID: id, Queue: "orders", Attempt: 9,
+		StartedAt: time.Now(), Outcome: audit.OutcomeSuccess, RecordedBy: user.Username})
+	e.publish(e.naming.Exchange, audit.AttemptRoutingKey, amqp.Publishing{ContentType: "application/json", Body: forged})
+	testkit.WaitFor(t, 15*time.Second, "the forged record refused", func() bool { return e.cons.Stats().Untrusted == 1 })
+
+	// A user-id other than the connection's user: the broker refuses it.
+	conn, err := amqp.Dial(e.uri)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	ch, err := conn.Channel()
+	if err != nil {
+		t.Fatal(err)
+	}
+	closed := ch.NotifyClose(make(chan *amqp.Error, 1))
+	_ = ch.PublishWithContext(context.Background(), e.naming.Exchange, audit.AttemptRoutingKey, false, false,
+		amqp.Publishing{UserId: "rabbitretry-recorder-" + user.Username, Body: forged})
+	select {
+	case ae := <-closed:
+		if ae == nil || ae.Code != amqp.PreconditionFailed {
+			t.Fatalf("channel closed with %v, want 406 PRECONDITION_FAILED", ae)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("the broker accepted a user-id that is not the connection's user")
+	}
+
+	msgs, err = e.store.Search(context.Background(), audit.Filter{MessageID: id})
+	if err != nil || len(msgs) != 1 || len(msgs[0].Attempts) != 1 || msgs[0].Attempts[0].ID != genuine.ID {
+		t.Fatalf("after the forgeries: %+v %v", msgs, err)
+	}
+	if m, err := e.store.Search(context.Background(), audit.Filter{MessageID: id, LastOutcome: audit.OutcomeSuccess}); err != nil || len(m) != 0 {
+		t.Fatalf("the forged record flipped the last outcome: %+v %v", m, err)
+	}
+	t.Logf("ACCOUNT TestAuditRefusesForgedAttemptRecords: published=3 handled=1 poisoned=0 duplicates=0 lost=0 (records: 1 genuine stored, 1 forged without user-id refused by the consumer, 1 with a foreign user-id refused by the broker)")
+}
+
+// Issue #19 item 8: a to-exchange resend to an exchange whose business
+// binding is gone was reported "sent": the audit's own "#" binding routed
+// the copies (a mandatory publish only says "routed somewhere"). Now the
+// exchange's bindings are read from the management API first: such a
+// message is reported failed (ErrRoutedOnlyToAudit) and not published, in
+// a dry run too; with the binding back, it is sent.
+func TestAuditResendToExchangeRoutedOnlyToAudit(t *testing.T) {
+	testkit.HaveMgmt(t)
+	e := newExactEnv(t, nil)
+	const n = 20
+	for i := range n {
+		e.publish(e.exA, "order.created", amqp.Publishing{Headers: amqp.Table{audit.DefaultUUIDHeader: fmt.Sprintf("gone-%02d", i)}, Body: []byte(fmt.Sprint(i))})
+	}
+	e.take(e.qA, n)
+	e.waitArrivals(audit.Filter{Exchange: e.exA}, n)
+	if err := e.ch.QueueUnbind(e.qA, "#", e.exA, nil); err != nil {
+		t.Fatal(err)
+	}
+	for _, dry := range []bool{true, false} {
+		rep, err := e.resender.Resend(context.Background(), audit.Filter{Exchange: e.exA}, audit.ResendOptions{Mode: audit.ResendToExchange, DryRun: dry})
+		if err != nil || rep.Sent != 0 || rep.Failed != n || !strings.Contains(rep.Results[0].Error, "only to the audit") {
+			t.Fatalf("dry run %v: sent %d failed %d %v (%+v)", dry, rep.Sent, rep.Failed, err, rep.Results[0])
+		}
+	}
+	// Nothing was published: no new arrival (the audit queue would have
+	// recorded one per copy).
+	if msgs, err := e.store.Search(context.Background(), audit.Filter{Exchange: e.exA, Limit: 100}); err != nil || len(msgs) != n {
+		t.Fatalf("search: %d %v", len(msgs), err)
+	}
+	if err := e.ch.QueueBind(e.qA, "order.*", e.exA, false, nil); err != nil {
+		t.Fatal(err)
+	}
+	rep, err := e.resender.Resend(context.Background(), audit.Filter{Exchange: e.exA}, audit.ResendOptions{Mode: audit.ResendToExchange})
+	if err != nil || rep.Sent != n {
+		t.Fatalf("with the binding back: %+v %v", rep, err)
+	}
+	e.take(e.qA, n)
+	t.Logf("ACCOUNT TestAuditResendToExchangeRoutedOnlyToAudit: published=%d handled=%d poisoned=0 duplicates=0 lost=0 (binding gone: reported failed %d, sent 0; binding back: sent %d)", n, n, n, rep.Sent)
 }

@@ -107,6 +107,28 @@ type ResenderConfig struct {
 	// ConnectionName is the client-provided connection name. Default
 	// DefaultResenderConnectionName.
 	ConnectionName string
+	// ManagementURL is the RabbitMQ management HTTP API ("Management
+	// Plugin"), e.g. "http://user:password@host:15672/", that a
+	// ResendToExchange reads the exchange's bindings from before
+	// publishing: a message the exchange would route to no queue but the
+	// audit's own arrivals queue (its business binding is gone) is reported
+	// failed with ErrRoutedOnlyToAudit and not published (a mandatory
+	// publish cannot tell: the audit's binding alone makes it routed). The
+	// user needs the management tag "monitoring" or above (or "management"
+	// with access to the vhost). Default: derived from URI (same host and
+	// credentials, http on port 15672; https on 15671 for amqps). When the
+	// API cannot be read, ResendToExchange returns the error and publishes
+	// nothing.
+	ManagementURL string
+	// SkipRouteCheck turns that check off: a ResendToExchange is then
+	// reported sent as soon as the broker confirmed the mandatory publish,
+	// even when only the audit's arrivals queue received it. For brokers
+	// without the management plugin. Default false.
+	SkipRouteCheck bool
+	// ArrivalsQueue is the audit's arrivals queue, whose binding does not
+	// count as a route. Default DefaultArrivalsQueue (the Consumer's
+	// Naming.ArrivalsQueue).
+	ArrivalsQueue string
 	// Logger gets connection events. Default watermill.NopLogger{}.
 	Logger watermill.LoggerAdapter
 }
@@ -120,6 +142,12 @@ func (c *ResenderConfig) setDefaults() {
 	}
 	if c.ConnectionName == "" {
 		c.ConnectionName = DefaultResenderConnectionName
+	}
+	if c.ArrivalsQueue == "" {
+		c.ArrivalsQueue = DefaultArrivalsQueue
+	}
+	if c.ManagementURL == "" && !c.SkipRouteCheck {
+		c.ManagementURL, _ = managementURL(c.URI)
 	}
 	if c.Logger == nil {
 		c.Logger = watermill.NopLogger{}
@@ -143,6 +171,11 @@ func (c ResenderConfig) Validate() error {
 	}
 	if _, err := amqp.ParseURI(c.URI); err != nil {
 		return fmt.Errorf("audit: ResenderConfig.URI: %w", err)
+	}
+	if !c.SkipRouteCheck {
+		if _, err := newRouteChecker(c.ManagementURL, "/", c.ArrivalsQueue); err != nil {
+			return err
+		}
 	}
 	return nil
 }
@@ -406,6 +439,11 @@ func (r *Resender) Resend(ctx context.Context, f Filter, opts ResendOptions) (Re
 			rep.Sent++
 		}
 	}
+	if opts.Mode == ResendToExchange && !r.cfg.SkipRouteCheck {
+		if err := r.checkRoutes(ctx, &rep, pubs, sendable); err != nil {
+			return rep, err
+		}
+	}
 	if opts.DryRun {
 		return rep, nil
 	}
@@ -460,6 +498,47 @@ func (r *Resender) Resend(ctx context.Context, f Filter, opts ResendOptions) (Re
 		i = j
 	}
 	return rep, nil
+}
+
+// checkRoutes marks failed (ErrRoutedOnlyToAudit) every sendable message
+// whose exchange would route it to no queue but the audit's arrivals
+// queue (ResenderConfig.ManagementURL); an error if the bindings cannot be
+// read (then nothing is published).
+func (r *Resender) checkRoutes(ctx context.Context, rep *ResendReport, pubs []amqp.Publishing, sendable []bool) error {
+	u, err := amqp.ParseURI(r.cfg.URI)
+	if err != nil {
+		return err
+	}
+	rc, err := newRouteChecker(r.cfg.ManagementURL, u.Vhost, r.cfg.ArrivalsQueue)
+	if err != nil {
+		return err
+	}
+	for i := range sendable {
+		res := &rep.Results[i]
+		if !sendable[i] || res.Exchange == "" {
+			continue
+		}
+		ok, err := rc.reachesOtherQueue(ctx, res.Exchange, res.RoutingKey, pubs[i].Headers)
+		var nf *mgmtNotFound
+		if errors.As(err, &nf) {
+			continue // a missing exchange is reported by the publish loop
+		}
+		if ctx.Err() != nil {
+			return nil // the publish loop reports the rest unsent
+		}
+		if err != nil {
+			return fmt.Errorf("audit: resend: checking where exchange %q routes (set ResenderConfig.ManagementURL, or SkipRouteCheck): %w", res.Exchange, err)
+		}
+		if !ok {
+			if rep.DryRun {
+				rep.Sent--
+			}
+			sendable[i] = false
+			res.Status, res.Error = StatusFailed, ErrRoutedOnlyToAudit.Error()
+			rep.Failed++
+		}
+	}
+	return nil
 }
 
 // stopped marks the sendable messages from index from on as not tried.
