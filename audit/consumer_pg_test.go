@@ -155,7 +155,7 @@ func consumerThroughput(t *testing.T, n, writers int) float64 {
 			b, _ := audit.MarshalAttempt(audit.Attempt{ID: watermill.NewUUID(), MessageID: id, Queue: "orders", Attempt: 1,
 				StartedAt: time.Now(), Duration: time.Millisecond, Outcome: audit.OutcomeRetry, Delay: time.Second, Tier: time.Second,
 				ErrorClass: "transient", Error: "inventory service unavailable"})
-			att = append(att, amqp.Publishing{Body: b, DeliveryMode: amqp.Persistent, ContentType: "application/json"})
+			att = append(att, amqp.Publishing{Body: b, DeliveryMode: amqp.Persistent, ContentType: "application/json", UserId: e.user()})
 		}
 		if err := pub.PublishRawBatch(context.Background(), e.exchange, routingKey, arr); err != nil {
 			t.Fatal(err)

@@ -142,6 +142,16 @@ func (e *brokerEnv) publish(msgs ...*message.Message) {
 	}
 }
 
+// user is the RabbitMQ user of e's connection: the user-id an attempt
+// record needs to be stored (ConsumerConfig.RecorderUsers' default).
+func (e *brokerEnv) user() string {
+	u, err := amqp.ParseURI(e.uri)
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	return u.Username
+}
+
 // ready returns the number of ready messages in q.
 func (e *brokerEnv) ready(q string) int {
 	e.t.Helper()
@@ -544,7 +554,7 @@ func TestConsumerMalformedAttempt(t *testing.T) {
 	body, _ := audit.MarshalAttempt(good)
 	for _, b := range [][]byte{[]byte("{not json"), []byte(`{"outcome":"success"}`), body} {
 		if err := e.ch.PublishWithContext(context.Background(), e.naming.Exchange, audit.AttemptRoutingKey, true, false,
-			amqp.Publishing{Body: b, DeliveryMode: amqp.Persistent}); err != nil {
+			amqp.Publishing{Body: b, DeliveryMode: amqp.Persistent, UserId: e.user()}); err != nil {
 			t.Fatal(err)
 		}
 	}

@@ -518,7 +518,7 @@ func (r *Resender) checkRoutes(ctx context.Context, rep *ResendReport, pubs []am
 		if !sendable[i] || res.Exchange == "" {
 			continue
 		}
-		ok, err := rc.reachesOtherQueue(ctx, res.Exchange, res.RoutingKey, pubs[i].Headers)
+		other, toAudit, err := rc.reachesOtherQueue(ctx, res.Exchange, res.RoutingKey, pubs[i].Headers)
 		var nf *mgmtNotFound
 		if errors.As(err, &nf) {
 			continue // a missing exchange is reported by the publish loop
@@ -529,7 +529,8 @@ func (r *Resender) checkRoutes(ctx context.Context, rep *ResendReport, pubs []am
 		if err != nil {
 			return fmt.Errorf("audit: resend: checking where exchange %q routes (set ResenderConfig.ManagementURL, or SkipRouteCheck): %w", res.Exchange, err)
 		}
-		if !ok {
+		// Routed nowhere: the mandatory publish reports it (unroutable).
+		if !other && toAudit {
 			if rep.DryRun {
 				rep.Sent--
 			}

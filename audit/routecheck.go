@@ -132,19 +132,20 @@ func (c *routeChecker) routes(ctx context.Context, exchange string) (exchangeRou
 
 // reachesOtherQueue reports whether a message published to exchange with
 // key and headers would reach a queue other than the audit's arrivals
-// queue.
-func (c *routeChecker) reachesOtherQueue(ctx context.Context, exchange, key string, headers amqp.Table) (bool, error) {
-	return c.reaches(ctx, exchange, key, headers, map[string]bool{})
+// queue (other), and whether it would reach that one (audit).
+func (c *routeChecker) reachesOtherQueue(ctx context.Context, exchange, key string, headers amqp.Table) (other, audit bool, err error) {
+	err = c.reaches(ctx, exchange, key, headers, map[string]bool{}, &other, &audit)
+	return other, audit, err
 }
 
-func (c *routeChecker) reaches(ctx context.Context, exchange, key string, headers amqp.Table, seen map[string]bool) (bool, error) {
+func (c *routeChecker) reaches(ctx context.Context, exchange, key string, headers amqp.Table, seen map[string]bool, other, audit *bool) error {
 	if seen[exchange] || len(seen) > 32 {
-		return false, nil
+		return nil
 	}
 	seen[exchange] = true
 	r, err := c.routes(ctx, exchange)
 	if err != nil {
-		return false, err
+		return err
 	}
 	for _, b := range r.bindings {
 		if !bindingMatches(r.typ, b, key, headers) {
@@ -152,15 +153,19 @@ func (c *routeChecker) reaches(ctx context.Context, exchange, key string, header
 		}
 		switch {
 		case b.DestinationType == "exchange":
-			ok, err := c.reaches(ctx, b.Destination, key, headers, seen)
-			if err != nil || ok {
-				return ok, err
+			if err := c.reaches(ctx, b.Destination, key, headers, seen, other, audit); err != nil {
+				return err
 			}
-		case b.Destination != c.auditQueue:
-			return true, nil
+		case b.Destination == c.auditQueue:
+			*audit = true
+		default:
+			*other = true
+		}
+		if *other {
+			return nil
 		}
 	}
-	return false, nil
+	return nil
 }
 
 func bindingMatches(typ string, b mgmtBinding, key string, headers amqp.Table) bool {

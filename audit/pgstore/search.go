@@ -22,9 +22,12 @@ import (
 // messages holds up to MaxLimit arrival bodies in memory), newest first by
 // message time
 // (the first arrival's arrived_at, else the first attempt's started_at;
-// ties by message id, descending), each with its first arrival (nil if
-// none is stored) and its attempts oldest first (by started_at, then
-// attempt number).
+// ties by message id, descending), each with its first arrival that
+// matches the filter's Exchange, RoutingKey and Headers (the first arrival
+// when none of them is set; nil if none is stored), the number of its
+// arrivals that match and of different contents among them
+// (Message.ArrivalCount, ArrivalVariants), and its attempts oldest first
+// (by started_at, then attempt number).
 //
 // Filter semantics: MessageID matches exactly; CorrelationID an arrival's
 // or an attempt's; From <= message time < To; Exchange, RoutingKey and
@@ -356,7 +359,10 @@ func decodeCursor(c string) (time.Time, string, error) {
 
 // Cursor returns the Filter.After cursor that pages past m: its time is
 // the arrival's ArrivedAt, else the first attempt's StartedAt, as Search
-// sorts. Errors if m has neither.
+// sorts. With a filter on Exchange, RoutingKey or Headers, m.Arrival is the
+// first arrival that matched, which may be later than the message's first
+// one (its sort time): page with SearchPage's cursor then. Errors if m has
+// neither.
 func Cursor(m audit.Message) (string, error) {
 	switch {
 	case m.Arrival != nil:
