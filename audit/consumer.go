@@ -117,7 +117,8 @@ type ConsumerConfig struct {
 	// are refused: logged, counted in ConsumerStats.Untrusted, acked and
 	// not stored. Default: the user of URI (amqp.ParseURI; "guest" if the
 	// URI names none), for recorders that connect with the same
-	// credentials as the Consumer.
+	// credentials as the Consumer; set it when they connect as another user
+	// or authenticate otherwise (SASL EXTERNAL: the certificate's user).
 	RecorderUsers []string
 	// AcceptRecordsWithoutUserID also stores attempt records that carry no
 	// user-id (published by a Recorder of an earlier version, which did not

@@ -52,8 +52,9 @@ type RecorderConfig struct {
 	// guide), so a record carrying it was published by that user; the
 	// Consumer stores only records of its ConsumerConfig.RecorderUsers.
 	// Default: the user of URI (amqp.ParseURI; "guest" if the URI names
-	// none). Required when Publisher is set without URI: the user that
-	// Publisher connects as.
+	// none); set it when the connection authenticates otherwise (SASL
+	// EXTERNAL: the certificate's user). Required when Publisher is set
+	// without URI: the user that Publisher connects as.
 	UserID string
 	// Naming names the audit exchange and attempts queue; the Consumer must
 	// use the same. Default: DefaultExchange, DefaultAttemptsQueue.

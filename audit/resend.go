@@ -69,7 +69,9 @@ const (
 	// ResendToExchange publishes the message again to its original
 	// exchange with its original routing key: EVERY queue bound to it
 	// receives it again (all consumers, and the audit's arrivals queue, so
-	// the resent copy is recorded as a new arrival).
+	// the resent copy is recorded as a new arrival). A message the exchange
+	// would route to the audit's arrivals queue only is not published and
+	// is reported failed (ErrRoutedOnlyToAudit; ResenderConfig.ManagementURL).
 	ResendToExchange ResendMode = "to-exchange"
 )
 
@@ -439,8 +441,12 @@ func (r *Resender) Resend(ctx context.Context, f Filter, opts ResendOptions) (Re
 			rep.Sent++
 		}
 	}
+	// Exchanges the management API does not know: missing, or the API is
+	// another broker's (then the broker has them: not published).
+	var unknown map[string]bool
 	if opts.Mode == ResendToExchange && !r.cfg.SkipRouteCheck {
-		if err := r.checkRoutes(ctx, &rep, pubs, sendable); err != nil {
+		var err error
+		if unknown, err = r.checkRoutes(ctx, &rep, pubs, sendable); err != nil {
 			return rep, err
 		}
 	}
@@ -467,6 +473,9 @@ func (r *Resender) Resend(ctx context.Context, f Filter, opts ResendOptions) (Re
 			exErr, seen := exchangeOK[ex]
 			if !seen {
 				exErr = checkExchange(pub, ex)
+				if exErr == nil && unknown[ex] {
+					exErr = fmt.Errorf("audit: resend: the management API (ResenderConfig.ManagementURL) has no exchange %q, which the broker has: it is another broker's or vhost's, so where the exchange routes is unknown; not published", ex)
+				}
 				exchangeOK[ex] = exErr
 			}
 			if exErr != nil {
@@ -504,15 +513,16 @@ func (r *Resender) Resend(ctx context.Context, f Filter, opts ResendOptions) (Re
 // whose exchange would route it to no queue but the audit's arrivals
 // queue (ResenderConfig.ManagementURL); an error if the bindings cannot be
 // read (then nothing is published).
-func (r *Resender) checkRoutes(ctx context.Context, rep *ResendReport, pubs []amqp.Publishing, sendable []bool) error {
+func (r *Resender) checkRoutes(ctx context.Context, rep *ResendReport, pubs []amqp.Publishing, sendable []bool) (map[string]bool, error) {
 	u, err := amqp.ParseURI(r.cfg.URI)
 	if err != nil {
-		return err
+		return nil, err
 	}
 	rc, err := newRouteChecker(r.cfg.ManagementURL, u.Vhost, r.cfg.ArrivalsQueue)
 	if err != nil {
-		return err
+		return nil, err
 	}
+	unknown := map[string]bool{}
 	for i := range sendable {
 		res := &rep.Results[i]
 		if !sendable[i] || res.Exchange == "" {
@@ -521,13 +531,14 @@ func (r *Resender) checkRoutes(ctx context.Context, rep *ResendReport, pubs []am
 		other, toAudit, err := rc.reachesOtherQueue(ctx, res.Exchange, res.RoutingKey, pubs[i].Headers)
 		var nf *mgmtNotFound
 		if errors.As(err, &nf) {
-			continue // a missing exchange is reported by the publish loop
+			unknown[res.Exchange] = true // the publish loop tells missing from another broker's API
+			continue
 		}
 		if ctx.Err() != nil {
-			return nil // the publish loop reports the rest unsent
+			return unknown, nil // the publish loop reports the rest unsent
 		}
 		if err != nil {
-			return fmt.Errorf("audit: resend: checking where exchange %q routes (set ResenderConfig.ManagementURL, or SkipRouteCheck): %w", res.Exchange, err)
+			return nil, fmt.Errorf("audit: resend: checking where exchange %q routes (set ResenderConfig.ManagementURL, or SkipRouteCheck): %w", res.Exchange, err)
 		}
 		// Routed nowhere: the mandatory publish reports it (unroutable).
 		if !other && toAudit {
@@ -539,7 +550,7 @@ func (r *Resender) checkRoutes(ctx context.Context, rep *ResendReport, pubs []am
 			rep.Failed++
 		}
 	}
-	return nil
+	return unknown, nil
 }
 
 // stopped marks the sendable messages from index from on as not tried.
