@@ -20,8 +20,8 @@ const orphanTTL = 30 * time.Minute
 // redelivered flag, "Consumer Acknowledgements and Publisher Confirms":
 // Redeliveries); nothing else in a delivery tells two identical publishes
 // apart. So: a first delivery is a publish never seen before and gets a
-// new ID (its ContentID hashed with a random nonce). Until it is acked the
-// Consumer remembers that ID under its ContentID; when the session ends
+// new ID (its contentID hashed with a random nonce). Until it is acked the
+// Consumer remembers that ID under its contentID; when the session ends
 // (connection or channel lost) its unacked IDs become orphans, and a
 // redelivery of the same content takes an orphan's ID: the record is
 // written again under the same ID (a no-op if it had committed). A
@@ -32,8 +32,8 @@ const orphanTTL = 30 * time.Minute
 // never merged into one.
 type publishIDs struct {
 	mu      sync.Mutex
-	unacked map[string][]string // ContentID -> IDs delivered in this session, not acked
-	orphans map[string][]orphan // ContentID -> IDs left unacked by ended sessions
+	unacked map[string][]string // contentID -> IDs delivered in this session, not acked
+	orphans map[string][]orphan // contentID -> IDs left unacked by ended sessions
 }
 
 type orphan struct {
@@ -45,18 +45,18 @@ func newPublishIDs() *publishIDs {
 	return &publishIDs{unacked: map[string][]string{}, orphans: map[string][]orphan{}}
 }
 
-// assign sets a.ID for a delivery of a.ContentID.
+// assign sets a.ID for a delivery of a.contentID.
 func (p *publishIDs) assign(a *Arrival, redelivered bool) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	id := ""
 	if redelivered {
-		if os := p.orphans[a.ContentID]; len(os) > 0 {
+		if os := p.orphans[a.contentID]; len(os) > 0 {
 			id = os[0].id
 			if len(os) == 1 {
-				delete(p.orphans, a.ContentID)
+				delete(p.orphans, a.contentID)
 			} else {
-				p.orphans[a.ContentID] = os[1:]
+				p.orphans[a.contentID] = os[1:]
 			}
 		}
 	}
@@ -64,11 +64,11 @@ func (p *publishIDs) assign(a *Arrival, redelivered bool) {
 		a.MaybeDuplicate = redelivered
 		var nonce [16]byte
 		_, _ = rand.Read(nonce[:])
-		sum := sha256.Sum256(append([]byte(a.ContentID), nonce[:]...))
+		sum := sha256.Sum256(append([]byte(a.contentID), nonce[:]...))
 		id = hex.EncodeToString(sum[:])
 	}
 	a.ID = id
-	p.unacked[a.ContentID] = append(p.unacked[a.ContentID], id)
+	p.unacked[a.contentID] = append(p.unacked[a.contentID], id)
 }
 
 // acked forgets the IDs of arrivals whose deliveries were acked.
@@ -76,7 +76,7 @@ func (p *publishIDs) acked(arrivals []Arrival) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	for i := range arrivals {
-		ids := p.unacked[arrivals[i].ContentID]
+		ids := p.unacked[arrivals[i].contentID]
 		for k, id := range ids {
 			if id == arrivals[i].ID {
 				ids = append(ids[:k], ids[k+1:]...)
@@ -84,9 +84,9 @@ func (p *publishIDs) acked(arrivals []Arrival) {
 			}
 		}
 		if len(ids) == 0 {
-			delete(p.unacked, arrivals[i].ContentID)
+			delete(p.unacked, arrivals[i].contentID)
 		} else {
-			p.unacked[arrivals[i].ContentID] = ids
+			p.unacked[arrivals[i].contentID] = ids
 		}
 	}
 }

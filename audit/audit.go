@@ -61,18 +61,19 @@ const (
 type Arrival struct {
 	// ID is the record's idempotency key, one per publish: the Consumer
 	// gives every first delivery of the arrivals queue a new ID (a hex
-	// SHA-256 over ContentID and a random nonce), and a redelivery of it
-	// (after a lost connection or a crash between commit and ack) the same
-	// ID again when this Consumer process delivered it before, so a
-	// redelivered record is written once while two identical publishes
+	// SHA-256 over the content hash ArrivalFromDelivery computes and a
+	// random nonce), and a redelivery of it (after a lost connection) the
+	// same ID again when this Consumer process delivered it before: a
+	// redelivered record is written once, while two identical publishes
 	// (the same bytes within one second, or one UUID published twice) are
-	// two arrivals. See Consumer for the one case that can store a publish
-	// twice (never merge two).
+	// two arrivals. A redelivery it cannot match (the Consumer process that
+	// had it died) is stored under a new ID with MaybeDuplicate set: a
+	// publish may be stored twice, two publishes are never merged.
 	ID string `json:"id"`
-	// ContentID is a hex SHA-256 over the exchange, routing key, message
+	// contentID is a hex SHA-256 over the exchange, routing key, message
 	// id, AMQP timestamp, headers and body: equal for identical publishes
 	// (ArrivalFromDelivery sets it, and ID to it). Not stored.
-	ContentID string `json:"-"`
+	contentID string
 	// MessageID is the Watermill message UUID (the UUID header, else the
 	// AMQP message-id property); empty if the message had neither.
 	MessageID string `json:"message_id"`

@@ -707,7 +707,7 @@ func (c *Consumer) arrival(d amqp.Delivery) Arrival {
 // (amqpretry.HeadersToJSON; a header that cannot be converted is recorded
 // under "rabbitretry-headers-error"), without the queue's x-delivery-count
 // and x-acquired-count; HeaderTable keeps them with their AMQP types; the
-// body is cut to bodyLimit bytes. ContentID (and ID) is the hex SHA-256
+// body is cut to bodyLimit bytes. contentID (and ID) is the hex SHA-256
 // over exchange, routing key, message id, timestamp, headers (canonical
 // JSON: keys sorted) and the whole body: the same for a redelivery and for
 // an identical publish; the Consumer replaces ID with a per-publish one.
@@ -783,6 +783,6 @@ func ArrivalFromDelivery(d amqp.Delivery, uuidHeader string, bodyLimit int, now 
 		sum.Write(f)
 	}
 	a.ID = hex.EncodeToString(sum.Sum(nil))
-	a.ContentID = a.ID
+	a.contentID = a.ID
 	return a
 }
