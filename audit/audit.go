@@ -21,7 +21,8 @@
 // Store and acks them only after the transaction commits, so while
 // PostgreSQL is down records wait durably in RabbitMQ's audit queues, and
 // a batch that is redelivered is written again without duplicates (Store
-// writes are idempotent on the record IDs).
+// writes are idempotent on the record IDs; see Arrival.ID for the one case
+// of a second, flagged arrival record).
 package audit
 
 import (

@@ -262,7 +262,12 @@ type ConsumerStats struct {
 // unacked and is retried with backoff; the queues hold everything behind
 // it durably. If the connection is lost or the process dies, the broker
 // requeues the unacked deliveries and they are written again: Store.Write
-// is idempotent on the record IDs, so nothing is duplicated or lost.
+// is idempotent on the record IDs, so nothing is lost, and a redelivered
+// attempt record, or an arrival redelivered after a lost connection (it
+// keeps its per-publish ID, Arrival.ID), is not duplicated. An arrival
+// whose first delivery went to a Consumer process that died between
+// commit and ack is stored a second time, flagged Arrival.MaybeDuplicate
+// (RabbitMQ gives a delivery no identity that survives the process).
 //
 // Once declared, the arrivals queue receives a copy of every publish to
 // the audited exchanges whether or not a Consumer runs, and the attempts
