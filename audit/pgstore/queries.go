@@ -33,11 +33,14 @@ func arrivalsOfSQL(arrivals, cond string) string {
 	if cond != "" {
 		where += " AND " + cond
 	}
-	return `WITH n AS (SELECT v.message_key, count(*) AS arrivals, count(DISTINCT v.content) AS variants
-	FROM (SELECT a.message_key, (a.exchange, a.routing_key, ` + resendHeaders + `, a.properties - 'user-id', md5(a.body), a.body_size)::text AS content
-		FROM ` + arrivals + ` a WHERE ` + where + `) v GROUP BY v.message_key)
-SELECT DISTINCT ON (a.message_key) a.message_key, ` + prefixed("a.", arrivalCols) + `, n.arrivals, n.variants
-FROM ` + arrivals + ` a JOIN n ON n.message_key = a.message_key
+	// Contents are compared (md5 of bodies) only for message keys with
+	// more than one matching arrival: a page of single arrivals reads each
+	// body once.
+	return `WITH n AS (SELECT a.message_key, count(*) AS arrivals FROM ` + arrivals + ` a WHERE ` + where + ` GROUP BY a.message_key),
+v AS (SELECT a.message_key, count(DISTINCT (a.exchange, a.routing_key, ` + resendHeaders + `, a.properties - 'user-id', md5(a.body), a.body_size)::text) AS variants
+	FROM ` + arrivals + ` a JOIN n ON n.message_key = a.message_key AND n.arrivals > 1 WHERE ` + where + ` GROUP BY a.message_key)
+SELECT DISTINCT ON (a.message_key) a.message_key, ` + prefixed("a.", arrivalCols) + `, n.arrivals, COALESCE(v.variants, 1)
+FROM ` + arrivals + ` a JOIN n ON n.message_key = a.message_key LEFT JOIN v ON v.message_key = a.message_key
 WHERE ` + where + ` ORDER BY a.message_key, a.arrived_at, a.id`
 }
 
