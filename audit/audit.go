@@ -219,6 +219,52 @@ type Store interface {
 	Search(ctx context.Context, f Filter) ([]Message, error)
 }
 
+// UnackedDelivery is a row of a DeliveryLog: the arrival ArrivalID was
+// stored from a delivery that Consumer session Session holds and has not
+// acked yet.
+type UnackedDelivery struct {
+	// ArrivalID is the stored arrival's ID (Arrival.ID).
+	ArrivalID string
+	// Fingerprint is a hex SHA-256 over the audit queue's name and the
+	// delivery's content (exchange, routing key, message id, AMQP
+	// timestamp, headers, body): equal for identical publishes.
+	Fingerprint string
+	// Session is the random token of the Consumer session holding the
+	// delivery (one per AMQP connection of the Consumer).
+	Session string
+}
+
+// DeliveryLog is an optional extension of Store (pgstore implements it,
+// table unacked_arrivals) that makes each publish exactly one arrival even
+// when a Consumer process dies between the commit of a batch and its ack.
+// RabbitMQ then redelivers the batch with the redelivered flag set
+// ("Consumer Acknowledgements and Publisher Confirms": Redeliveries) to a
+// Consumer that cannot know, from the delivery alone, whether it was
+// stored. With a DeliveryLog the Consumer records, in the transaction that
+// stores an arrival, an UnackedDelivery row, and deletes it after the ack;
+// a redelivery whose fingerprint matches a row of a session that has ended
+// (see Consumer) claims that row and reuses its arrival ID, so the record
+// is not stored twice. A first delivery never claims a row, so identical
+// publishes stay distinct arrivals. Without a DeliveryLog the Consumer
+// stores such a redelivery again, flagged Arrival.MaybeDuplicate.
+type DeliveryLog interface {
+	Store
+	// WriteDeliveries is Write, and records deliveries in the same
+	// transaction (a row already stored under the same ArrivalID is
+	// replaced: it moves to the new session).
+	WriteDeliveries(ctx context.Context, arrivals []Arrival, attempts []Attempt, deliveries []UnackedDelivery) error
+	// UnackedDeliveries returns the rows of these fingerprints.
+	UnackedDeliveries(ctx context.Context, fingerprints []string) ([]UnackedDelivery, error)
+	// ClaimDelivery moves the row of arrivalID from session from to
+	// session to, atomically: false if it is gone or held by another
+	// session (another Consumer claimed it first).
+	ClaimDelivery(ctx context.Context, arrivalID, from, to string) (bool, error)
+	// DeliveriesAcked deletes session's rows of these arrival IDs (their
+	// deliveries were acked), and rows older than a day (their sessions'
+	// deliveries were redelivered and claimed or stored long ago).
+	DeliveriesAcked(ctx context.Context, session string, arrivalIDs []string) error
+}
+
 // MarshalAttempt and UnmarshalAttempt are the wire form of an Attempt
 // record on the audit exchange (JSON, content-type application/json).
 func MarshalAttempt(a Attempt) ([]byte, error) { return json.Marshal(a) }

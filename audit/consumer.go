@@ -275,8 +275,10 @@ type ConsumerStats struct {
 // while no Consumer runs or the store is down. No length limit is set, as
 // one would drop records; watch their depth.
 type Consumer struct {
-	cfg ConsumerConfig
-	ids *publishIDs
+	cfg   ConsumerConfig
+	ids   *publishIDs // without a DeliveryLog
+	log   DeliveryLog // cfg.Store, if it is one
+	ended sync.Map    // session tokens seen ended
 
 	untrusted                                                    atomic.Uint64
 	arrivals, attempts, batches, failures, malformed, reconnects atomic.Uint64
@@ -291,7 +293,9 @@ func NewConsumer(cfg ConsumerConfig) (*Consumer, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	return &Consumer{cfg: cfg, ids: newPublishIDs()}, nil
+	c := &Consumer{cfg: cfg, ids: newPublishIDs()}
+	c.log, _ = cfg.Store.(DeliveryLog)
+	return c, nil
 }
 
 // Stats returns the counters.
@@ -413,11 +417,16 @@ func (c *Consumer) Run(ctx context.Context) error {
 // batch is what one Store.Write carries, with the highest delivery tag of
 // each channel it acks; committed is closed once Write returned nil.
 type batch struct {
-	arrivals         []Arrival
-	attempts         []Attempt
-	arrTag, attTag   uint64
-	records, pending int // records; deliveries (incl. malformed)
-	committed        chan struct{}
+	arrivals []Arrival
+	// With a DeliveryLog, per arrival: its fingerprint, whether it was
+	// redelivered, resolved (its ID final), claimed (a row of an ended
+	// session had it: stored already).
+	fps                            []string
+	redelivered, resolved, claimed []bool
+	attempts                       []Attempt
+	arrTag, attTag                 uint64
+	records, pending               int // records; deliveries (incl. malformed)
+	committed                      chan struct{}
 }
 
 func (c *Consumer) session(ctx context.Context) error {
@@ -435,6 +444,19 @@ func (c *Consumer) session(ctx context.Context) error {
 			return errFatal{err}
 		}
 		return err
+	}
+	token := randomToken()
+	var cleaner *sessionCleaner
+	if c.log != nil {
+		if err := c.holdSession(conn, token); err != nil {
+			var ae *amqp.Error
+			if errors.As(err, &ae) && ae.Code == amqp.AccessRefused {
+				return errFatal{fmt.Errorf("audit: declaring the session queue %q (the user needs configure permission on it): %w", c.sessionQueue(token), err)}
+			}
+			return fmt.Errorf("audit: declaring the session queue: %w", err)
+		}
+		cleaner = c.startCleaner(token)
+		defer cleaner.stop() // after the acker (deferred below, runs first)
 	}
 	open := func(queue string) (*amqp.Channel, <-chan amqp.Delivery, error) {
 		ch, err := conn.Channel()
@@ -485,7 +507,7 @@ func (c *Consumer) session(ctx context.Context) error {
 			defer wg.Done()
 			for b := range batches {
 				if b.records > 0 {
-					if err := c.write(wctx, conn, b.arrivals, b.attempts); err != nil {
+					if err := c.write(wctx, conn, token, &b); err != nil {
 						fail(err)
 						return
 					}
@@ -506,6 +528,9 @@ func (c *Consumer) session(ctx context.Context) error {
 			if err := c.ack(arrCh, attCh, b); err != nil {
 				fail(err)
 				return
+			}
+			if cleaner != nil && b.arrTag > 0 {
+				cleaner.acked(b.arrivals)
 			}
 		}
 	}()
@@ -569,7 +594,14 @@ func (c *Consumer) session(ctx context.Context) error {
 			if !ok {
 				return errors.New("audit: arrivals consumer cancelled or channel closed")
 			}
-			b.arrivals = append(b.arrivals, c.arrival(d))
+			a := c.arrival(d)
+			b.arrivals = append(b.arrivals, a)
+			if c.log != nil {
+				b.fps = append(b.fps, fingerprint(c.cfg.Naming.ArrivalsQueue, a.contentID))
+				b.redelivered = append(b.redelivered, d.Redelivered)
+				b.resolved = append(b.resolved, !d.Redelivered)
+				b.claimed = append(b.claimed, false)
+			}
 			b.arrTag, b.records, b.pending = d.DeliveryTag, b.records+1, b.pending+1
 			if err := add(); err != nil {
 				return err
@@ -612,7 +644,9 @@ func (c *Consumer) ack(arrCh, attCh *amqp.Channel, b batch) error {
 		if err := arrCh.Ack(b.arrTag, true); err != nil {
 			return fmt.Errorf("audit: acking arrivals: %w", err)
 		}
-		c.ids.acked(b.arrivals)
+		if c.log == nil {
+			c.ids.acked(b.arrivals)
+		}
 	}
 	if b.attTag > 0 {
 		if err := attCh.Ack(b.attTag, true); err != nil {
@@ -625,12 +659,28 @@ func (c *Consumer) ack(arrCh, attCh *amqp.Channel, b batch) error {
 // write calls Store.Write until it returns nil; an error only if ctx ends
 // or the connection is lost meanwhile (then the batch is dropped from
 // memory and the broker redelivers it).
-func (c *Consumer) write(ctx context.Context, conn *amqp.Connection, arr []Arrival, att []Attempt) error {
+func (c *Consumer) write(ctx context.Context, conn *amqp.Connection, token string, b *batch) error {
 	var bo backoff.BackOff
 	var since time.Time
+	arr, att := b.arrivals, b.attempts
 	for {
 		start := time.Now()
-		err := c.cfg.Store.Write(ctx, arr, att)
+		var err error
+		if c.log == nil {
+			err = c.cfg.Store.Write(ctx, arr, att)
+		} else if err = c.claimRedelivered(ctx, conn, token, b); err == nil {
+			// Claimed arrivals are stored already: only their rows, now
+			// this session's, are written again.
+			arr = make([]Arrival, 0, len(b.arrivals))
+			dels := make([]UnackedDelivery, len(b.arrivals))
+			for i := range b.arrivals {
+				if !b.claimed[i] {
+					arr = append(arr, b.arrivals[i])
+				}
+				dels[i] = UnackedDelivery{ArrivalID: b.arrivals[i].ID, Fingerprint: b.fps[i], Session: token}
+			}
+			err = c.log.WriteDeliveries(ctx, arr, att, dels)
+		}
 		if err == nil {
 			c.lastLatency.Store(int64(time.Since(start)))
 			c.batches.Add(1)
@@ -702,7 +752,11 @@ func (c *Consumer) trusted(userID string) bool {
 // per-publish ID (publishIDs).
 func (c *Consumer) arrival(d amqp.Delivery) Arrival {
 	a := ArrivalFromDelivery(d, c.cfg.UUIDHeader, c.cfg.BodyLimit, time.Now())
-	c.ids.assign(&a, d.Redelivered)
+	if c.log != nil {
+		a.ID = newArrivalID(a.contentID) // a redelivery's is resolved before its write (claimRedelivered)
+	} else {
+		c.ids.assign(&a, d.Redelivered)
+	}
 	return a
 }
 

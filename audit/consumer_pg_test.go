@@ -225,3 +225,104 @@ func TestConsumerSamePublishTwicePostgres(t *testing.T) {
 		t.Fatalf("%d write failures", st.WriteFailures)
 	}
 }
+
+// pgCount returns count(*) of a query on the test PostgreSQL.
+func pgCount(t testing.TB, query string) int {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	conn, err := pgxpool.New(ctx, testkit.HavePG(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	var n int
+	if err := conn.QueryRow(ctx, query).Scan(&n); err != nil {
+		t.Fatal(err)
+	}
+	return n
+}
+
+// Identical publishes (one message published 60 times within a second,
+// among 40 others) and a Consumer process that dies between the commit of
+// its first batch and the ack: the next Consumer claims the stored
+// deliveries' rows in unacked_arrivals (each row once) and stores the
+// rest: exactly one arrival per publish, none flagged, and no row left
+// once everything is acked (issue #19 item 6). Two Consumers (prefetch 15
+// each) take the redeliveries, claiming rows of one fingerprint
+// concurrently.
+func TestConsumerIdenticalPublishesDieAfterCommitPostgres(t *testing.T) {
+	e := newBrokerEnv(t)
+	pg, check := pgStore(t)
+	store := &commitThenDie{DeliveryLog: pg}
+	const same, others = 60, 40
+	const n = same + others
+	p := amqp.Publishing{Headers: amqp.Table{audit.DefaultUUIDHeader: "same-1"}, Body: []byte("same"), Timestamp: time.Now(), DeliveryMode: amqp.Persistent}
+	publish := func() {
+		ch, err := e.conn.Channel()
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer ch.Close()
+		if err := ch.Confirm(false); err != nil {
+			t.Fatal(err)
+		}
+		var confs []*amqp.DeferredConfirmation
+		for i := 0; i < n; i++ {
+			q := p
+			if i%5 == 2 || i%5 == 4 { // 40 others, interleaved
+				q.Headers = amqp.Table{audit.DefaultUUIDHeader: fmt.Sprintf("other-%d", i)}
+			}
+			c, err := ch.PublishWithDeferredConfirmWithContext(context.Background(), e.exchange, routingKey, true, false, q)
+			if err != nil {
+				t.Fatal(err)
+			}
+			confs = append(confs, c)
+		}
+		for _, c := range confs {
+			if !c.Wait() {
+				t.Fatal("publish nacked")
+			}
+		}
+	}
+	unacked := `SELECT count(*) FROM ` + pg.Schema() + `.unacked_arrivals`
+	first := dieAfterCommit(t, e, store, store, n,
+		func() int { return pgCount(t, `SELECT count(*) FROM `+pg.Schema()+`.arrivals`) }, publish)
+	rowsAfterDeath := pgCount(t, unacked)
+	small := func(c *audit.ConsumerConfig) { c.BatchSize, c.Writers = 5, 2 }
+	cons1, stop1 := e.consumer(store, small)
+	cons2, stop2 := e.consumer(store, small)
+	arrivals := `SELECT count(*) FROM ` + pg.Schema() + `.arrivals`
+	testkit.WaitFor(t, 20*time.Second, "every publish stored, acked, its row deleted", func() bool {
+		return e.ready(e.naming.ArrivalsQueue) == 0 && pgCount(t, arrivals) >= n && pgCount(t, unacked) == 0
+	})
+	stop1()
+	stop2()
+	if r := e.ready(e.naming.ArrivalsQueue); r != 0 {
+		t.Errorf("%d deliveries were not acked", r)
+	}
+	b1, b2 := cons1.Stats().Batches, cons2.Stats().Batches
+	arr, _ := check()
+	records, flagged, dups, lost := 0, 0, 0, 0
+	for id, v := range arr {
+		records += len(v)
+		want := 1
+		if id == "same-1" {
+			want = same
+		}
+		dups += max(0, len(v)-want)
+		lost += max(0, want-len(v))
+		for _, a := range v {
+			if a.MaybeDuplicate {
+				flagged++
+			}
+		}
+	}
+	lost += others + 1 - len(arr)
+	t.Logf("ACCOUNT TestConsumerIdenticalPublishesDieAfterCommitPostgres: published=%d handled=%d poisoned=0 duplicates=%d lost=%d (identical %d; committed before the death %d, unacked rows then %d; flagged maybe_duplicate %d; batches of the two consumers %d, %d)",
+		n, records, dups, lost, same, first, rowsAfterDeath, flagged, b1, b2)
+	if records != n || dups != 0 || lost != 0 || flagged != 0 || len(arr["same-1"]) != same || rowsAfterDeath != first {
+		t.Fatalf("records %d of %d, duplicates %d, lost %d, flagged %d, same-1 %d of %d, rows after the death %d (committed %d)",
+			records, n, dups, lost, flagged, len(arr["same-1"]), same, rowsAfterDeath, first)
+	}
+}

@@ -452,16 +452,13 @@ func TestConsumerStoreDown(t *testing.T) {
 // it cancels the Consumer's Run and reports a failure (the commit
 // acknowledgement lost on the way back).
 type commitThenDie struct {
-	audit.Store
+	audit.DeliveryLog
 	once   sync.Once
 	cancel atomic.Pointer[func()]
 	died   atomic.Bool
 }
 
-func (s *commitThenDie) Write(ctx context.Context, arr []audit.Arrival, att []audit.Attempt) error {
-	if err := s.Store.Write(ctx, arr, att); err != nil {
-		return err
-	}
+func (s *commitThenDie) die() error {
 	died := false
 	s.once.Do(func() {
 		(*s.cancel.Load())()
@@ -474,17 +471,29 @@ func (s *commitThenDie) Write(ctx context.Context, arr []audit.Arrival, att []au
 	return nil
 }
 
-// A batch committed but not acked (the consumer process died in between)
-// is redelivered to the next consumer process, which cannot tell which of
-// the redeliveries were stored (the first delivery's per-publish ID died
-// with the process): every message is stored, none lost or merged, and a
-// second record of one is flagged MaybeDuplicate (never an unflagged
-// duplicate).
-func TestConsumerDiesAfterCommit(t *testing.T) {
-	e := newBrokerEnv(t)
-	mem := audittest.NewMemoryStore()
-	store := &commitThenDie{Store: mem}
-	const n = 100
+func (s *commitThenDie) Write(ctx context.Context, arr []audit.Arrival, att []audit.Attempt) error {
+	if err := s.DeliveryLog.Write(ctx, arr, att); err != nil {
+		return err
+	}
+	return s.die()
+}
+
+func (s *commitThenDie) WriteDeliveries(ctx context.Context, arr []audit.Arrival, att []audit.Attempt, d []audit.UnackedDelivery) error {
+	if err := s.DeliveryLog.WriteDeliveries(ctx, arr, att, d); err != nil {
+		return err
+	}
+	return s.die()
+}
+
+// plainStore hides a Store's DeliveryLog methods.
+type plainStore struct{ audit.Store }
+
+// dieAfterCommit runs a Consumer (BatchSize 40) into store until its
+// first Write has committed, then makes it die before any ack; every
+// delivery is back in the queue. It returns the number of arrivals
+// committed before the death (count reads the store).
+func dieAfterCommit(t *testing.T, e *brokerEnv, store audit.Store, cd *commitThenDie, n int, count func() int, publish func()) (first int) {
+	t.Helper()
 	cfg := audit.ConsumerConfig{
 		URI: e.uri, Store: store, Naming: e.naming, BatchSize: 40, BatchWait: 50 * time.Millisecond,
 		Exchanges: []audit.Binding{{Exchange: e.exchange, RoutingKey: routingKey}},
@@ -498,24 +507,80 @@ func TestConsumerDiesAfterCommit(t *testing.T) {
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	cancelFn := func() { cancel() }
-	store.cancel.Store(&cancelFn)
-	msgs := make([]*message.Message, n)
-	for i := range msgs {
-		msgs[i] = message.NewMessage(watermill.NewUUID(), []byte(fmt.Sprint(i)))
-	}
-	e.publish(msgs...)
+	cd.cancel.Store(&cancelFn)
+	publish()
 	if err := c.Run(ctx); err != nil {
 		t.Fatal(err)
 	}
-	if !store.died.Load() {
+	if !cd.died.Load() {
 		t.Fatal("the store never died")
 	}
-	first, _, _, _, _ := mem.Counts()
-	if first == 0 {
+	if first = count(); first == 0 {
 		t.Fatal("nothing committed before the death")
 	}
 	// Nothing was acked: every record is back in the queue.
 	testkit.WaitFor(t, 10*time.Second, "all records back in the queue", func() bool { return e.ready(e.naming.ArrivalsQueue) == n })
+	return first
+}
+
+func distinctMessages(n int) []*message.Message {
+	msgs := make([]*message.Message, n)
+	for i := range msgs {
+		msgs[i] = message.NewMessage(watermill.NewUUID(), []byte(fmt.Sprint(i)))
+	}
+	return msgs
+}
+
+// A batch committed but not acked (the consumer process died in between)
+// is redelivered to the next consumer process, which finds the deliveries
+// that were stored in the store's DeliveryLog (rows written with the
+// batch, of a session whose exclusive queue is gone) and does not store
+// them again: every message stored exactly once (issue #19 item 6), and
+// the DeliveryLog empty once everything is acked.
+func TestConsumerDiesAfterCommit(t *testing.T) {
+	e := newBrokerEnv(t)
+	mem := audittest.NewMemoryStore()
+	store := &commitThenDie{DeliveryLog: mem}
+	const n = 100
+	msgs := distinctMessages(n)
+	first := dieAfterCommit(t, e, store, store, n,
+		func() int { a, _, _, _, _ := mem.Counts(); return a }, func() { e.publish(msgs...) })
+	cons, stop := e.consumer(store, nil)
+	testkit.WaitFor(t, 20*time.Second, "all messages stored", func() bool { return len(mem.Arrivals()) == n })
+	testkit.WaitFor(t, 10*time.Second, "arrivals queue empty", func() bool { return e.ready(e.naming.ArrivalsQueue) == 0 })
+	testkit.WaitFor(t, 10*time.Second, "unacked-delivery rows deleted", func() bool { return mem.Unacked() == 0 })
+	stop()
+	a, _, _, _, _ := mem.Counts()
+	arr := mem.Arrivals()
+	dups, flagged := 0, 0
+	for _, v := range arr {
+		dups += len(v) - 1
+		for _, r := range v {
+			if r.MaybeDuplicate {
+				flagged++
+			}
+		}
+	}
+	t.Logf("ACCOUNT TestConsumerDiesAfterCommit: published=%d handled=%d poisoned=0 duplicates=%d lost=%d (committed before the death %d; redelivered records stored %d, flagged maybe_duplicate %d)",
+		n, a, dups, n-len(arr), first, cons.Stats().Arrivals, flagged)
+	if dups != 0 || len(arr) != n || a != n || flagged != 0 {
+		t.Fatalf("duplicates %d, messages %d of %d, records %d, flagged %d", dups, len(arr), n, a, flagged)
+	}
+}
+
+// Without a DeliveryLog (a Store that only writes), the next consumer
+// process cannot tell which redeliveries were stored: every message is
+// stored, none lost or merged, and a second record of one is flagged
+// MaybeDuplicate (never an unflagged duplicate).
+func TestConsumerDiesAfterCommitPlainStore(t *testing.T) {
+	e := newBrokerEnv(t)
+	mem := audittest.NewMemoryStore()
+	cd := &commitThenDie{DeliveryLog: mem}
+	store := plainStore{cd}
+	const n = 100
+	msgs := distinctMessages(n)
+	first := dieAfterCommit(t, e, store, cd, n,
+		func() int { a, _, _, _, _ := mem.Counts(); return a }, func() { e.publish(msgs...) })
 	_, stop := e.consumer(store, nil)
 	testkit.WaitFor(t, 20*time.Second, "all messages stored", func() bool { return len(mem.Arrivals()) == n })
 	testkit.WaitFor(t, 10*time.Second, "arrivals queue empty", func() bool { return e.ready(e.naming.ArrivalsQueue) == 0 })
@@ -537,7 +602,7 @@ func TestConsumerDiesAfterCommit(t *testing.T) {
 			flaggedDups += len(v) - 1
 		}
 	}
-	t.Logf("ACCOUNT TestConsumerDiesAfterCommit: published=%d handled=%d poisoned=0 duplicates=%d lost=%d (committed before the death %d; duplicates all flagged maybe_duplicate)",
+	t.Logf("ACCOUNT TestConsumerDiesAfterCommitPlainStore: published=%d handled=%d poisoned=0 duplicates=%d lost=%d (committed before the death %d; duplicates all flagged maybe_duplicate)",
 		n, a, flaggedDups+unflaggedDups, n-len(arr), first)
 	if unflaggedDups != 0 || len(arr) != n || flaggedDups > first {
 		t.Fatalf("unflagged duplicates %d, messages %d of %d, flagged duplicates %d (at most %d committed before the death)", unflaggedDups, len(arr), n, flaggedDups, first)

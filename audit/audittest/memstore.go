@@ -26,13 +26,14 @@ type MemoryStore struct {
 	rewrites int // records written again under an ID already stored
 	writes   int // successful Write calls
 	failed   int // Write calls refused while down
+	unacked  map[string]audit.UnackedDelivery
 }
 
-var _ audit.Store = (*MemoryStore)(nil)
+var _ audit.DeliveryLog = (*MemoryStore)(nil)
 
 // NewMemoryStore returns an empty, up store.
 func NewMemoryStore() *MemoryStore {
-	return &MemoryStore{arrivals: map[string]audit.Arrival{}, attempts: map[string]audit.Attempt{}}
+	return &MemoryStore{arrivals: map[string]audit.Arrival{}, attempts: map[string]audit.Attempt{}, unacked: map[string]audit.UnackedDelivery{}}
 }
 
 // SetDown makes Write and Search fail with ErrDown (true) or work again.
@@ -45,6 +46,12 @@ func (s *MemoryStore) SetDown(down bool) {
 // Write stores the records all or nothing; a record whose ID is stored
 // already is counted in Rewrites and changes nothing.
 func (s *MemoryStore) Write(ctx context.Context, arrivals []audit.Arrival, attempts []audit.Attempt) error {
+	return s.WriteDeliveries(ctx, arrivals, attempts, nil)
+}
+
+// WriteDeliveries is Write, and records the deliveries (audit.DeliveryLog)
+// with it, all or nothing.
+func (s *MemoryStore) WriteDeliveries(ctx context.Context, arrivals []audit.Arrival, attempts []audit.Attempt, deliveries []audit.UnackedDelivery) error {
 	if err := ctx.Err(); err != nil {
 		return err
 	}
@@ -70,7 +77,68 @@ func (s *MemoryStore) Write(ctx context.Context, arrivals []audit.Arrival, attem
 		}
 		s.attempts[a.ID] = a
 	}
+	for _, d := range deliveries {
+		s.unacked[d.ArrivalID] = d
+	}
 	return nil
+}
+
+// UnackedDeliveries returns the recorded deliveries of these fingerprints,
+// in arrival ID order (audit.DeliveryLog).
+func (s *MemoryStore) UnackedDeliveries(ctx context.Context, fingerprints []string) ([]audit.UnackedDelivery, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.down {
+		return nil, ErrDown
+	}
+	var out []audit.UnackedDelivery
+	for _, d := range s.unacked {
+		if slices.Contains(fingerprints, d.Fingerprint) {
+			out = append(out, d)
+		}
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].ArrivalID < out[j].ArrivalID })
+	return out, nil
+}
+
+// ClaimDelivery moves a recorded delivery from session from to session to
+// (audit.DeliveryLog).
+func (s *MemoryStore) ClaimDelivery(ctx context.Context, arrivalID, from, to string) (bool, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.down {
+		return false, ErrDown
+	}
+	d, ok := s.unacked[arrivalID]
+	if !ok || d.Session != from {
+		return false, nil
+	}
+	d.Session = to
+	s.unacked[arrivalID] = d
+	return true, nil
+}
+
+// DeliveriesAcked forgets session's deliveries of these arrival IDs
+// (audit.DeliveryLog).
+func (s *MemoryStore) DeliveriesAcked(ctx context.Context, session string, arrivalIDs []string) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.down {
+		return ErrDown
+	}
+	for _, id := range arrivalIDs {
+		if d, ok := s.unacked[id]; ok && d.Session == session {
+			delete(s.unacked, id)
+		}
+	}
+	return nil
+}
+
+// Unacked returns how many deliveries are recorded as not acked.
+func (s *MemoryStore) Unacked() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return len(s.unacked)
 }
 
 // Search supports Filter.MessageID only (and no filter: every message);

@@ -55,7 +55,7 @@ func prefixed(alias, cols string) string {
 // queries are the store's statements with its schema filled in (quoted
 // identifiers only; every value is a bind parameter).
 type queries struct {
-	arrivals, attempts, messages string
+	arrivals, attempts, messages, unacked string
 
 	insertArrivals, insertAttempts, upsertMessages string
 	arrivalsOf, attemptsOf                         string
@@ -70,6 +70,7 @@ func buildQueries(schema string) queries {
 		arrivals: qualify(schema, "arrivals"),
 		attempts: qualify(schema, "attempts"),
 		messages: qualify(schema, "messages"),
+		unacked:  qualify(schema, "unacked_arrivals"),
 	}
 	r := strings.NewReplacer("{arrivals}", q.arrivals, "{attempts}", q.attempts, "{messages}", q.messages)
 	q.insertArrivals = r.Replace(`INSERT INTO {arrivals} (` + arrivalCols + `)
