@@ -32,11 +32,14 @@ import (
 //     Consumers only one gets a row) and takes its arrival ID: it was
 //     stored, and is not stored again. No such row: its first delivery
 //     never committed, it is stored under a new ID. Rows only of live
-//     sessions (after a few seconds' wait for a session just closed): those
-//     are other publishes with the same content; it is stored under a new
-//     ID flagged MaybeDuplicate.
+//     sessions (still live after sessionLiveRecheckWait, the lag allowed
+//     between the requeue and the deletion of the exclusive queue): a live
+//     session cannot hold the delivery that was redelivered, so those are
+//     other publishes of the same content; it is stored under a new ID.
+//     Rows of sessions whose state could not be read (an AMQP error other
+//     than 404 and 405): stored under a new ID flagged MaybeDuplicate.
 
-// sessionQueuePrefix names a session's exclusive liveness queue.
+// sessionQueueInfix names a session's exclusive liveness queue.
 const sessionQueueInfix = ".session."
 
 // sessionLiveRechecks and sessionLiveRecheckWait bound the wait for a
@@ -44,8 +47,17 @@ const sessionQueueInfix = ".session."
 // may have closed a moment ago (its deliveries requeued before its
 // exclusive queue was deleted).
 const (
-	sessionLiveRechecks    = 4
-	sessionLiveRecheckWait = 500 * time.Millisecond
+	sessionLiveRechecks    = 1
+	sessionLiveRecheckWait = time.Second
+)
+
+// sessionState is what queue.declare passive tells of a session's queue.
+type sessionState int
+
+const (
+	sessionUnknown sessionState = iota // another error
+	sessionAlive                       // 405 RESOURCE_LOCKED
+	sessionEnded                       // 404 NOT_FOUND
 )
 
 func randomToken() string {
@@ -84,27 +96,28 @@ func (c *Consumer) holdSession(conn *amqp.Connection, token string) error {
 	return err
 }
 
-// sessionEnded reports whether session token's connection is closed
-// (ended sessions stay ended: cached). An error other than 404 and 405
-// counts as alive (nothing is claimed from it).
-func (c *Consumer) sessionEnded(conn *amqp.Connection, token string) bool {
+// sessionState reads whether session token's connection is closed
+// (ended sessions stay ended: cached).
+func (c *Consumer) sessionState(conn *amqp.Connection, token string) sessionState {
 	if _, ok := c.ended.Load(token); ok {
-		return true
+		return sessionEnded
 	}
 	ch, err := conn.Channel()
 	if err != nil {
-		return false
+		return sessionUnknown
 	}
 	_, err = ch.QueueDeclarePassive(c.sessionQueue(token), false, true, true, false, nil)
 	var ae *amqp.Error
-	if errors.As(err, &ae) && ae.Code == amqp.NotFound {
+	switch {
+	case errors.As(err, &ae) && ae.Code == amqp.NotFound:
 		c.ended.Store(token, struct{}{})
-		return true
-	}
-	if err == nil {
+		return sessionEnded
+	case errors.As(err, &ae) && ae.Code == amqp.ResourceLocked:
+		return sessionAlive
+	case err == nil: // not exclusive to another connection: not a session queue
 		_ = ch.Close()
 	}
-	return false
+	return sessionUnknown
 }
 
 // claimRedelivered gives each redelivered arrival of b not yet resolved
@@ -139,11 +152,16 @@ func (c *Consumer) claimRedelivered(ctx context.Context, conn *amqp.Connection, 
 				continue
 			}
 			fp := b.fps[i]
-			live := 0
+			live, unknown := 0, 0
 			var rest []UnackedDelivery
 			for k, cand := range cands[fp] {
-				if !c.sessionEnded(conn, cand.Session) {
+				switch c.sessionState(conn, cand.Session) {
+				case sessionAlive:
 					live++
+					rest = append(rest, cand)
+					continue
+				case sessionUnknown:
+					unknown++
 					rest = append(rest, cand)
 					continue
 				}
@@ -155,21 +173,23 @@ func (c *Consumer) claimRedelivered(ctx context.Context, conn *amqp.Connection, 
 					b.arrivals[i].ID, b.arrivals[i].MaybeDuplicate = cand.ArrivalID, false
 					b.resolved[i], b.claimed[i] = true, true
 					rest = append(rest, cands[fp][k+1:]...)
-					live = -1
+					live, unknown = -1, -1
 					break
 				}
 			}
 			cands[fp] = rest
 			switch {
-			case live == 0: // no row: the first delivery never committed
+			case live <= 0 && unknown <= 0: // claimed, or no row: the first delivery never committed
 				b.resolved[i] = true
-			case live > 0 && try >= sessionLiveRechecks:
+			case try < sessionLiveRechecks:
+				waitLive = true
+			case unknown > 0:
 				b.resolved[i] = true
 				b.arrivals[i].MaybeDuplicate = true
-				c.cfg.Logger.Info("Redelivered arrival matches only rows of live audit consumer sessions; stored flagged maybe_duplicate",
+				c.cfg.Logger.Info("Redelivered arrival matches rows of audit consumer sessions whose state could not be read; stored flagged maybe_duplicate",
 					watermill.LogFields{"message_id": b.arrivals[i].MessageID, "arrival_id": b.arrivals[i].ID})
-			case live > 0:
-				waitLive = true
+			default: // rows of live sessions only: other publishes of the same content
+				b.resolved[i] = true
 			}
 		}
 		if !waitLive {
