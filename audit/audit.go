@@ -63,13 +63,14 @@ type Arrival struct {
 	// ID is the record's idempotency key, one per publish: the Consumer
 	// gives every first delivery of the arrivals queue a new ID (a hex
 	// SHA-256 over the content hash ArrivalFromDelivery computes and a
-	// random nonce), and a redelivery of it (after a lost connection) the
-	// same ID again when this Consumer process delivered it before: a
-	// redelivered record is written once, while two identical publishes
-	// (the same bytes within one second, or one UUID published twice) are
-	// two arrivals. A redelivery it cannot match (the Consumer process that
-	// had it died) is stored under a new ID with MaybeDuplicate set: a
-	// publish may be stored twice, two publishes are never merged.
+	// random nonce), so two identical publishes (the same bytes within one
+	// second, or one UUID published twice) are two arrivals. A redelivery
+	// of a stored arrival gets its ID back and is not stored again: with a
+	// Store that is a DeliveryLog (pgstore) from the row its commit wrote,
+	// also after the Consumer process died between commit and ack; with
+	// another Store only from this Consumer process's memory (after a lost
+	// connection), else it is stored under a new ID with MaybeDuplicate
+	// set. Two publishes are never merged.
 	ID string `json:"id"`
 	// contentID is a hex SHA-256 over the exchange, routing key, message
 	// id, AMQP timestamp, headers and body: equal for identical publishes
@@ -108,10 +109,12 @@ type Arrival struct {
 	// BodyTruncated is true when Body was cut (len(Body) < BodySize).
 	BodyTruncated bool `json:"body_truncated,omitempty"`
 	// MaybeDuplicate is true for an arrival recorded from a redelivery the
-	// Consumer could not match to its first delivery (that delivery went to
-	// a Consumer process that died, or to another one): if the first
-	// delivery had been stored before the crash, this is a second record of
-	// the same publish (same content: ArrivalVariants does not count it).
+	// Consumer could not match to its first delivery: with a Store that is
+	// not a DeliveryLog, when that delivery went to a Consumer process that
+	// died (or to another one); with a DeliveryLog, only when the state of a
+	// session holding a matching row could not be read. If the first
+	// delivery had been stored, this is a second record of the same publish
+	// (same content: ArrivalVariants does not count it).
 	MaybeDuplicate bool `json:"maybe_duplicate,omitempty"`
 }
 

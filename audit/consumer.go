@@ -228,7 +228,9 @@ func (c ConsumerConfig) Validate() error {
 // ConsumerStats are the Consumer's counters.
 type ConsumerStats struct {
 	// Arrivals and Attempts are the records written (Write returned nil;
-	// a redelivered record written again counts again).
+	// a redelivered record written again counts again; a redelivered
+	// arrival found stored through the DeliveryLog is not written and not
+	// counted).
 	Arrivals, Attempts uint64
 	// Batches is the number of successful Store.Write calls.
 	Batches uint64
@@ -263,11 +265,33 @@ type ConsumerStats struct {
 // it durably. If the connection is lost or the process dies, the broker
 // requeues the unacked deliveries and they are written again: Store.Write
 // is idempotent on the record IDs, so nothing is lost, and a redelivered
-// attempt record, or an arrival redelivered after a lost connection (it
-// keeps its per-publish ID, Arrival.ID), is not duplicated. An arrival
-// whose first delivery went to a Consumer process that died between
-// commit and ack is stored a second time, flagged Arrival.MaybeDuplicate
-// (RabbitMQ gives a delivery no identity that survives the process).
+// attempt record is not duplicated. An arrival redelivered after a lost
+// connection keeps its per-publish ID (Arrival.ID) and is not duplicated.
+// After the Consumer process died between commit and ack, RabbitMQ gives
+// the redelivery no identity that says whether it was stored: with a Store
+// that is a DeliveryLog (pgstore), each committed delivery has a row until
+// its ack, and a redelivery claims a row of a session that ended (below)
+// instead of being stored again, so each publish is exactly one arrival;
+// with another Store it is stored a second time, flagged
+// Arrival.MaybeDuplicate.
+//
+// Session queues (DeliveryLog only): each session (AMQP connection)
+// declares an exclusive, auto-delete classic queue named
+// <ArrivalsQueue>.session.<random token>, which receives nothing. RabbitMQ
+// deletes it when the connection closes, which is when the connection's
+// unacked deliveries are requeued ("Queues" guide: Exclusive Queues;
+// "Consumer Acknowledgements and Publisher Confirms"): a redelivery claims
+// only rows of sessions whose queue is gone (queue.declare passive: 404;
+// a live one answers 405 RESOURCE_LOCKED). The Consumer's user needs
+// configure permission on these names ("Access Control"); a refusal makes
+// Run return the error. The rows of acked deliveries are deleted right
+// after the ack; rows older than a day are pruned. A row left behind when
+// the process dies between an ack and that deletion can be claimed by a
+// later redelivery of identical content (same exchange, routing key,
+// message id, timestamp second, headers and body) whose first delivery
+// never committed: that publish would not be recorded. A redelivery
+// matching only rows of live sessions (rechecked once after 1 s) is
+// stored: those rows are other publishes of the same content.
 //
 // Once declared, the arrivals queue receives a copy of every publish to
 // the audited exchanges whether or not a Consumer runs, and the attempts
