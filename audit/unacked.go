@@ -260,14 +260,18 @@ func (s *sessionCleaner) flush(timeout time.Duration) bool {
 
 func (s *sessionCleaner) run() {
 	defer close(s.done)
+	retry := time.Second // doubles while the store fails, up to 30 s
 	for {
 		select {
 		case <-s.quit:
 			s.flush(5 * time.Second)
 			return
 		case <-s.kick:
-			if !s.flush(10 * time.Second) {
-				t := time.NewTimer(time.Second)
+			if s.flush(5 * time.Second) {
+				retry = time.Second
+			} else {
+				t := time.NewTimer(retry)
+				retry = min(2*retry, 30*time.Second)
 				select {
 				case <-s.quit:
 					t.Stop()
