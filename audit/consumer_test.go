@@ -698,10 +698,41 @@ func (s *gateStore) Write(ctx context.Context, arr []audit.Arrival, att []audit.
 // written: the batch commits but cannot be acked; the broker requeues it,
 // the Consumer reconnects, and the redelivered records are written again
 // without duplicates.
-func TestConsumerConnectionLostMidBatch(t *testing.T) {
+// gateLog is gateStore for a DeliveryLog: its first WriteDeliveries is
+// held until released, then commits.
+type gateLog struct {
+	audit.DeliveryLog
+	gate *gateStore
+}
+
+func (s *gateLog) WriteDeliveries(ctx context.Context, arr []audit.Arrival, att []audit.Attempt, d []audit.UnackedDelivery) error {
+	first := false
+	s.gate.once.Do(func() {
+		close(s.gate.entered)
+		<-s.gate.release
+		first = true
+	})
+	if first {
+		ctx = context.WithoutCancel(ctx)
+	}
+	return s.DeliveryLog.WriteDeliveries(ctx, arr, att, d)
+}
+
+func TestConsumerConnectionLostMidBatch(t *testing.T) { connectionLostMidBatch(t, false) }
+
+// The same with the store's DeliveryLog: the redeliveries of the batch
+// that committed after the connection was lost claim its rows (the
+// ended session's) and are not written again.
+func TestConsumerConnectionLostMidBatchDeliveryLog(t *testing.T) { connectionLostMidBatch(t, true) }
+
+func connectionLostMidBatch(t *testing.T, withLog bool) {
 	e := newBrokerEnv(t)
 	mem := audittest.NewMemoryStore()
-	store := &gateStore{Store: mem, entered: make(chan struct{}), release: make(chan struct{})}
+	gate := &gateStore{Store: plainStore{mem}, entered: make(chan struct{}), release: make(chan struct{})}
+	var store audit.Store = gate
+	if withLog {
+		store = &gateLog{DeliveryLog: mem, gate: gate}
+	}
 	var mu sync.Mutex
 	var sockets []net.Conn
 	dial := func(network, addr string) (net.Conn, error) {
@@ -724,13 +755,16 @@ func TestConsumerConnectionLostMidBatch(t *testing.T) {
 		msgs[i] = message.NewMessage(watermill.NewUUID(), []byte(fmt.Sprint(i)))
 	}
 	e.publish(msgs...)
-	testkit.Recv(t, store.entered, 10*time.Second)
+	testkit.Recv(t, gate.entered, 10*time.Second)
 	mu.Lock()
 	_ = sockets[len(sockets)-1].Close() // the session's connection
 	mu.Unlock()
-	close(store.release)
+	close(gate.release)
 	testkit.WaitFor(t, 20*time.Second, "all messages stored", func() bool { return len(mem.Arrivals()) == n })
 	testkit.WaitFor(t, 10*time.Second, "arrivals queue empty", func() bool { return e.ready(e.naming.ArrivalsQueue) == 0 })
+	if withLog {
+		testkit.WaitFor(t, 10*time.Second, "unacked-delivery rows deleted", func() bool { return mem.Unacked() == 0 })
+	}
 	stop()
 	a, _, rewrites, _, _ := mem.Counts()
 	dups := 0
@@ -738,8 +772,15 @@ func TestConsumerConnectionLostMidBatch(t *testing.T) {
 		dups += len(v) - 1
 	}
 	st := cons.Stats()
-	t.Logf("accounting: published %d, arrivals %d, rewritten on redelivery %d, duplicates %d, lost %d; reconnects %d",
-		n, a, rewrites, dups, n-a, st.Reconnects)
+	t.Logf("accounting: published %d, arrivals %d, rewritten on redelivery %d, duplicates %d, lost %d; reconnects %d, arrivals written %d (DeliveryLog %v)",
+		n, a, rewrites, dups, n-a, st.Reconnects, st.Arrivals, withLog)
+	if withLog {
+		// Claimed redeliveries are not written again: n arrivals written in all.
+		if st.Reconnects < 1 || rewrites != 0 || st.Arrivals != n || dups != 0 || a != n {
+			t.Fatalf("reconnects %d, rewrites %d, arrivals written %d, duplicates %d, arrivals %d", st.Reconnects, rewrites, st.Arrivals, dups, a)
+		}
+		return
+	}
 	if st.Reconnects < 1 || rewrites < 1 || dups != 0 || a != n {
 		t.Fatalf("reconnects %d, rewrites %d, duplicates %d, arrivals %d", st.Reconnects, rewrites, dups, a)
 	}
