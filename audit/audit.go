@@ -21,8 +21,9 @@
 // Store and acks them only after the transaction commits, so while
 // PostgreSQL is down records wait durably in RabbitMQ's audit queues, and
 // a batch that is redelivered is written again without duplicates (Store
-// writes are idempotent on the record IDs; see Arrival.ID for the one case
-// of a second, flagged arrival record).
+// writes are idempotent on the record IDs, and an arrival redelivered after
+// the Consumer process died between commit and ack is found stored through
+// the Store's DeliveryLog; see Arrival.ID for a Store without one).
 package audit
 
 import (
