@@ -225,7 +225,7 @@ type Store interface {
 
 // UnackedDelivery is a row of a DeliveryLog: the arrival ArrivalID was
 // stored from a delivery that Consumer session Session holds and has not
-// acked yet.
+// acked yet (Acking false), or is acking (Acking true).
 type UnackedDelivery struct {
 	// ArrivalID is the stored arrival's ID (Arrival.ID).
 	ArrivalID string
@@ -236,6 +236,11 @@ type UnackedDelivery struct {
 	// Session is the random token of the Consumer session holding the
 	// delivery (one per AMQP connection of the Consumer).
 	Session string
+	// Acking is set (DeliveriesAcking) right before the session sends the
+	// delivery's ack: if the session has ended, the ack may or may not have
+	// reached RabbitMQ, so a redelivery of this content is stored again,
+	// flagged Arrival.MaybeDuplicate, instead of claiming the row.
+	Acking bool
 }
 
 // DeliveryLog is an optional extension of Store (pgstore implements it,
@@ -245,28 +250,41 @@ type UnackedDelivery struct {
 // ("Consumer Acknowledgements and Publisher Confirms": Redeliveries) to a
 // Consumer that cannot know, from the delivery alone, whether it was
 // stored. With a DeliveryLog the Consumer records, in the transaction that
-// stores an arrival, an UnackedDelivery row, and deletes it after the ack;
-// a redelivery whose fingerprint matches a row of a session that has ended
-// (see Consumer) claims that row and reuses its arrival ID, so the record
-// is not stored twice. A first delivery never claims a row, so identical
-// publishes stay distinct arrivals. Without a DeliveryLog the Consumer
-// stores such a redelivery again, flagged Arrival.MaybeDuplicate.
+// stores an arrival, an UnackedDelivery row; marks it Acking before the
+// ack (DeliveriesAcking); and deletes it with the next batch's mark, once
+// the ack was sent. A redelivery whose fingerprint matches a row of a
+// session that has ended, not Acking, claims that row and reuses its
+// arrival ID, so the record is not stored twice; one matching only Acking
+// rows of ended sessions is stored again, flagged Arrival.MaybeDuplicate
+// (the ack may have been lost with the process): a row whose ack was sent
+// is never claimed, so a publish is never taken for another. A first
+// delivery never claims a row, so identical publishes stay distinct
+// arrivals. Without a DeliveryLog the Consumer stores such a redelivery
+// again, flagged Arrival.MaybeDuplicate.
 type DeliveryLog interface {
 	Store
 	// WriteDeliveries is Write, and records deliveries in the same
-	// transaction (a row already stored under the same ArrivalID is
-	// replaced: it moves to the new session).
+	// transaction, not Acking (a row already stored under the same
+	// ArrivalID is replaced: it moves to the new session).
 	WriteDeliveries(ctx context.Context, arrivals []Arrival, attempts []Attempt, deliveries []UnackedDelivery) error
 	// UnackedDeliveries returns the rows of these fingerprints.
 	UnackedDeliveries(ctx context.Context, fingerprints []string) ([]UnackedDelivery, error)
 	// ClaimDelivery moves the row of arrivalID from session from to
-	// session to, atomically: false if it is gone or held by another
-	// session (another Consumer claimed it first).
+	// session to, atomically, if it is not Acking: false if it is gone,
+	// Acking, or held by another session (another Consumer claimed it
+	// first).
 	ClaimDelivery(ctx context.Context, arrivalID, from, to string) (bool, error)
-	// DeliveriesAcked deletes session's rows of these arrival IDs (their
-	// deliveries were acked), and rows older than a day (their sessions'
-	// deliveries were redelivered and claimed or stored long ago).
-	DeliveriesAcked(ctx context.Context, session string, arrivalIDs []string) error
+	// DeliveriesAcking, in one atomic step, deletes session's rows that
+	// are Acking (marked by an earlier call: their acks were sent), and
+	// rows older than a day (their sessions' deliveries were redelivered
+	// and claimed or stored long ago), then sets Acking on session's rows
+	// of these arrival IDs. The Consumer calls it before each ack of
+	// arrivals, and with no IDs when a session ends after its last ack.
+	DeliveriesAcking(ctx context.Context, session string, arrivalIDs []string) error
+	// DeliveriesNotAcked clears Acking on session's rows of these arrival
+	// IDs: their ack could not be sent (the channel or connection closed
+	// first), so their redeliveries may claim them.
+	DeliveriesNotAcked(ctx context.Context, session string, arrivalIDs []string) error
 }
 
 // MarshalAttempt and UnmarshalAttempt are the wire form of an Attempt

@@ -470,7 +470,6 @@ func (c *Consumer) session(ctx context.Context) error {
 		return err
 	}
 	token := randomToken()
-	var cleaner *sessionCleaner
 	if c.log != nil {
 		if err := c.holdSession(conn, token); err != nil {
 			var ae *amqp.Error
@@ -479,8 +478,6 @@ func (c *Consumer) session(ctx context.Context) error {
 			}
 			return fmt.Errorf("audit: declaring the session queue: %w", err)
 		}
-		cleaner = c.startCleaner(token)
-		defer cleaner.stop() // after the acker (deferred below, runs first)
 	}
 	open := func(queue string) (*amqp.Channel, <-chan amqp.Delivery, error) {
 		ch, err := conn.Channel()
@@ -540,6 +537,11 @@ func (c *Consumer) session(ctx context.Context) error {
 			}
 		}()
 	}
+	// With a DeliveryLog, the acker marks a batch's rows Acking right
+	// before its ack (deleting the rows it marked before: their acks were
+	// sent); marked says the last marked rows' ack was sent, so a session
+	// that ends with its connection open deletes them too.
+	marked := false
 	wg.Add(1)
 	go func() {
 		defer wg.Done()
@@ -549,13 +551,24 @@ func (c *Consumer) session(ctx context.Context) error {
 			case <-wctx.Done():
 				return
 			}
-			if err := c.ack(arrCh, attCh, b); err != nil {
+			ids := c.ackingIDs(b)
+			if ids != nil {
+				marked = false
+				if err := c.markAcking(wctx, conn, token, ids); err != nil {
+					fail(err)
+					return
+				}
+			}
+			if arrAcked, err := c.ack(arrCh, attCh, b); err != nil {
+				if ids != nil && !arrAcked { // not sent: its redeliveries may claim the rows
+					c.storeCall("Clearing the acking mark of unacked-delivery rows", len(ids), func(ctx context.Context) error {
+						return c.log.DeliveriesNotAcked(ctx, token, ids)
+					})
+				}
 				fail(err)
 				return
 			}
-			if cleaner != nil && b.arrTag > 0 {
-				cleaner.acked(b.arrivals)
-			}
+			marked = marked || ids != nil
 		}
 	}()
 	defer func() {
@@ -563,6 +576,11 @@ func (c *Consumer) session(ctx context.Context) error {
 		close(batches)
 		close(toAck)
 		wg.Wait()
+		if marked && !conn.IsClosed() { // the acks were sent on an open connection
+			c.storeCall("Deleting the unacked-delivery rows of acked arrivals", 0, func(ctx context.Context) error {
+				return c.log.DeliveriesAcking(ctx, token, nil)
+			})
+		}
 	}()
 
 	var b batch
@@ -663,10 +681,11 @@ func (c *Consumer) session(ctx context.Context) error {
 
 // ack acks b's deliveries (one multiple ack per channel); called only
 // once b and every batch filled before it committed and were acked.
-func (c *Consumer) ack(arrCh, attCh *amqp.Channel, b batch) error {
+// arrAcked: the arrivals' ack was sent (or b has none).
+func (c *Consumer) ack(arrCh, attCh *amqp.Channel, b batch) (arrAcked bool, err error) {
 	if b.arrTag > 0 {
 		if err := arrCh.Ack(b.arrTag, true); err != nil {
-			return fmt.Errorf("audit: acking arrivals: %w", err)
+			return false, fmt.Errorf("audit: acking arrivals: %w", err)
 		}
 		if c.log == nil {
 			c.ids.acked(b.arrivals)
@@ -674,10 +693,10 @@ func (c *Consumer) ack(arrCh, attCh *amqp.Channel, b batch) error {
 	}
 	if b.attTag > 0 {
 		if err := attCh.Ack(b.attTag, true); err != nil {
-			return fmt.Errorf("audit: acking attempt records: %w", err)
+			return true, fmt.Errorf("audit: acking attempt records: %w", err)
 		}
 	}
-	return nil
+	return true, nil
 }
 
 // write calls Store.Write until it returns nil; an error only if ctx ends

@@ -293,11 +293,14 @@ func TestConsumerIdenticalPublishesDieAfterCommitPostgres(t *testing.T) {
 	cons1, stop1 := e.consumer(store, small)
 	cons2, stop2 := e.consumer(store, small)
 	arrivals := `SELECT count(*) FROM ` + pg.Schema() + `.arrivals`
-	testkit.WaitFor(t, 20*time.Second, "every publish stored, acked, its row deleted", func() bool {
-		return e.ready(e.naming.ArrivalsQueue) == 0 && pgCount(t, arrivals) >= n && pgCount(t, unacked) == 0
+	testkit.WaitFor(t, 20*time.Second, "every publish stored, its row marked acking", func() bool {
+		return e.ready(e.naming.ArrivalsQueue) == 0 && pgCount(t, arrivals) >= n && pgCount(t, unacked+` WHERE NOT acking`) == 0
 	})
 	stop1()
 	stop2()
+	if r := pgCount(t, unacked); r != 0 {
+		t.Errorf("%d unacked-delivery rows left after clean stops", r)
+	}
 	if r := e.ready(e.naming.ArrivalsQueue); r != 0 {
 		t.Errorf("%d deliveries were not acked", r)
 	}

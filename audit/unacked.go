@@ -6,10 +6,10 @@ import (
 	"crypto/sha256"
 	"encoding/hex"
 	"errors"
-	"sync"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
+	"github.com/cenkalti/backoff/v4"
 	amqp "github.com/rabbitmq/amqp091-go"
 )
 
@@ -25,13 +25,20 @@ import (
 //     holds no delivery any more; one whose queue exists (405
 //     RESOURCE_LOCKED: exclusive to another connection) may.
 //   - Every arrival is written with an UnackedDelivery row (its ID, its
-//     fingerprint, the token) in the same transaction; after the ack the
-//     rows are deleted (sessionCleaner).
+//     fingerprint, the token) in the same transaction. Before a batch's
+//     ack, the acker marks its rows Acking and deletes the rows it marked
+//     before (their acks were sent), in one statement (DeliveriesAcking);
+//     a session that ends cleanly deletes its last marked rows. So no row
+//     outlives a sent ack as a claimable row: a row whose delivery was
+//     acked is never taken for another publish.
 //   - A redelivered arrival (basic.deliver's redelivered flag) claims a row
-//     of its fingerprint held by an ended session (ClaimDelivery, so of two
-//     Consumers only one gets a row) and takes its arrival ID: it was
-//     stored, and is not stored again. No such row: its first delivery
-//     never committed, it is stored under a new ID. Rows only of live
+//     of its fingerprint held by an ended session, not Acking
+//     (ClaimDelivery, so of two Consumers only one gets a row) and takes
+//     its arrival ID: it was stored, and is not stored again. Only Acking
+//     rows of ended sessions: the process died between the mark and the
+//     ack, or after the ack; stored under a new ID flagged MaybeDuplicate.
+//     No such row: its first delivery never committed, it is stored under
+//     a new ID. Rows only of live
 //     sessions (still live after sessionLiveRecheckWait, the lag allowed
 //     between the requeue and the deletion of the exclusive queue): a live
 //     session cannot hold the delivery that was redelivered, so those are
@@ -152,7 +159,8 @@ func (c *Consumer) claimRedelivered(ctx context.Context, conn *amqp.Connection, 
 				continue
 			}
 			fp := b.fps[i]
-			live, unknown := 0, 0
+			live, unknown, acking := 0, 0, 0
+			claimed := false
 			var rest []UnackedDelivery
 			for k, cand := range cands[fp] {
 				switch c.sessionState(conn, cand.Session) {
@@ -165,29 +173,33 @@ func (c *Consumer) claimRedelivered(ctx context.Context, conn *amqp.Connection, 
 					rest = append(rest, cand)
 					continue
 				}
+				if cand.Acking { // its ack may have reached RabbitMQ: never claimed
+					acking++
+					rest = append(rest, cand)
+					continue
+				}
 				ok, err := c.log.ClaimDelivery(ctx, cand.ArrivalID, cand.Session, token)
 				if err != nil {
 					return err
 				}
 				if ok {
 					b.arrivals[i].ID, b.arrivals[i].MaybeDuplicate = cand.ArrivalID, false
-					b.resolved[i], b.claimed[i] = true, true
+					b.claimed[i], claimed = true, true
 					rest = append(rest, cands[fp][k+1:]...)
-					live, unknown = -1, -1
 					break
 				}
 			}
 			cands[fp] = rest
 			switch {
-			case live <= 0 && unknown <= 0: // claimed, or no row: the first delivery never committed
+			case claimed || live+unknown+acking == 0: // claimed, or no row: the first delivery never committed
 				b.resolved[i] = true
-			case try < sessionLiveRechecks:
+			case live+unknown > 0 && try < sessionLiveRechecks:
 				waitLive = true
-			case unknown > 0:
+			case unknown > 0 || acking > 0:
 				b.resolved[i] = true
 				b.arrivals[i].MaybeDuplicate = true
-				c.cfg.Logger.Info("Redelivered arrival matches rows of audit consumer sessions whose state could not be read; stored flagged maybe_duplicate",
-					watermill.LogFields{"message_id": b.arrivals[i].MessageID, "arrival_id": b.arrivals[i].ID})
+				c.cfg.Logger.Info("Redelivered arrival matches rows of ended audit consumer sessions that were acking it, or of sessions whose state could not be read; stored flagged maybe_duplicate",
+					watermill.LogFields{"message_id": b.arrivals[i].MessageID, "arrival_id": b.arrivals[i].ID, "acking_rows": acking, "unknown_rows": unknown})
 			default: // rows of live sessions only: other publishes of the same content
 				b.resolved[i] = true
 			}
@@ -205,90 +217,60 @@ func (c *Consumer) claimRedelivered(ctx context.Context, conn *amqp.Connection, 
 	}
 }
 
-// sessionCleaner deletes the UnackedDelivery rows of acked arrivals, in
-// the background (coalesced): acked adds IDs, stop makes a last attempt.
-// A row left behind (the process died right after the ack) is pruned after
-// a day; until then it can only be claimed by a redelivery of identical
-// content whose first delivery never committed.
-type sessionCleaner struct {
-	c     *Consumer
-	token string
-	mu    sync.Mutex
-	ids   []string
-	kick  chan struct{}
-	done  chan struct{}
-	quit  chan struct{}
+// ackingIDs are the arrival IDs whose rows the acker marks Acking before
+// b's ack (nil without a DeliveryLog or arrivals).
+func (c *Consumer) ackingIDs(b batch) []string {
+	if c.log == nil || b.arrTag == 0 || len(b.arrivals) == 0 {
+		return nil
+	}
+	ids := make([]string, len(b.arrivals))
+	for i := range b.arrivals {
+		ids[i] = b.arrivals[i].ID
+	}
+	return ids
 }
 
-func (c *Consumer) startCleaner(token string) *sessionCleaner {
-	s := &sessionCleaner{c: c, token: token, kick: make(chan struct{}, 1), done: make(chan struct{}), quit: make(chan struct{})}
-	go s.run()
-	return s
-}
-
-func (s *sessionCleaner) acked(arrivals []Arrival) {
-	s.mu.Lock()
-	for i := range arrivals {
-		s.ids = append(s.ids, arrivals[i].ID)
-	}
-	s.mu.Unlock()
-	select {
-	case s.kick <- struct{}{}:
-	default:
-	}
-}
-
-func (s *sessionCleaner) flush(timeout time.Duration) bool {
-	s.mu.Lock()
-	ids := s.ids
-	s.ids = nil
-	s.mu.Unlock()
-	if len(ids) == 0 {
-		return true
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), timeout)
-	defer cancel()
-	if err := s.c.log.DeliveriesAcked(ctx, s.token, ids); err != nil {
-		s.c.cfg.Logger.Error("Deleting the unacked-delivery rows of acked arrivals failed; retrying", err, watermill.LogFields{"rows": len(ids)})
-		s.mu.Lock()
-		s.ids = append(ids, s.ids...)
-		s.mu.Unlock()
-		return false
-	}
-	return true
-}
-
-func (s *sessionCleaner) run() {
-	defer close(s.done)
-	retry := time.Second // doubles while the store fails, up to 30 s
+// markAcking runs DeliveriesAcking (one statement) until it succeeds,
+// paced by WriteBackoff; an error only if ctx ends or the connection is
+// lost meanwhile (then nothing is acked: the broker redelivers the batch,
+// whose rows are not Acking and are claimed).
+func (c *Consumer) markAcking(ctx context.Context, conn *amqp.Connection, token string, ids []string) error {
+	var bo backoff.BackOff
 	for {
+		if conn.IsClosed() {
+			return errors.New("audit: connection lost before the ack; the broker redelivers the batch")
+		}
+		err := c.log.DeliveriesAcking(ctx, token, ids)
+		if err == nil {
+			return nil
+		}
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+		if bo == nil {
+			bo = c.cfg.WriteBackoff()
+		}
+		wait := bo.NextBackOff()
+		if wait == backoff.Stop {
+			wait = 30 * time.Second
+		}
+		c.cfg.Logger.Error("Marking the unacked-delivery rows of a batch before its ack failed; the batch stays unacked, retrying", err,
+			watermill.LogFields{"rows": len(ids), "retry_in": wait.String()})
+		t := time.NewTimer(wait)
 		select {
-		case <-s.quit:
-			s.flush(5 * time.Second)
-			return
-		case <-s.kick:
-			if s.flush(5 * time.Second) {
-				retry = time.Second
-			} else {
-				t := time.NewTimer(retry)
-				retry = min(2*retry, 30*time.Second)
-				select {
-				case <-s.quit:
-					t.Stop()
-					s.flush(5 * time.Second)
-					return
-				case <-t.C:
-				}
-				select {
-				case s.kick <- struct{}{}:
-				default:
-				}
-			}
+		case <-ctx.Done():
+			t.Stop()
+			return ctx.Err()
+		case <-t.C:
 		}
 	}
 }
 
-func (s *sessionCleaner) stop() {
-	close(s.quit)
-	<-s.done
+// storeCall runs f with a 5 s timeout, logging a failure (what).
+func (c *Consumer) storeCall(what string, rows int, f func(context.Context) error) {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if err := f(ctx); err != nil {
+		c.cfg.Logger.Error(what+" failed", err, watermill.LogFields{"rows": rows})
+	}
 }

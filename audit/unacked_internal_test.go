@@ -44,14 +44,15 @@ func (l *rowsLog) ClaimDelivery(_ context.Context, id, from, to string) (bool, e
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	r, ok := l.rows[id]
-	if !ok || r.Session != from {
+	if !ok || r.Session != from || r.Acking {
 		return false, nil
 	}
 	r.Session = to
 	l.rows[id] = r
 	return true, nil
 }
-func (l *rowsLog) DeliveriesAcked(context.Context, string, []string) error { return nil }
+func (l *rowsLog) DeliveriesAcking(context.Context, string, []string) error   { return nil }
+func (l *rowsLog) DeliveriesNotAcked(context.Context, string, []string) error { return nil }
 
 // A session's exclusive queue tells its liveness on the real broker: 405
 // (alive) while its connection is open, 404 (ended) once it closed. A
@@ -59,7 +60,9 @@ func (l *rowsLog) DeliveriesAcked(context.Context, string, []string) error { ret
 // identical content held by a live session (another publish): with two
 // rows of one fingerprint, one of each, and two redeliveries, the first
 // takes the ended session's arrival ID, the second is a new arrival, not
-// flagged.
+// flagged. A row of an ended session that was acking (its ack may have
+// reached RabbitMQ) is never claimed: its redelivery is a new arrival
+// flagged maybe_duplicate.
 func TestSessionLivenessAndClaims(t *testing.T) {
 	uri := testkit.URI(t)
 	log := &rowsLog{rows: map[string]UnackedDelivery{}}
@@ -120,5 +123,21 @@ func TestSessionLivenessAndClaims(t *testing.T) {
 	}
 	if r := log.rows["stored-by-live"]; r.Session != liveTok {
 		t.Errorf("live session's row moved to %q", r.Session)
+	}
+
+	fpAcked := fingerprint(c.cfg.Naming.ArrivalsQueue, "content-acked")
+	_ = log.WriteDeliveries(context.Background(), nil, nil, []UnackedDelivery{{ArrivalID: "acked-by-ended", Fingerprint: fpAcked, Session: endedTok, Acking: true}})
+	b = &batch{
+		arrivals: []Arrival{{ID: "new-3", contentID: "content-acked"}}, fps: []string{fpAcked},
+		redelivered: []bool{true}, resolved: []bool{false}, claimed: []bool{false},
+	}
+	if err := c.claimRedelivered(context.Background(), me, myTok, b); err != nil {
+		t.Fatal(err)
+	}
+	if b.arrivals[0].ID != "new-3" || b.claimed[0] || !b.arrivals[0].MaybeDuplicate || !b.resolved[0] {
+		t.Errorf("redelivery matching an acking row: %+v claimed %v, want a new arrival flagged maybe_duplicate", b.arrivals[0], b.claimed[0])
+	}
+	if r := log.rows["acked-by-ended"]; r.Session != endedTok {
+		t.Errorf("acking row moved to %q", r.Session)
 	}
 }

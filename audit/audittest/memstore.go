@@ -78,6 +78,7 @@ func (s *MemoryStore) WriteDeliveries(ctx context.Context, arrivals []audit.Arri
 		s.attempts[a.ID] = a
 	}
 	for _, d := range deliveries {
+		d.Acking = false
 		s.unacked[d.ArrivalID] = d
 	}
 	return nil
@@ -101,8 +102,8 @@ func (s *MemoryStore) UnackedDeliveries(ctx context.Context, fingerprints []stri
 	return out, nil
 }
 
-// ClaimDelivery moves a recorded delivery from session from to session to
-// (audit.DeliveryLog).
+// ClaimDelivery moves a recorded delivery from session from to session to,
+// unless it is Acking (audit.DeliveryLog).
 func (s *MemoryStore) ClaimDelivery(ctx context.Context, arrivalID, from, to string) (bool, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -110,7 +111,7 @@ func (s *MemoryStore) ClaimDelivery(ctx context.Context, arrivalID, from, to str
 		return false, ErrDown
 	}
 	d, ok := s.unacked[arrivalID]
-	if !ok || d.Session != from {
+	if !ok || d.Session != from || d.Acking {
 		return false, nil
 	}
 	d.Session = to
@@ -118,27 +119,58 @@ func (s *MemoryStore) ClaimDelivery(ctx context.Context, arrivalID, from, to str
 	return true, nil
 }
 
-// DeliveriesAcked forgets session's deliveries of these arrival IDs
-// (audit.DeliveryLog).
-func (s *MemoryStore) DeliveriesAcked(ctx context.Context, session string, arrivalIDs []string) error {
+// DeliveriesAcking forgets session's Acking deliveries, then marks
+// session's deliveries of these arrival IDs Acking (audit.DeliveryLog).
+func (s *MemoryStore) DeliveriesAcking(ctx context.Context, session string, arrivalIDs []string) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.down {
 		return ErrDown
 	}
-	for _, id := range arrivalIDs {
-		if d, ok := s.unacked[id]; ok && d.Session == session {
+	for id, d := range s.unacked {
+		if d.Session == session && d.Acking {
 			delete(s.unacked, id)
 		}
 	}
+	s.markLocked(session, arrivalIDs, true)
 	return nil
 }
 
-// Unacked returns how many deliveries are recorded as not acked.
-func (s *MemoryStore) Unacked() int {
+// DeliveriesNotAcked clears Acking on session's deliveries of these
+// arrival IDs (audit.DeliveryLog).
+func (s *MemoryStore) DeliveriesNotAcked(ctx context.Context, session string, arrivalIDs []string) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	return len(s.unacked)
+	if s.down {
+		return ErrDown
+	}
+	s.markLocked(session, arrivalIDs, false)
+	return nil
+}
+
+func (s *MemoryStore) markLocked(session string, arrivalIDs []string, acking bool) {
+	for _, id := range arrivalIDs {
+		if d, ok := s.unacked[id]; ok && d.Session == session {
+			d.Acking = acking
+			s.unacked[id] = d
+		}
+	}
+}
+
+// Unacked returns how many deliveries are recorded (audit.DeliveryLog):
+// unacked, not yet Acking; and acking, marked Acking (their ack sent or
+// about to be).
+func (s *MemoryStore) Unacked() (unacked, acking int) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, d := range s.unacked {
+		if d.Acking {
+			acking++
+		} else {
+			unacked++
+		}
+	}
+	return unacked, acking
 }
 
 // Search supports Filter.MessageID only (and no filter: every message);

@@ -13,9 +13,9 @@ import (
 
 // The unacked_arrivals rows (audit.DeliveryLog): written with their
 // arrivals in one transaction, a row moved to a new session by a rewrite,
-// each row claimed by exactly one of many concurrent claimers, deleted by
-// DeliveriesAcked only for its own session, and rows older than a day
-// pruned.
+// each row claimed by exactly one of many concurrent claimers, marked
+// acking (then not claimable) and deleted by the next mark only for its
+// own session, and rows older than a day pruned.
 func TestDeliveryLogRows(t *testing.T) {
 	s := newTestStore(t)
 	ctx := context.Background()
@@ -79,25 +79,47 @@ func TestDeliveryLogRows(t *testing.T) {
 	if len(rows) != 2 || rows[0].Session == "dead" || rows[1].Session == "dead" {
 		t.Fatalf("rows after the claims: %+v", rows)
 	}
-	// Acked: only the named session's rows go.
-	if err := s.DeliveriesAcked(ctx, "someone-else", []string{"id-1", "id-2", "id-3"}); err != nil {
+	// Acking: only the named session's rows are marked; an acking row is
+	// never claimed, and the session's next mark deletes it (its ack was
+	// sent) while marking the next rows.
+	if err := s.DeliveriesAcking(ctx, "someone-else", []string{"id-1", "id-2", "id-3"}); err != nil {
 		t.Fatal(err)
 	}
-	if rows, _ = s.UnackedDeliveries(ctx, []string{"fp-same", "fp-other"}); len(rows) != 3 {
-		t.Fatalf("another session's ack deleted rows: %+v", rows)
+	if rows, _ = s.UnackedDeliveries(ctx, []string{"fp-same", "fp-other"}); len(rows) != 3 || rows[0].Acking || rows[1].Acking || rows[2].Acking {
+		t.Fatalf("another session's mark changed rows: %+v", rows)
 	}
-	if err := s.DeliveriesAcked(ctx, "live", []string{"id-3"}); err != nil {
+	if err := s.DeliveriesAcking(ctx, "live", []string{"id-3"}); err != nil {
+		t.Fatal(err)
+	}
+	if rows, _ = s.UnackedDeliveries(ctx, []string{"fp-other"}); len(rows) != 1 || !rows[0].Acking {
+		t.Fatalf("row not marked acking: %+v", rows)
+	}
+	if ok, err := s.ClaimDelivery(ctx, "id-3", "live", "thief"); ok || err != nil {
+		t.Fatalf("acking row claimed: %v %v", ok, err)
+	}
+	// Unmarked (its ack was not sent): claimable again; marked again, then
+	// deleted by the next mark.
+	if err := s.DeliveriesNotAcked(ctx, "live", []string{"id-3"}); err != nil {
+		t.Fatal(err)
+	}
+	if rows, _ = s.UnackedDeliveries(ctx, []string{"fp-other"}); len(rows) != 1 || rows[0].Acking {
+		t.Fatalf("row still acking: %+v", rows)
+	}
+	if err := s.DeliveriesAcking(ctx, "live", []string{"id-3"}); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.DeliveriesAcking(ctx, "live", nil); err != nil {
 		t.Fatal(err)
 	}
 	if rows, _ = s.UnackedDeliveries(ctx, []string{"fp-other"}); len(rows) != 0 {
 		t.Fatalf("acked row kept: %+v", rows)
 	}
 	// A row older than a day (its Consumer died for good) is pruned by the
-	// next DeliveriesAcked of any session.
+	// next DeliveriesAcking of any session.
 	if _, err := s.pool.Exec(ctx, `UPDATE `+s.q.unacked+` SET since = now() - interval '25 hours' WHERE arrival_id = 'id-2'`); err != nil {
 		t.Fatal(err)
 	}
-	if err := s.DeliveriesAcked(ctx, "anyone", nil); err != nil {
+	if err := s.DeliveriesAcking(ctx, "anyone", nil); err != nil {
 		t.Fatal(err)
 	}
 	rows, _ = s.UnackedDeliveries(ctx, []string{"fp-same"})
