@@ -112,8 +112,10 @@ type Arrival struct {
 	// MaybeDuplicate is true for an arrival recorded from a redelivery the
 	// Consumer could not match to its first delivery: with a Store that is
 	// not a DeliveryLog, when that delivery went to a Consumer process that
-	// died (or to another one); with a DeliveryLog, only when the state of a
-	// session holding a matching row could not be read. If the first
+	// died (or to another one); with a DeliveryLog, when the state of a
+	// session holding a matching row could not be read, or the matching rows
+	// are of ended sessions that were acking their deliveries (the process
+	// died between marking them and the ack, or right after it). If the first
 	// delivery had been stored, this is a second record of the same publish
 	// (same content: ArrivalVariants does not count it).
 	MaybeDuplicate bool `json:"maybe_duplicate,omitempty"`

@@ -271,7 +271,9 @@ type ConsumerStats struct {
 // the redelivery no identity that says whether it was stored: with a Store
 // that is a DeliveryLog (pgstore), each committed delivery has a row until
 // its ack, and a redelivery claims a row of a session that ended (below)
-// instead of being stored again, so each publish is exactly one arrival;
+// instead of being stored again, so each publish is exactly one arrival
+// (a second, flagged record only if the process died in the instant
+// between marking a batch's rows and sending its ack);
 // with another Store it is stored a second time, flagged
 // Arrival.MaybeDuplicate.
 //
@@ -284,14 +286,18 @@ type ConsumerStats struct {
 // only rows of sessions whose queue is gone (queue.declare passive: 404;
 // a live one answers 405 RESOURCE_LOCKED). The Consumer's user needs
 // configure permission on these names ("Access Control"); a refusal makes
-// Run return the error. The rows of acked deliveries are deleted right
-// after the ack; rows older than a day are pruned. A row left behind when
-// the process dies between an ack and that deletion can be claimed by a
-// later redelivery of identical content (same exchange, routing key,
-// message id, timestamp second, headers and body) whose first delivery
-// never committed: that publish would not be recorded. A redelivery
-// matching only rows of live sessions (rechecked once after 1 s) is
-// stored: those rows are other publishes of the same content.
+// Run return the error. Right before each ack of arrivals the Consumer
+// marks the batch's rows Acking and deletes the rows it marked before
+// (their acks were sent), one statement per batch (DeliveriesAcking); a
+// session that ends with its connection open deletes its last marked
+// rows; rows older than a day are pruned. An Acking row is never claimed:
+// a redelivery matching only Acking rows of ended sessions (the process
+// died between the mark and the ack, or right after the ack) is stored
+// under a new ID, flagged Arrival.MaybeDuplicate, so a publish is never
+// taken for another and never lost; the cost is a flagged second record
+// when the process dies in the instant between a mark and its ack. A
+// redelivery matching only rows of live sessions (rechecked once after
+// 1 s) is stored: those rows are other publishes of the same content.
 //
 // Once declared, the arrivals queue receives a copy of every publish to
 // the audited exchanges whether or not a Consumer runs, and the attempts
