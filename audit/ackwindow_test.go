@@ -130,6 +130,13 @@ func (s *deadLog) ClaimDelivery(ctx context.Context, id, from, to string) (bool,
 	return s.DeliveryLog.ClaimDelivery(ctx, id, from, to)
 }
 
+func (s *deadLog) TakeAckingDelivery(ctx context.Context, id, session string) (bool, error) {
+	if err := s.check(); err != nil {
+		return false, err
+	}
+	return s.DeliveryLog.TakeAckingDelivery(ctx, id, session)
+}
+
 func (s *deadLog) DeliveriesAcking(ctx context.Context, session string, ids []string) error {
 	if err := s.check(); err != nil {
 		return err

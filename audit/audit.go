@@ -258,8 +258,8 @@ type UnackedDelivery struct {
 // session that has ended, not Acking, claims that row and reuses its
 // arrival ID, so the record is not stored twice; one matching only Acking
 // rows of ended sessions is stored again, flagged Arrival.MaybeDuplicate
-// (the ack may have been lost with the process): a row whose ack was sent
-// is never claimed, so a publish is never taken for another. A first
+// (the ack may have been lost with the process), and deletes one of them
+// (TakeAckingDelivery): a row whose ack was sent is never claimed, so a publish is never taken for another. A first
 // delivery never claims a row, so identical publishes stay distinct
 // arrivals. Without a DeliveryLog the Consumer stores such a redelivery
 // again, flagged Arrival.MaybeDuplicate.
@@ -276,6 +276,11 @@ type DeliveryLog interface {
 	// Acking, or held by another session (another Consumer claimed it
 	// first).
 	ClaimDelivery(ctx context.Context, arrivalID, from, to string) (bool, error)
+	// TakeAckingDelivery deletes the row of arrivalID if session holds it
+	// and it is Acking (a redelivery matched it and is stored again,
+	// flagged): false if it is gone or changed (another Consumer took it,
+	// or DeliveriesNotAcked cleared Acking: then it can be claimed).
+	TakeAckingDelivery(ctx context.Context, arrivalID, session string) (bool, error)
 	// DeliveriesAcking, in one atomic step, deletes session's rows that
 	// are Acking (marked by an earlier call: their acks were sent), and
 	// rows older than a day (their sessions' deliveries were redelivered

@@ -292,8 +292,10 @@ type ConsumerStats struct {
 // session that ends with its connection open deletes its last marked
 // rows; rows older than a day are pruned. An Acking row is never claimed:
 // a redelivery matching only Acking rows of ended sessions (the process
-// died between the mark and the ack, or right after the ack) is stored
-// under a new ID, flagged Arrival.MaybeDuplicate, so a publish is never
+// died between the mark and the ack, or right after the ack) deletes one
+// and is stored under a new ID, flagged Arrival.MaybeDuplicate; a batch
+// whose ack could not be sent has its mark cleared (DeliveriesNotAcked),
+// and its rows are claimed as usual. So a publish is never
 // taken for another and never lost; the cost is a flagged second record
 // when the process dies in the instant between a mark and its ack. A
 // redelivery matching only rows of live sessions (rechecked once after

@@ -34,9 +34,14 @@ import (
 //   - A redelivered arrival (basic.deliver's redelivered flag) claims a row
 //     of its fingerprint held by an ended session, not Acking
 //     (ClaimDelivery, so of two Consumers only one gets a row) and takes
-//     its arrival ID: it was stored, and is not stored again. Only Acking
-//     rows of ended sessions: the process died between the mark and the
-//     ack, or after the ack; stored under a new ID flagged MaybeDuplicate.
+//     its arrival ID: it was stored, and is not stored again. An Acking row
+//     of an ended session (the process died between the mark and the ack,
+//     or after the ack) is never claimed: the redelivery takes it
+//     (TakeAckingDelivery deletes it, so it is used once) and is stored
+//     under a new ID flagged MaybeDuplicate. A row that changed under the
+//     claim (claimed by another Consumer, or its Acking mark cleared by
+//     DeliveriesNotAcked because the ack could not be sent) makes the rows
+//     be read again.
 //     No such row: its first delivery never committed, it is stored under
 //     a new ID. Rows only of live
 //     sessions (still live after sessionLiveRecheckWait, the lag allowed
@@ -57,6 +62,11 @@ const (
 	sessionLiveRechecks    = 1
 	sessionLiveRecheckWait = time.Second
 )
+
+// maxRereads bounds how often the rows are read again at once after a row
+// changed under a claim (another Consumer's claim, or an acking mark
+// cleared); then the arrival is stored flagged MaybeDuplicate.
+const maxRereads = 5
 
 // sessionState is what queue.declare passive tells of a session's queue.
 type sessionState int
@@ -142,7 +152,7 @@ func (c *Consumer) claimRedelivered(ctx context.Context, conn *amqp.Connection, 
 	if len(fps) == 0 {
 		return nil
 	}
-	for try := 0; ; try++ {
+	for try, rereads := 0, 0; ; {
 		rows, err := c.log.UnackedDeliveries(ctx, fps)
 		if err != nil {
 			return err
@@ -153,14 +163,14 @@ func (c *Consumer) claimRedelivered(ctx context.Context, conn *amqp.Connection, 
 				cands[r.Fingerprint] = append(cands[r.Fingerprint], r)
 			}
 		}
-		waitLive := false
+		waitLive, reread := false, false
 		for i, r := range b.redelivered {
 			if !r || b.resolved[i] {
 				continue
 			}
 			fp := b.fps[i]
-			live, unknown, acking := 0, 0, 0
-			claimed := false
+			live, unknown := 0, 0
+			claimed, took, changed := false, false, false
 			var rest []UnackedDelivery
 			for k, cand := range cands[fp] {
 				switch c.sessionState(conn, cand.Session) {
@@ -173,40 +183,58 @@ func (c *Consumer) claimRedelivered(ctx context.Context, conn *amqp.Connection, 
 					rest = append(rest, cand)
 					continue
 				}
-				if cand.Acking { // its ack may have reached RabbitMQ: never claimed
-					acking++
-					rest = append(rest, cand)
-					continue
+				var ok bool
+				var err error
+				if cand.Acking { // its ack may have reached RabbitMQ: never claimed, taken
+					ok, err = c.log.TakeAckingDelivery(ctx, cand.ArrivalID, cand.Session)
+				} else {
+					ok, err = c.log.ClaimDelivery(ctx, cand.ArrivalID, cand.Session, token)
 				}
-				ok, err := c.log.ClaimDelivery(ctx, cand.ArrivalID, cand.Session, token)
 				if err != nil {
 					return err
 				}
-				if ok {
+				if !ok {
+					// Another Consumer took it, or an acking row was cleared
+					// (its ack was not sent: claimable now): read again.
+					changed = true
+					continue
+				}
+				if cand.Acking {
+					took = true
+				} else {
 					b.arrivals[i].ID, b.arrivals[i].MaybeDuplicate = cand.ArrivalID, false
 					b.claimed[i], claimed = true, true
-					rest = append(rest, cands[fp][k+1:]...)
-					break
 				}
+				rest = append(rest, cands[fp][k+1:]...)
+				break
 			}
 			cands[fp] = rest
 			switch {
-			case claimed || live+unknown+acking == 0: // claimed, or no row: the first delivery never committed
+			case claimed || live+unknown == 0 && !took && !changed: // claimed, or no row: the first delivery never committed
 				b.resolved[i] = true
-			case live+unknown > 0 && try < sessionLiveRechecks:
+			case !took && changed && rereads < maxRereads:
+				reread = true
+			case !took && live+unknown > 0 && try < sessionLiveRechecks:
 				waitLive = true
-			case unknown > 0 || acking > 0:
+			case took || unknown > 0 || changed:
 				b.resolved[i] = true
 				b.arrivals[i].MaybeDuplicate = true
-				c.cfg.Logger.Info("Redelivered arrival matches rows of ended audit consumer sessions that were acking it, or of sessions whose state could not be read; stored flagged maybe_duplicate",
-					watermill.LogFields{"message_id": b.arrivals[i].MessageID, "arrival_id": b.arrivals[i].ID, "acking_rows": acking, "unknown_rows": unknown})
+				c.cfg.Logger.Info("Redelivered arrival matches a row of an ended audit consumer session that was acking it, or rows of sessions whose state could not be read; stored flagged maybe_duplicate",
+					watermill.LogFields{"message_id": b.arrivals[i].MessageID, "arrival_id": b.arrivals[i].ID, "acking_row_taken": took, "unknown_rows": unknown})
 			default: // rows of live sessions only: other publishes of the same content
 				b.resolved[i] = true
 			}
 		}
-		if !waitLive {
+		if !waitLive && !reread {
 			return nil
 		}
+		if reread {
+			rereads++
+		}
+		if !waitLive {
+			continue
+		}
+		try++
 		t := time.NewTimer(sessionLiveRecheckWait)
 		select {
 		case <-ctx.Done():

@@ -15,6 +15,8 @@ import (
 type rowsLog struct {
 	mu   sync.Mutex
 	rows map[string]UnackedDelivery
+	// beforeTake, if set, runs (unlocked) at the start of TakeAckingDelivery.
+	beforeTake func()
 }
 
 func (l *rowsLog) Write(context.Context, []Arrival, []Attempt) error { return nil }
@@ -51,8 +53,31 @@ func (l *rowsLog) ClaimDelivery(_ context.Context, id, from, to string) (bool, e
 	l.rows[id] = r
 	return true, nil
 }
-func (l *rowsLog) DeliveriesAcking(context.Context, string, []string) error   { return nil }
-func (l *rowsLog) DeliveriesNotAcked(context.Context, string, []string) error { return nil }
+func (l *rowsLog) TakeAckingDelivery(_ context.Context, id, session string) (bool, error) {
+	if l.beforeTake != nil {
+		l.beforeTake()
+	}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	r, ok := l.rows[id]
+	if !ok || r.Session != session || !r.Acking {
+		return false, nil
+	}
+	delete(l.rows, id)
+	return true, nil
+}
+func (l *rowsLog) DeliveriesAcking(context.Context, string, []string) error { return nil }
+func (l *rowsLog) DeliveriesNotAcked(_ context.Context, session string, ids []string) error {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for _, id := range ids {
+		if r, ok := l.rows[id]; ok && r.Session == session {
+			r.Acking = false
+			l.rows[id] = r
+		}
+	}
+	return nil
+}
 
 // A session's exclusive queue tells its liveness on the real broker: 405
 // (alive) while its connection is open, 404 (ended) once it closed. A
@@ -61,8 +86,9 @@ func (l *rowsLog) DeliveriesNotAcked(context.Context, string, []string) error { 
 // rows of one fingerprint, one of each, and two redeliveries, the first
 // takes the ended session's arrival ID, the second is a new arrival, not
 // flagged. A row of an ended session that was acking (its ack may have
-// reached RabbitMQ) is never claimed: its redelivery is a new arrival
-// flagged maybe_duplicate.
+// reached RabbitMQ) is never claimed: its redelivery takes it (deletes
+// it) and is a new arrival flagged maybe_duplicate; one whose mark is
+// cleared under the take (the ack was not sent) is claimed after all.
 func TestSessionLivenessAndClaims(t *testing.T) {
 	uri := testkit.URI(t)
 	log := &rowsLog{rows: map[string]UnackedDelivery{}}
@@ -137,7 +163,23 @@ func TestSessionLivenessAndClaims(t *testing.T) {
 	if b.arrivals[0].ID != "new-3" || b.claimed[0] || !b.arrivals[0].MaybeDuplicate || !b.resolved[0] {
 		t.Errorf("redelivery matching an acking row: %+v claimed %v, want a new arrival flagged maybe_duplicate", b.arrivals[0], b.claimed[0])
 	}
-	if r := log.rows["acked-by-ended"]; r.Session != endedTok {
-		t.Errorf("acking row moved to %q", r.Session)
+	if r, ok := log.rows["acked-by-ended"]; ok {
+		t.Errorf("acking row not taken: %+v", r)
+	}
+
+	// The session clears the acking mark (its ack could not be sent) while
+	// the redelivery is taking the row: the take fails, the rows are read
+	// again, and the redelivery claims the row, not flagged.
+	_ = log.WriteDeliveries(context.Background(), nil, nil, []UnackedDelivery{{ArrivalID: "unmarked-by-ended", Fingerprint: fpAcked, Session: endedTok, Acking: true}})
+	log.beforeTake = func() { _ = log.DeliveriesNotAcked(context.Background(), endedTok, []string{"unmarked-by-ended"}) }
+	b = &batch{
+		arrivals: []Arrival{{ID: "new-4", contentID: "content-acked"}}, fps: []string{fpAcked},
+		redelivered: []bool{true}, resolved: []bool{false}, claimed: []bool{false},
+	}
+	if err := c.claimRedelivered(context.Background(), me, myTok, b); err != nil {
+		t.Fatal(err)
+	}
+	if b.arrivals[0].ID != "unmarked-by-ended" || !b.claimed[0] || b.arrivals[0].MaybeDuplicate {
+		t.Errorf("redelivery matching a row unmarked under its take: %+v claimed %v, want the row claimed", b.arrivals[0], b.claimed[0])
 	}
 }

@@ -119,6 +119,22 @@ func (s *MemoryStore) ClaimDelivery(ctx context.Context, arrivalID, from, to str
 	return true, nil
 }
 
+// TakeAckingDelivery forgets a recorded delivery of session if it is
+// Acking (audit.DeliveryLog).
+func (s *MemoryStore) TakeAckingDelivery(ctx context.Context, arrivalID, session string) (bool, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.down {
+		return false, ErrDown
+	}
+	d, ok := s.unacked[arrivalID]
+	if !ok || d.Session != session || !d.Acking {
+		return false, nil
+	}
+	delete(s.unacked, arrivalID)
+	return true, nil
+}
+
 // DeliveriesAcking forgets session's Acking deliveries, then marks
 // session's deliveries of these arrival IDs Acking (audit.DeliveryLog).
 func (s *MemoryStore) DeliveriesAcking(ctx context.Context, session string, arrivalIDs []string) error {

@@ -19,7 +19,7 @@ var _ audit.DeliveryLog = (*Store)(nil)
 const unackedRetention = "1 day"
 
 type unackedQueries struct {
-	upsert, byFingerprint, claim, acking, notAcked string
+	upsert, byFingerprint, claim, take, acking, notAcked string
 }
 
 func (q queries) unackedSQL() unackedQueries {
@@ -30,6 +30,7 @@ SELECT * FROM unnest($1::text[], $2::text[], $3::text[])
 ON CONFLICT (arrival_id) DO UPDATE SET session = EXCLUDED.session, fingerprint = EXCLUDED.fingerprint, since = now(), acking = false`,
 		byFingerprint: `SELECT arrival_id, fingerprint, session, acking FROM ` + t + ` WHERE fingerprint = ANY($1) ORDER BY since, arrival_id`,
 		claim:         `UPDATE ` + t + ` SET session = $3, since = now() WHERE arrival_id = $1 AND session = $2 AND NOT acking`,
+		take:          `DELETE FROM ` + t + ` WHERE arrival_id = $1 AND session = $2 AND acking`,
 		// One statement: the DELETE and the UPDATE see the same snapshot,
 		// so the DELETE takes the rows marked by earlier calls only.
 		acking: `WITH acked AS (DELETE FROM ` + t + ` WHERE (session = $1 AND acking) OR since < now() - interval '` + unackedRetention + `')
@@ -98,6 +99,17 @@ func (s *Store) ClaimDelivery(ctx context.Context, arrivalID, from, to string) (
 	tag, err := s.pool.Exec(ctx, s.q.unackedSQL().claim, arrivalID, from, to)
 	if err != nil {
 		return false, fmt.Errorf("pgstore: claim unacked delivery: %w", err)
+	}
+	return tag.RowsAffected() == 1, nil
+}
+
+// TakeAckingDelivery deletes the row of arrivalID if session holds it and
+// it is acking; false if not (audit.DeliveryLog). One DELETE: of two
+// Consumers, one wins.
+func (s *Store) TakeAckingDelivery(ctx context.Context, arrivalID, session string) (bool, error) {
+	tag, err := s.pool.Exec(ctx, s.q.unackedSQL().take, arrivalID, session)
+	if err != nil {
+		return false, fmt.Errorf("pgstore: take acking unacked delivery: %w", err)
 	}
 	return tag.RowsAffected() == 1, nil
 }

@@ -105,14 +105,33 @@ func TestDeliveryLogRows(t *testing.T) {
 	if rows, _ = s.UnackedDeliveries(ctx, []string{"fp-other"}); len(rows) != 1 || rows[0].Acking {
 		t.Fatalf("row still acking: %+v", rows)
 	}
+	if ok, err := s.TakeAckingDelivery(ctx, "id-3", "live"); ok || err != nil {
+		t.Fatalf("a row not acking taken: %v %v", ok, err)
+	}
 	if err := s.DeliveriesAcking(ctx, "live", []string{"id-3"}); err != nil {
 		t.Fatal(err)
+	}
+	if ok, err := s.TakeAckingDelivery(ctx, "id-3", "another"); ok || err != nil {
+		t.Fatalf("another session's acking row taken: %v %v", ok, err)
 	}
 	if err := s.DeliveriesAcking(ctx, "live", nil); err != nil {
 		t.Fatal(err)
 	}
 	if rows, _ = s.UnackedDeliveries(ctx, []string{"fp-other"}); len(rows) != 0 {
 		t.Fatalf("acked row kept: %+v", rows)
+	}
+	// An acking row of a session that died is taken once (a matching
+	// redelivery is stored again, flagged).
+	if err := s.WriteDeliveries(ctx, nil, nil, []audit.UnackedDelivery{d("id-4", "fp-4", "died")}); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.DeliveriesAcking(ctx, "died", []string{"id-4"}); err != nil {
+		t.Fatal(err)
+	}
+	for i, want := range []bool{true, false} {
+		if ok, err := s.TakeAckingDelivery(ctx, "id-4", "died"); ok != want || err != nil {
+			t.Fatalf("take %d: %v %v, want %v", i+1, ok, err, want)
+		}
 	}
 	// A row older than a day (its Consumer died for good) is pruned by the
 	// next DeliveriesAcking of any session.
