@@ -246,7 +246,7 @@ func crashAroundAck(t *testing.T, afterAck bool) (records []audit.Arrival, accou
 	}
 	accounted = accountLine(t.Name(), published, len(records), max(0, len(records)-published), max(0, published-len(records)))
 	unacked, acking := mem.Unacked()
-	t.Logf("%s (flagged maybe_duplicate %d; records written by the last consumer %d; queue ready after %d; unacked-delivery rows left %d, acking %d: the dead process's)",
+	t.Logf("%s (flagged maybe_duplicate %d; records written by the last consumer %d; queue ready after %d; unacked-delivery rows left %d, acking %d)",
 		accounted, flagged, cons.Stats().Arrivals, e.ready(e.naming.ArrivalsQueue), unacked, acking)
 	return records, accounted
 }
