@@ -76,3 +76,35 @@ func tableJSON(m map[string]any, depth int) (any, error) {
 	}
 	return out, nil
 }
+
+// EncodeHeaderTable encodes h exactly, every value with its AMQP 0-9-1
+// field type, as the field table travels on the wire (keys sorted, so the
+// result is deterministic), in standard base64: the form in which the
+// audit stores an arrival's headers so that a resend publishes them with
+// the same types and values (an int32 stays an int32, an int64 beyond
+// 2^53 stays exact, a decimal stays a decimal, a timestamp a timestamp, a
+// byte array a byte array). The values must be of the Go types amqp091-go
+// decodes field values into (nil, bool, int8, uint8, int16, uint16,
+// int32, uint32, int64, float32, float64, amqp.Decimal, string, []byte,
+// time.Time of whole seconds, amqp.Table and []interface{} of these,
+// nested at most 64 levels, keys at most 255 bytes), as every delivery's
+// headers are. Errors: a value of another type, or too deep, naming the
+// field. A nil table gives "".
+func EncodeHeaderTable(h amqp.Table) (string, error) {
+	if h == nil {
+		return "", nil
+	}
+	return encodeTypedHeaders(h)
+}
+
+// DecodeHeaderTable is the inverse of EncodeHeaderTable: the table with
+// each value as amqp091-go decodes it (a timestamp as time.Unix(seconds,
+// 0), an empty array as a nil []interface{}). "" gives a nil table. It
+// returns an error, never panics, for text that is not a well-formed
+// encoded field table.
+func DecodeHeaderTable(s string) (amqp.Table, error) {
+	if s == "" {
+		return nil, nil
+	}
+	return decodeTypedHeaders(s)
+}

@@ -3,6 +3,7 @@ package amqpretry_test
 import (
 	"encoding/json"
 	"math"
+	"reflect"
 	"testing"
 	"time"
 
@@ -41,5 +42,37 @@ func TestHeadersToJSON(t *testing.T) {
 	}
 	if _, err := amqpretry.HeadersToJSON(amqp.Table{"bad": struct{}{}}); err == nil {
 		t.Error("unsupported value type: no error")
+	}
+}
+
+// EncodeHeaderTable / DecodeHeaderTable keep every AMQP field type
+// amqp091-go reads and writes (t b B s u I i l f d D S x T F A V), value
+// and Go type, where the JSON form loses them.
+func TestHeaderTableRoundTrip(t *testing.T) {
+	h := amqp.Table{
+		"t": true, "b": int8(-8), "B": uint8(200), "s": int16(-16000), "u": uint16(65000),
+		"I": int32(-7), "i": uint32(4_000_000_000), "l": int64(1)<<53 + 1, "f": float32(1.5), "d": float64(3),
+		"D": amqp.Decimal{Scale: 2, Value: -12345}, "S": "héllo", "x": []byte{0, 0xff}, "T": time.Unix(1_790_000_000, 0),
+		"F": amqp.Table{"n": int32(1)}, "A": []any{int64(2), "a", []byte{1}}, "V": nil,
+	}
+	enc, err := amqpretry.EncodeHeaderTable(h)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, err := amqpretry.DecodeHeaderTable(enc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !reflect.DeepEqual(got, h) {
+		t.Fatalf("round trip:\n got %#v\nwant %#v", got, h)
+	}
+	if _, err := amqpretry.EncodeHeaderTable(amqp.Table{"bad": struct{}{}}); err == nil {
+		t.Fatal("a value of no AMQP type encoded")
+	}
+	if _, err := amqpretry.DecodeHeaderTable("not base64!"); err == nil {
+		t.Fatal("garbage decoded")
+	}
+	if tb, err := amqpretry.DecodeHeaderTable(""); tb != nil || err != nil {
+		t.Fatalf("empty: %v %v", tb, err)
 	}
 }

@@ -21,7 +21,9 @@
 // Store and acks them only after the transaction commits, so while
 // PostgreSQL is down records wait durably in RabbitMQ's audit queues, and
 // a batch that is redelivered is written again without duplicates (Store
-// writes are idempotent on the record IDs).
+// writes are idempotent on the record IDs, and an arrival redelivered after
+// the Consumer process died between commit and ack is found stored through
+// the Store's DeliveryLog; see Arrival.ID for a Store without one).
 package audit
 
 import (
@@ -29,6 +31,8 @@ import (
 	"encoding/json"
 	"errors"
 	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
 )
 
 // Outcome is how an attempt ended.
@@ -58,10 +62,22 @@ const (
 // Arrival records one message published to an audited business exchange,
 // as the audit queue received it.
 type Arrival struct {
-	// ID is the record's idempotency key: a hex SHA-256 over the exchange,
-	// routing key, message id, AMQP timestamp, headers and body, so a
-	// redelivery of the same audit-queue message maps to the same record.
+	// ID is the record's idempotency key, one per publish: the Consumer
+	// gives every first delivery of the arrivals queue a new ID (a hex
+	// SHA-256 over the content hash ArrivalFromDelivery computes and a
+	// random nonce), so two identical publishes (the same bytes within one
+	// second, or one UUID published twice) are two arrivals. A redelivery
+	// of a stored arrival gets its ID back and is not stored again: with a
+	// Store that is a DeliveryLog (pgstore) from the row its commit wrote,
+	// also after the Consumer process died between commit and ack; with
+	// another Store only from this Consumer process's memory (after a lost
+	// connection), else it is stored under a new ID with MaybeDuplicate
+	// set. Two publishes are never merged.
 	ID string `json:"id"`
+	// contentID is a hex SHA-256 over the exchange, routing key, message
+	// id, AMQP timestamp, headers and body: equal for identical publishes
+	// (ArrivalFromDelivery sets it, and ID to it). Not stored.
+	contentID string
 	// MessageID is the Watermill message UUID (the UUID header, else the
 	// AMQP message-id property); empty if the message had neither.
 	MessageID string `json:"message_id"`
@@ -75,8 +91,15 @@ type Arrival struct {
 	// ArrivedAt is when the audit consumer received it.
 	ArrivedAt time.Time `json:"arrived_at"`
 	// Headers are the AMQP headers, as JSON values (tables as objects,
-	// byte arrays base64, times RFC 3339).
+	// byte arrays base64, times RFC 3339): for search and display.
 	Headers map[string]any `json:"headers,omitempty"`
+	// HeaderTable are the same headers exactly as they arrived, each value
+	// with its AMQP field type (int32, int64, decimal, timestamp, byte
+	// array, ...), which the JSON form cannot keep; Resend publishes these.
+	// Stored by pgstore (migration 0004) as amqpretry.EncodeHeaderTable's
+	// text; nil for arrivals recorded before, whose resend falls back to
+	// the JSON form.
+	HeaderTable amqp.Table `json:"-"`
 	// Properties are the other AMQP properties that were set (content-type,
 	// content-encoding, delivery-mode, priority, reply-to, expiration, type,
 	// user-id, app-id), by their AMQP names.
@@ -87,6 +110,16 @@ type Arrival struct {
 	BodySize int `json:"body_size"`
 	// BodyTruncated is true when Body was cut (len(Body) < BodySize).
 	BodyTruncated bool `json:"body_truncated,omitempty"`
+	// MaybeDuplicate is true for an arrival recorded from a redelivery the
+	// Consumer could not match to its first delivery: with a Store that is
+	// not a DeliveryLog, when that delivery went to a Consumer process that
+	// died (or to another one); with a DeliveryLog, when the state of a
+	// session holding a matching row could not be read, or the matching rows
+	// are of ended sessions that were acking their deliveries (the process
+	// died between marking them and the ack, or right after it). If the first
+	// delivery had been stored, this is a second record of the same publish
+	// (same content: ArrivalVariants does not count it).
+	MaybeDuplicate bool `json:"maybe_duplicate,omitempty"`
 }
 
 // Attempt records one attempt at a message by the retry chain.
@@ -120,15 +153,34 @@ type Attempt struct {
 	// (redacted, cut to 1 KiB by default); for OutcomeNacked, also why no
 	// copy could be held.
 	Error string `json:"error,omitempty"`
+	// RecordedBy is the RabbitMQ user that published the record: the
+	// AMQP user-id property, which the broker validates against the
+	// publishing connection's user ("Validated User-ID"). The Consumer sets
+	// it from the delivery (never from the record's body) and stores only
+	// records of its ConsumerConfig.RecorderUsers.
+	RecordedBy string `json:"recorded_by,omitempty"`
 }
 
 // Message is one message's story as the store returns it: its arrival (nil
 // if it arrived before auditing began, or not through an audited exchange)
 // and its attempts, oldest first.
+//
+// A message id can have several arrivals (the same id published twice, or
+// on two exchanges): Arrival is the first (oldest) one that matches the
+// Filter's arrival conditions (Exchange, RoutingKey, Headers), else the
+// first one; ArrivalCount says how many matched and ArrivalVariants how
+// many of those differ in what a resend would publish (exchange, routing
+// key, headers, properties, body). Resend refuses a message whose
+// ArrivalVariants is above 1 (ambiguous: which one to send?).
 type Message struct {
-	MessageID string    `json:"message_id"`
-	Arrival   *Arrival  `json:"arrival,omitempty"`
-	Attempts  []Attempt `json:"attempts"`
+	MessageID string   `json:"message_id"`
+	Arrival   *Arrival `json:"arrival,omitempty"`
+	// ArrivalCount is the number of arrivals of the message matching the
+	// filter (0 without an arrival).
+	ArrivalCount int `json:"arrival_count,omitempty"`
+	// ArrivalVariants is the number of distinct contents among them.
+	ArrivalVariants int       `json:"arrival_variants,omitempty"`
+	Attempts        []Attempt `json:"attempts"`
 }
 
 // Filter selects messages in Search and Resend. Zero fields do not filter;
@@ -210,6 +262,75 @@ type SetAside struct {
 // forever, stalling its queue.
 type SetAsider interface {
 	SetAside(ctx context.Context, records []SetAside) error
+}
+
+// UnackedDelivery is a row of a DeliveryLog: the arrival ArrivalID was
+// stored from a delivery that Consumer session Session holds and has not
+// acked yet (Acking false), or is acking (Acking true).
+type UnackedDelivery struct {
+	// ArrivalID is the stored arrival's ID (Arrival.ID).
+	ArrivalID string
+	// Fingerprint is a hex SHA-256 over the audit queue's name and the
+	// delivery's content (exchange, routing key, message id, AMQP
+	// timestamp, headers, body): equal for identical publishes.
+	Fingerprint string
+	// Session is the random token of the Consumer session holding the
+	// delivery (one per AMQP connection of the Consumer).
+	Session string
+	// Acking is set (DeliveriesAcking) right before the session sends the
+	// delivery's ack: if the session has ended, the ack may or may not have
+	// reached RabbitMQ, so a redelivery of this content is stored again,
+	// flagged Arrival.MaybeDuplicate, instead of claiming the row.
+	Acking bool
+}
+
+// DeliveryLog is an optional extension of Store (pgstore implements it,
+// table unacked_arrivals) that makes each publish exactly one arrival even
+// when a Consumer process dies between the commit of a batch and its ack.
+// RabbitMQ then redelivers the batch with the redelivered flag set
+// ("Consumer Acknowledgements and Publisher Confirms": Redeliveries) to a
+// Consumer that cannot know, from the delivery alone, whether it was
+// stored. With a DeliveryLog the Consumer records, in the transaction that
+// stores an arrival, an UnackedDelivery row; marks it Acking before the
+// ack (DeliveriesAcking); and deletes it with the next batch's mark, once
+// the ack was sent. A redelivery whose fingerprint matches a row of a
+// session that has ended, not Acking, claims that row and reuses its
+// arrival ID, so the record is not stored twice; one matching only Acking
+// rows of ended sessions is stored again, flagged Arrival.MaybeDuplicate
+// (the ack may have been lost with the process), and deletes one of them
+// (TakeAckingDelivery): a row whose ack was sent is never claimed, so a publish is never taken for another. A first
+// delivery never claims a row, so identical publishes stay distinct
+// arrivals. Without a DeliveryLog the Consumer stores such a redelivery
+// again, flagged Arrival.MaybeDuplicate.
+type DeliveryLog interface {
+	Store
+	// WriteDeliveries is Write, and records deliveries in the same
+	// transaction, not Acking (a row already stored under the same
+	// ArrivalID is replaced: it moves to the new session).
+	WriteDeliveries(ctx context.Context, arrivals []Arrival, attempts []Attempt, deliveries []UnackedDelivery) error
+	// UnackedDeliveries returns the rows of these fingerprints.
+	UnackedDeliveries(ctx context.Context, fingerprints []string) ([]UnackedDelivery, error)
+	// ClaimDelivery moves the row of arrivalID from session from to
+	// session to, atomically, if it is not Acking: false if it is gone,
+	// Acking, or held by another session (another Consumer claimed it
+	// first).
+	ClaimDelivery(ctx context.Context, arrivalID, from, to string) (bool, error)
+	// TakeAckingDelivery deletes the row of arrivalID if session holds it
+	// and it is Acking (a redelivery matched it and is stored again,
+	// flagged): false if it is gone or changed (another Consumer took it,
+	// or DeliveriesNotAcked cleared Acking: then it can be claimed).
+	TakeAckingDelivery(ctx context.Context, arrivalID, session string) (bool, error)
+	// DeliveriesAcking, in one atomic step, deletes session's rows that
+	// are Acking (marked by an earlier call: their acks were sent), and
+	// rows older than a day (their sessions' deliveries were redelivered
+	// and claimed or stored long ago), then sets Acking on session's rows
+	// of these arrival IDs. The Consumer calls it before each ack of
+	// arrivals, and with no IDs when a session ends after its last ack.
+	DeliveriesAcking(ctx context.Context, session string, arrivalIDs []string) error
+	// DeliveriesNotAcked clears Acking on session's rows of these arrival
+	// IDs: their ack could not be sent (the channel or connection closed
+	// first), so their redeliveries may claim them.
+	DeliveriesNotAcked(ctx context.Context, session string, arrivalIDs []string) error
 }
 
 // MarshalAttempt and UnmarshalAttempt are the wire form of an Attempt

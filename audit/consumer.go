@@ -110,6 +110,25 @@ type ConsumerConfig struct {
 	// rabbitmqctl list_connections and the management UI ("Connections").
 	// Default "rabbitretry-audit-consumer".
 	ConnectionName string
+	// RecorderUsers are the RabbitMQ users whose attempt records are
+	// stored: a record's AMQP user-id property must be one of them. RabbitMQ
+	// refuses a publish whose user-id is not the publishing connection's
+	// user ("Validated User-ID", the "Publishers" guide), and the Recorder
+	// sets it to its own (RecorderConfig.UserID), so a record that passes
+	// was published by that user, not by anyone else allowed to write to
+	// the audit exchange. Other records (user-id absent or another user)
+	// are refused: logged, counted in ConsumerStats.Untrusted, acked and
+	// not stored. Default: the user of URI (amqp.ParseURI; "guest" if the
+	// URI names none), for recorders that connect with the same
+	// credentials as the Consumer; set it when they connect as another user
+	// or authenticate otherwise (SASL EXTERNAL: the certificate's user).
+	RecorderUsers []string
+	// AcceptRecordsWithoutUserID also stores attempt records that carry no
+	// user-id (published by a Recorder of an earlier version, which did not
+	// set it). Set it only while such records drain from the attempts queue
+	// during an upgrade: anyone allowed to publish to the audit exchange can
+	// publish those. Default false.
+	AcceptRecordsWithoutUserID bool
 	// Logger logs outages and malformed records. Default NopLogger.
 	Logger watermill.LoggerAdapter
 }
@@ -157,6 +176,11 @@ func (c *ConsumerConfig) setDefaults() {
 	if c.ConnectionName == "" {
 		c.ConnectionName = "rabbitretry-audit-consumer"
 	}
+	if len(c.RecorderUsers) == 0 {
+		if u, err := amqp.ParseURI(c.URI); err == nil {
+			c.RecorderUsers = []string{u.Username}
+		}
+	}
 	for i := range c.Exchanges {
 		if c.Exchanges[i].RoutingKey == "" {
 			c.Exchanges[i].RoutingKey = "#"
@@ -193,6 +217,11 @@ func (c ConsumerConfig) Validate() error {
 	if c.BatchWait < 0 {
 		return fmt.Errorf("audit: ConsumerConfig.BatchWait %v is negative", c.BatchWait)
 	}
+	for i, u := range c.RecorderUsers {
+		if u == "" {
+			return fmt.Errorf("audit: ConsumerConfig.RecorderUsers[%d] is empty", i)
+		}
+	}
 	if err := checkQueueType("ConsumerConfig", c.QueueType); err != nil {
 		return err
 	}
@@ -202,7 +231,9 @@ func (c ConsumerConfig) Validate() error {
 // ConsumerStats are the Consumer's counters.
 type ConsumerStats struct {
 	// Arrivals and Attempts are the records written (Write returned nil;
-	// a redelivered record written again counts again).
+	// a redelivered record written again counts again; a redelivered
+	// arrival found stored through the DeliveryLog is not written and not
+	// counted).
 	Arrivals, Attempts uint64
 	// Batches is the number of successful Store.Write calls.
 	Batches uint64
@@ -212,6 +243,10 @@ type ConsumerStats struct {
 	// Malformed counts attempt records that could not be decoded (logged
 	// and acked).
 	Malformed uint64
+	// Untrusted counts attempt records refused because their user-id is
+	// absent or not one of ConsumerConfig.RecorderUsers (logged and acked,
+	// not stored).
+	Untrusted uint64
 	// Reconnects counts sessions that ended with a lost connection or
 	// channel.
 	Reconnects uint64
@@ -251,7 +286,42 @@ type ConsumerStats struct {
 // unacked and is retried with backoff; the queues hold everything behind
 // it durably. If the connection is lost or the process dies, the broker
 // requeues the unacked deliveries and they are written again: Store.Write
-// is idempotent on the record IDs, so nothing is duplicated or lost.
+// is idempotent on the record IDs, so nothing is lost, and a redelivered
+// attempt record is not duplicated. An arrival redelivered after a lost
+// connection keeps its per-publish ID (Arrival.ID) and is not duplicated.
+// After the Consumer process died between commit and ack, RabbitMQ gives
+// the redelivery no identity that says whether it was stored: with a Store
+// that is a DeliveryLog (pgstore), each committed delivery has a row until
+// its ack, and a redelivery claims a row of a session that ended (below)
+// instead of being stored again, so each publish is exactly one arrival
+// (a second, flagged record only if the process died in the instant
+// between marking a batch's rows and sending its ack);
+// with another Store it is stored a second time, flagged
+// Arrival.MaybeDuplicate.
+//
+// Session queues (DeliveryLog only): each session (AMQP connection)
+// declares an exclusive, auto-delete classic queue named
+// <ArrivalsQueue>.session.<random token>, which receives nothing. RabbitMQ
+// deletes it when the connection closes, which is when the connection's
+// unacked deliveries are requeued ("Queues" guide: Exclusive Queues;
+// "Consumer Acknowledgements and Publisher Confirms"): a redelivery claims
+// only rows of sessions whose queue is gone (queue.declare passive: 404;
+// a live one answers 405 RESOURCE_LOCKED). The Consumer's user needs
+// configure permission on these names ("Access Control"); a refusal makes
+// Run return the error. Right before each ack of arrivals the Consumer
+// marks the batch's rows Acking and deletes the rows it marked before
+// (their acks were sent), one statement per batch (DeliveriesAcking); a
+// session that ends with its connection open deletes its last marked
+// rows; rows older than a day are pruned. An Acking row is never claimed:
+// a redelivery matching only Acking rows of ended sessions (the process
+// died between the mark and the ack, or right after the ack) deletes one
+// and is stored under a new ID, flagged Arrival.MaybeDuplicate; a batch
+// whose ack could not be sent has its mark cleared (DeliveriesNotAcked),
+// and its rows are claimed as usual. So a publish is never
+// taken for another and never lost; the cost is a flagged second record
+// when the process dies in the instant between a mark and its ack. A
+// redelivery matching only rows of live sessions (rechecked once after
+// 1 s) is stored: those rows are other publishes of the same content.
 //
 // Once declared, the arrivals queue receives a copy of every publish to
 // the audited exchanges whether or not a Consumer runs, and the attempts
@@ -269,8 +339,12 @@ type ConsumerStats struct {
 // Consumer then takes one message at a time, so only that message reaches
 // the delivery limit and is dead-lettered to the set-aside queue.
 type Consumer struct {
-	cfg ConsumerConfig
+	cfg   ConsumerConfig
+	ids   *publishIDs // without a DeliveryLog
+	log   DeliveryLog // cfg.Store, if it is one
+	ended sync.Map    // session tokens seen ended
 
+	untrusted                                                    atomic.Uint64
 	arrivals, attempts, batches, failures, malformed, reconnects atomic.Uint64
 	setAside, undecodable                                        atomic.Uint64
 	lastLatency, lag                                             atomic.Int64
@@ -284,14 +358,16 @@ func NewConsumer(cfg ConsumerConfig) (*Consumer, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	return &Consumer{cfg: cfg}, nil
+	c := &Consumer{cfg: cfg, ids: newPublishIDs()}
+	c.log, _ = cfg.Store.(DeliveryLog)
+	return c, nil
 }
 
 // Stats returns the counters.
 func (c *Consumer) Stats() ConsumerStats {
 	return ConsumerStats{
 		Arrivals: c.arrivals.Load(), Attempts: c.attempts.Load(), Batches: c.batches.Load(),
-		WriteFailures: c.failures.Load(), Malformed: c.malformed.Load(), Reconnects: c.reconnects.Load(),
+		WriteFailures: c.failures.Load(), Malformed: c.malformed.Load(), Untrusted: c.untrusted.Load(), Reconnects: c.reconnects.Load(),
 		SetAside: c.setAside.Load(), Undecodable: c.undecodable.Load(),
 		LastWriteLatency: time.Duration(c.lastLatency.Load()), Lag: time.Duration(c.lag.Load()),
 	}
@@ -453,11 +529,16 @@ func (c *Consumer) Run(ctx context.Context) error {
 // batch is what one Store.Write carries, with the highest delivery tag of
 // each channel it acks; committed is closed once Write returned nil.
 type batch struct {
-	arrivals         []Arrival
-	attempts         []Attempt
-	arrTag, attTag   uint64
-	records, pending int // records; deliveries (incl. malformed)
-	committed        chan struct{}
+	arrivals []Arrival
+	// With a DeliveryLog, per arrival: its fingerprint, whether it was
+	// redelivered, resolved (its ID final), claimed (a row of an ended
+	// session had it: stored already).
+	fps                            []string
+	redelivered, resolved, claimed []bool
+	attempts                       []Attempt
+	arrTag, attTag                 uint64
+	records, pending               int // records; deliveries (incl. malformed)
+	committed                      chan struct{}
 }
 
 // session consumes until an error. With *quarantine set it starts with
@@ -466,6 +547,9 @@ type batch struct {
 // to the configured prefetch and batch size, clearing *quarantine, once
 // (Writers+1)×BatchSize deliveries went through.
 func (c *Consumer) session(ctx context.Context, quarantine *bool) (err error) {
+	// Last, once the writers and the acker are done: what is still unacked
+	// is redelivered (publishIDs).
+	defer func() { c.ids.sessionEnded(time.Now()) }()
 	conn, err := c.dial()
 	if err != nil {
 		return fmt.Errorf("audit: connecting: %w", err)
@@ -492,6 +576,16 @@ func (c *Consumer) session(ctx context.Context, quarantine *bool) (err error) {
 			return errFatal{err}
 		}
 		return err
+	}
+	token := randomToken()
+	if c.log != nil {
+		if err := c.holdSession(conn, token); err != nil {
+			var ae *amqp.Error
+			if errors.As(err, &ae) && ae.Code == amqp.AccessRefused {
+				return errFatal{fmt.Errorf("audit: declaring the session queue %q (the user needs configure permission on it): %w", c.sessionQueue(token), err)}
+			}
+			return fmt.Errorf("audit: declaring the session queue: %w", err)
+		}
 	}
 	open := func(queue string) (*amqp.Channel, <-chan amqp.Delivery, error) {
 		ch, err := conn.Channel()
@@ -577,7 +671,7 @@ func (c *Consumer) session(ctx context.Context, quarantine *bool) (err error) {
 			defer wg.Done()
 			for b := range batches {
 				if b.records > 0 {
-					if err := c.store(wctx, conn, b.arrivals, b.attempts); err != nil {
+					if err := c.store(wctx, conn, token, &b); err != nil {
 						fail(err)
 						return
 					}
@@ -586,6 +680,11 @@ func (c *Consumer) session(ctx context.Context, quarantine *bool) (err error) {
 			}
 		}()
 	}
+	// With a DeliveryLog, the acker marks a batch's rows Acking right
+	// before its ack (deleting the rows it marked before: their acks were
+	// sent); marked says the last marked rows' ack was sent, so a session
+	// that ends with its connection open deletes them too.
+	marked := false
 	wg.Add(1)
 	go func() {
 		defer wg.Done()
@@ -595,10 +694,24 @@ func (c *Consumer) session(ctx context.Context, quarantine *bool) (err error) {
 			case <-wctx.Done():
 				return
 			}
-			if err := c.ack(arrCh, attCh, b); err != nil {
+			ids := c.ackingIDs(b)
+			if ids != nil {
+				marked = false
+				if err := c.markAcking(wctx, conn, token, ids); err != nil {
+					fail(err)
+					return
+				}
+			}
+			if arrAcked, err := c.ack(arrCh, attCh, b); err != nil {
+				if ids != nil && !arrAcked { // not sent: its redeliveries may claim the rows
+					c.storeCall("Clearing the acking mark of unacked-delivery rows", len(ids), func(ctx context.Context) error {
+						return c.log.DeliveriesNotAcked(ctx, token, ids)
+					})
+				}
 				fail(err)
 				return
 			}
+			marked = marked || ids != nil
 		}
 	}()
 	defer func() {
@@ -606,6 +719,11 @@ func (c *Consumer) session(ctx context.Context, quarantine *bool) (err error) {
 		close(batches)
 		close(toAck)
 		wg.Wait()
+		if marked && !conn.IsClosed() { // the acks were sent on an open connection
+			c.storeCall("Deleting the unacked-delivery rows of acked arrivals", 0, func(ctx context.Context) error {
+				return c.log.DeliveriesAcking(ctx, token, nil)
+			})
+		}
 	}()
 
 	var b batch
@@ -664,7 +782,14 @@ func (c *Consumer) session(ctx context.Context, quarantine *bool) (err error) {
 			if !ok {
 				return lost("arrivals")
 			}
-			b.arrivals = append(b.arrivals, c.arrival(d))
+			a := c.arrival(d)
+			b.arrivals = append(b.arrivals, a)
+			if c.log != nil {
+				b.fps = append(b.fps, fingerprint(c.cfg.Naming.ArrivalsQueue, a.contentID))
+				b.redelivered = append(b.redelivered, d.Redelivered)
+				b.resolved = append(b.resolved, !d.Redelivered)
+				b.claimed = append(b.claimed, false)
+			}
 			b.arrTag, b.records, b.pending = d.DeliveryTag, b.records+1, b.pending+1
 			if err := add(); err != nil {
 				return err
@@ -677,8 +802,14 @@ func (c *Consumer) session(ctx context.Context, quarantine *bool) (err error) {
 			if err == nil && (a.ID == "" || a.MessageID == "") {
 				err = errors.New("record without id or message_id")
 			}
+			a.RecordedBy = d.UserId // broker-validated, never the body's
 			b.attTag, b.pending = d.DeliveryTag, b.pending+1
-			if err != nil {
+			if err == nil && !c.trusted(d.UserId) {
+				c.untrusted.Add(1)
+				c.cfg.Logger.Error("Attempt record from an untrusted user; acking it, not stored", errUntrusted, watermill.LogFields{
+					"message_id": d.MessageId, "user_id": d.UserId, "record_message_id": a.MessageID,
+				})
+			} else if err != nil {
 				c.malformed.Add(1)
 				c.cfg.Logger.Error("Malformed attempt record; acking it", err, watermill.LogFields{
 					"message_id": d.MessageId, "body": truncate(string(d.Body), 200),
@@ -696,18 +827,22 @@ func (c *Consumer) session(ctx context.Context, quarantine *bool) (err error) {
 
 // ack acks b's deliveries (one multiple ack per channel); called only
 // once b and every batch filled before it committed and were acked.
-func (c *Consumer) ack(arrCh, attCh *amqp.Channel, b batch) error {
+// arrAcked: the arrivals' ack was sent (or b has none).
+func (c *Consumer) ack(arrCh, attCh *amqp.Channel, b batch) (arrAcked bool, err error) {
 	if b.arrTag > 0 {
 		if err := arrCh.Ack(b.arrTag, true); err != nil {
-			return fmt.Errorf("audit: acking arrivals: %w", err)
+			return false, fmt.Errorf("audit: acking arrivals: %w", err)
+		}
+		if c.log == nil {
+			c.ids.acked(b.arrivals)
 		}
 	}
 	if b.attTag > 0 {
 		if err := attCh.Ack(b.attTag, true); err != nil {
-			return fmt.Errorf("audit: acking attempt records: %w", err)
+			return true, fmt.Errorf("audit: acking attempt records: %w", err)
 		}
 	}
-	return nil
+	return true, nil
 }
 
 // store writes the records, splitting a batch the Store rejects for good
@@ -715,29 +850,47 @@ func (c *Consumer) ack(arrCh, attCh *amqp.Channel, b batch) error {
 // setting those aside. It returns an error only if ctx ends or the
 // connection is lost meanwhile (then the batch is dropped from memory and
 // the broker redelivers it; writes are idempotent).
-func (c *Consumer) store(ctx context.Context, conn *amqp.Connection, arr []Arrival, att []Attempt) error {
-	err := c.write(ctx, conn, arr, att)
+func (c *Consumer) store(ctx context.Context, conn *amqp.Connection, token string, b *batch) error {
+	err := c.write(ctx, conn, token, b)
 	if err == nil || !errors.Is(err, ErrRecordRejected) {
 		return err
 	}
+	if len(b.arrivals)+len(b.attempts) == 1 {
+		return c.setAsideRecord(ctx, conn, b.arrivals, b.attempts, err)
+	}
+	for _, part := range b.halves() {
+		if err := c.store(ctx, conn, token, part); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// halves splits b's records in two parts (arrivals apart from attempts
+// first) for store. The parts share b's slices, so what write and
+// claimRedelivered record on a part (final arrival IDs, claims) is b's.
+func (b *batch) halves() []*batch {
+	part := func(from, to int, arrivals bool) *batch {
+		p := &batch{}
+		if arrivals {
+			p.arrivals = b.arrivals[from:to]
+			if b.fps != nil {
+				p.fps, p.redelivered = b.fps[from:to], b.redelivered[from:to]
+				p.resolved, p.claimed = b.resolved[from:to], b.claimed[from:to]
+			}
+		} else {
+			p.attempts = b.attempts[from:to]
+		}
+		return p
+	}
+	na, nt := len(b.arrivals), len(b.attempts)
 	switch {
-	case len(arr)+len(att) == 1:
-		return c.setAsideRecord(ctx, conn, arr, att, err)
-	case len(arr) > 0 && len(att) > 0:
-		if err := c.store(ctx, conn, arr, nil); err != nil {
-			return err
-		}
-		return c.store(ctx, conn, nil, att)
-	case len(arr) > 1:
-		if err := c.store(ctx, conn, arr[:len(arr)/2], nil); err != nil {
-			return err
-		}
-		return c.store(ctx, conn, arr[len(arr)/2:], nil)
+	case na > 0 && nt > 0:
+		return []*batch{part(0, na, true), part(0, nt, false)}
+	case na > 1:
+		return []*batch{part(0, na/2, true), part(na/2, na, true)}
 	default:
-		if err := c.store(ctx, conn, nil, att[:len(att)/2]); err != nil {
-			return err
-		}
-		return c.store(ctx, conn, nil, att[len(att)/2:])
+		return []*batch{part(0, nt/2, false), part(nt/2, nt, false)}
 	}
 }
 
@@ -779,11 +932,31 @@ func (c *Consumer) setAsideRecord(ctx context.Context, conn *amqp.Connection, ar
 // write calls Store.Write until it returns nil or an ErrRecordRejected
 // (returned at once); another error only if ctx ends or the connection is
 // lost meanwhile.
-func (c *Consumer) write(ctx context.Context, conn *amqp.Connection, arr []Arrival, att []Attempt) error {
+//
+// With a DeliveryLog, redelivered arrivals that a row of an ended session
+// holds are claimed first (stored already: only their rows are written
+// again), and every arrival's row is written in the same transaction.
+func (c *Consumer) write(ctx context.Context, conn *amqp.Connection, token string, b *batch) error {
 	start := time.Now()
+	arr, att := b.arrivals, b.attempts
 	err := c.retry(ctx, conn, "write", func(ctx context.Context) error {
 		start = time.Now()
-		return c.cfg.Store.Write(ctx, arr, att)
+		arr = b.arrivals
+		if c.log == nil {
+			return c.cfg.Store.Write(ctx, arr, att)
+		}
+		if err := c.claimRedelivered(ctx, conn, token, b); err != nil {
+			return err
+		}
+		arr = make([]Arrival, 0, len(b.arrivals))
+		dels := make([]UnackedDelivery, len(b.arrivals))
+		for i := range b.arrivals {
+			if !b.claimed[i] {
+				arr = append(arr, b.arrivals[i])
+			}
+			dels[i] = UnackedDelivery{ArrivalID: b.arrivals[i].ID, Fingerprint: b.fps[i], Session: token}
+		}
+		return c.log.WriteDeliveries(ctx, arr, att, dels)
 	})
 	if err != nil {
 		return err
@@ -861,9 +1034,34 @@ func truncate(s string, n int) string {
 // same record).
 var deliveryOnlyHeaders = map[string]bool{middleware.XDeliveryCountKey: true, middleware.XAcquiredCountKey: true}
 
-// arrival converts a delivery of the arrivals queue.
+// errUntrusted is logged for an attempt record whose user-id is not one
+// of ConsumerConfig.RecorderUsers.
+var errUntrusted = errors.New("audit: attempt record's user-id is absent or not one of ConsumerConfig.RecorderUsers")
+
+// trusted reports whether an attempt record published with this
+// (broker-validated) user-id is stored.
+func (c *Consumer) trusted(userID string) bool {
+	if userID == "" {
+		return c.cfg.AcceptRecordsWithoutUserID
+	}
+	for _, u := range c.cfg.RecorderUsers {
+		if u == userID {
+			return true
+		}
+	}
+	return false
+}
+
+// arrival converts a delivery of the arrivals queue and gives it its
+// per-publish ID (publishIDs).
 func (c *Consumer) arrival(d amqp.Delivery) Arrival {
-	return ArrivalFromDelivery(d, c.cfg.UUIDHeader, c.cfg.BodyLimit, time.Now())
+	a := ArrivalFromDelivery(d, c.cfg.UUIDHeader, c.cfg.BodyLimit, time.Now())
+	if c.log != nil {
+		a.ID = newArrivalID(a.contentID) // a redelivery's is resolved before its write (claimRedelivered)
+	} else {
+		c.ids.assign(&a, d.Redelivered)
+	}
+	return a
 }
 
 // TimestampErrorProperty is the Arrival.Properties key noting an AMQP
@@ -878,10 +1076,11 @@ const TimestampErrorProperty = "rabbitretry-timestamp-error"
 // why); headers become JSON values
 // (amqpretry.HeadersToJSON; a header that cannot be converted is recorded
 // under middleware.HeaderErrorKey, "rabbitretry-header-error"), without the queue's x-delivery-count
-// and x-acquired-count; the body is cut to bodyLimit bytes. ID is the hex
-// SHA-256 over exchange, routing key, message id, timestamp, headers
-// (canonical JSON: keys sorted) and the whole body, so a redelivery gives
-// the same ID.
+// and x-acquired-count; HeaderTable keeps them with their AMQP types; the
+// body is cut to bodyLimit bytes. contentID (and ID) is the hex SHA-256
+// over exchange, routing key, message id, timestamp, headers (canonical
+// JSON: keys sorted) and the whole body: the same for a redelivery and for
+// an identical publish; the Consumer replaces ID with a per-publish one.
 func ArrivalFromDelivery(d amqp.Delivery, uuidHeader string, bodyLimit int, now time.Time) Arrival {
 	a := Arrival{
 		CorrelationID: d.CorrelationId, Exchange: d.Exchange, RoutingKey: d.RoutingKey,
@@ -916,7 +1115,7 @@ func ArrivalFromDelivery(d amqp.Delivery, uuidHeader string, bodyLimit int, now 
 		h = map[string]any{middleware.HeaderErrorKey: err.Error()}
 	}
 	if len(h) > 0 {
-		a.Headers = h
+		a.Headers, a.HeaderTable = h, hdrs
 	}
 	props := map[string]string{}
 	set := func(k, v string) {
@@ -962,5 +1161,6 @@ func ArrivalFromDelivery(d amqp.Delivery, uuidHeader string, bodyLimit int, now 
 		sum.Write(f)
 	}
 	a.ID = hex.EncodeToString(sum.Sum(nil))
+	a.contentID = a.ID
 	return a
 }

@@ -58,13 +58,13 @@ func readAll(t testing.TB, pool *pgxpool.Pool, schema string) (map[string][]audi
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	arr := map[string][]audit.Arrival{}
-	rows, err := pool.Query(ctx, `SELECT id, message_id, exchange, routing_key, body FROM `+schema+`.arrivals`)
+	rows, err := pool.Query(ctx, `SELECT id, message_id, exchange, routing_key, body, maybe_duplicate FROM `+schema+`.arrivals`)
 	if err != nil {
 		t.Fatal(err)
 	}
 	for rows.Next() {
 		var a audit.Arrival
-		if err := rows.Scan(&a.ID, &a.MessageID, &a.Exchange, &a.RoutingKey, &a.Body); err != nil {
+		if err := rows.Scan(&a.ID, &a.MessageID, &a.Exchange, &a.RoutingKey, &a.Body, &a.MaybeDuplicate); err != nil {
 			t.Fatal(err)
 		}
 		arr[a.MessageID] = append(arr[a.MessageID], a)
@@ -155,7 +155,7 @@ func consumerThroughput(t *testing.T, n, writers int) float64 {
 			b, _ := audit.MarshalAttempt(audit.Attempt{ID: watermill.NewUUID(), MessageID: id, Queue: "orders", Attempt: 1,
 				StartedAt: time.Now(), Duration: time.Millisecond, Outcome: audit.OutcomeRetry, Delay: time.Second, Tier: time.Second,
 				ErrorClass: "transient", Error: "inventory service unavailable"})
-			att = append(att, amqp.Publishing{Body: b, DeliveryMode: amqp.Persistent, ContentType: "application/json"})
+			att = append(att, amqp.Publishing{Body: b, DeliveryMode: amqp.Persistent, ContentType: "application/json", UserId: e.user()})
 		}
 		if err := pub.PublishRawBatch(context.Background(), e.exchange, routingKey, arr); err != nil {
 			t.Fatal(err)
@@ -189,27 +189,143 @@ func consumerThroughput(t *testing.T, n, writers int) float64 {
 }
 
 // The same message published twice (a publisher retrying after a lost
-// confirm) gives two identical deliveries, often in one batch: one arrival
-// record, and the batch is not refused.
+// confirm, or two identical publishes within one second) gives two
+// identical deliveries, often in one batch: two publishes, two arrival
+// records (issue #19 item 6: they collapsed into one), and a redelivery
+// of them after a lost connection is written again under the same IDs
+// (no third record).
 func TestConsumerSamePublishTwicePostgres(t *testing.T) {
 	e := newBrokerEnv(t)
 	store, check := pgStore(t)
 	cons, stop := e.consumer(store, nil)
 	p := amqp.Publishing{Headers: amqp.Table{audit.DefaultUUIDHeader: "dup-1"}, Body: []byte("same"), Timestamp: time.Now(), DeliveryMode: amqp.Persistent}
-	for i := 0; i < 2; i++ {
+	const n = 3
+	for i := 0; i < n; i++ {
 		if err := e.ch.PublishWithContext(context.Background(), e.exchange, routingKey, true, false, p); err != nil {
 			t.Fatal(err)
 		}
 	}
-	testkit.WaitFor(t, 10*time.Second, "both deliveries written and acked", func() bool {
-		return cons.Stats().Arrivals == 2 && e.ready(e.naming.ArrivalsQueue) == 0
+	testkit.WaitFor(t, 10*time.Second, "the deliveries written and acked", func() bool {
+		return cons.Stats().Arrivals == n && e.ready(e.naming.ArrivalsQueue) == 0
 	})
 	stop()
 	arr, _ := check()
-	if len(arr["dup-1"]) != 1 {
-		t.Fatalf("%d arrival records for one message published twice, want 1", len(arr["dup-1"]))
+	dups := 0
+	for _, a := range arr["dup-1"] {
+		if a.MaybeDuplicate {
+			dups++
+		}
+	}
+	t.Logf("ACCOUNT TestConsumerSamePublishTwicePostgres: published=%d handled=%d poisoned=0 duplicates=%d lost=%d",
+		n, len(arr["dup-1"]), dups+max(0, len(arr["dup-1"])-n), max(0, n-len(arr["dup-1"])))
+	if len(arr["dup-1"]) != n {
+		t.Fatalf("%d arrival records for one message published %d times, want %d", len(arr["dup-1"]), n, n)
 	}
 	if st := cons.Stats(); st.WriteFailures != 0 {
 		t.Fatalf("%d write failures", st.WriteFailures)
+	}
+}
+
+// pgCount returns count(*) of a query on the test PostgreSQL.
+func pgCount(t testing.TB, query string) int {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	conn, err := pgxpool.New(ctx, testkit.HavePG(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	var n int
+	if err := conn.QueryRow(ctx, query).Scan(&n); err != nil {
+		t.Fatal(err)
+	}
+	return n
+}
+
+// Identical publishes (one message published 60 times within a second,
+// among 40 others) and a Consumer process that dies between the commit of
+// its first batch and the ack: the next Consumer claims the stored
+// deliveries' rows in unacked_arrivals (each row once) and stores the
+// rest: exactly one arrival per publish, none flagged, and no row left
+// once everything is acked (issue #19 item 6). Two Consumers (prefetch 15
+// each) take the redeliveries, claiming rows of one fingerprint
+// concurrently.
+func TestConsumerIdenticalPublishesDieAfterCommitPostgres(t *testing.T) {
+	e := newBrokerEnv(t)
+	pg, check := pgStore(t)
+	store := &commitThenDie{DeliveryLog: pg}
+	const same, others = 60, 40
+	const n = same + others
+	p := amqp.Publishing{Headers: amqp.Table{audit.DefaultUUIDHeader: "same-1"}, Body: []byte("same"), Timestamp: time.Now(), DeliveryMode: amqp.Persistent}
+	publish := func() {
+		ch, err := e.conn.Channel()
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer ch.Close()
+		if err := ch.Confirm(false); err != nil {
+			t.Fatal(err)
+		}
+		var confs []*amqp.DeferredConfirmation
+		for i := 0; i < n; i++ {
+			q := p
+			if i%5 == 2 || i%5 == 4 { // 40 others, interleaved
+				q.Headers = amqp.Table{audit.DefaultUUIDHeader: fmt.Sprintf("other-%d", i)}
+			}
+			c, err := ch.PublishWithDeferredConfirmWithContext(context.Background(), e.exchange, routingKey, true, false, q)
+			if err != nil {
+				t.Fatal(err)
+			}
+			confs = append(confs, c)
+		}
+		for _, c := range confs {
+			if !c.Wait() {
+				t.Fatal("publish nacked")
+			}
+		}
+	}
+	unacked := `SELECT count(*) FROM ` + pg.Schema() + `.unacked_arrivals`
+	first := dieAfterCommit(t, e, store, store, n,
+		func() int { return pgCount(t, `SELECT count(*) FROM `+pg.Schema()+`.arrivals`) }, publish)
+	rowsAfterDeath := pgCount(t, unacked)
+	small := func(c *audit.ConsumerConfig) { c.BatchSize, c.Writers = 5, 2 }
+	cons1, stop1 := e.consumer(store, small)
+	cons2, stop2 := e.consumer(store, small)
+	arrivals := `SELECT count(*) FROM ` + pg.Schema() + `.arrivals`
+	testkit.WaitFor(t, 20*time.Second, "every publish stored, its row marked acking", func() bool {
+		return e.ready(e.naming.ArrivalsQueue) == 0 && pgCount(t, arrivals) >= n && pgCount(t, unacked+` WHERE NOT acking`) == 0
+	})
+	stop1()
+	stop2()
+	if r := pgCount(t, unacked); r != 0 {
+		t.Errorf("%d unacked-delivery rows left after clean stops", r)
+	}
+	if r := e.ready(e.naming.ArrivalsQueue); r != 0 {
+		t.Errorf("%d deliveries were not acked", r)
+	}
+	b1, b2 := cons1.Stats().Batches, cons2.Stats().Batches
+	arr, _ := check()
+	records, flagged, dups, lost := 0, 0, 0, 0
+	for id, v := range arr {
+		records += len(v)
+		want := 1
+		if id == "same-1" {
+			want = same
+		}
+		dups += max(0, len(v)-want)
+		lost += max(0, want-len(v))
+		for _, a := range v {
+			if a.MaybeDuplicate {
+				flagged++
+			}
+		}
+	}
+	lost += others + 1 - len(arr)
+	t.Logf("ACCOUNT TestConsumerIdenticalPublishesDieAfterCommitPostgres: published=%d handled=%d poisoned=0 duplicates=%d lost=%d (identical %d; committed before the death %d, unacked rows then %d; flagged maybe_duplicate %d; batches of the two consumers %d, %d)",
+		n, records, dups, lost, same, first, rowsAfterDeath, flagged, b1, b2)
+	if records != n || dups != 0 || lost != 0 || flagged != 0 || len(arr["same-1"]) != same || rowsAfterDeath != first {
+		t.Fatalf("records %d of %d, duplicates %d, lost %d, flagged %d, same-1 %d of %d, rows after the death %d (committed %d)",
+			records, n, dups, lost, flagged, len(arr["same-1"]), same, rowsAfterDeath, first)
 	}
 }

@@ -47,6 +47,17 @@ type RecorderConfig struct {
 	// (mandatory publishes with publisher confirms, reconnecting, connection
 	// name "rabbitretry-audit-recorder"), closed by Close.
 	Publisher *amqpretry.ConfirmPublisher
+	// UserID is the AMQP user-id property of every record: the RabbitMQ
+	// user the records are published as. RabbitMQ checks it against the
+	// publishing connection's user and refuses a mismatch (channel error
+	// 406 PRECONDITION_FAILED: "Validated User-ID", the "Publishers"
+	// guide), so a record carrying it was published by that user; the
+	// Consumer stores only records of its ConsumerConfig.RecorderUsers.
+	// Default: the user of URI (amqp.ParseURI; "guest" if the URI names
+	// none); set it when the connection authenticates otherwise (SASL
+	// EXTERNAL: the certificate's user). Required when Publisher is set
+	// without URI: the user that Publisher connects as.
+	UserID string
 	// Naming names the audit exchange and attempts queue; the Consumer must
 	// use the same. Default: DefaultExchange, DefaultAttemptsQueue.
 	Naming Naming
@@ -95,6 +106,11 @@ type RecorderConfig struct {
 
 func (c *RecorderConfig) setDefaults() {
 	c.Naming = c.Naming.WithDefaults()
+	if c.UserID == "" && c.URI != "" {
+		if u, err := amqp.ParseURI(c.URI); err == nil {
+			c.UserID = u.Username
+		}
+	}
 	if c.QueueType == "" {
 		c.QueueType = QueueTypeQuorum
 	}
@@ -141,6 +157,9 @@ func (c RecorderConfig) Validate() error {
 		if _, err := amqp.ParseURI(c.URI); err != nil {
 			return fmt.Errorf("audit: RecorderConfig.URI is invalid: %w", redact.Error(err, c.URI))
 		}
+	}
+	if c.UserID == "" {
+		return errors.New("audit: RecorderConfig.UserID is empty: set the user the Publisher connects as (the Consumer stores only records whose validated user-id it trusts)")
 	}
 	if c.Buffer < 1 {
 		return fmt.Errorf("audit: RecorderConfig.Buffer %d is below 1", c.Buffer)
@@ -584,7 +603,7 @@ func (r *Recorder) publish(batch []Attempt) bool {
 			continue
 		}
 		msgs = append(msgs, amqp.Publishing{
-			ContentType: "application/json", DeliveryMode: amqp.Persistent, MessageId: batch[i].ID,
+			ContentType: "application/json", DeliveryMode: amqp.Persistent, MessageId: batch[i].ID, UserId: r.cfg.UserID,
 			Timestamp: now, Type: "rabbitretry.audit.attempt", Body: body,
 		})
 	}

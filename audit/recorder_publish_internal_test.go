@@ -1,6 +1,8 @@
 package audit
 
 import (
+	"github.com/rabbitretry/rabbitretry/amqpretry"
+
 	"context"
 	"errors"
 	"strings"
@@ -132,6 +134,7 @@ func TestRecorderConfigValidate(t *testing.T) {
 		{RecorderConfig{URI: "amqp://x/", PublishBatch: 513}, "PublishBatch 513"},
 		{RecorderConfig{URI: "amqp://x/", QueueType: "stream"}, `QueueType "stream"`},
 		{RecorderConfig{URI: "amqp://x/", Naming: Naming{Exchange: strings.Repeat("x", 256)}}, "Naming.Exchange"},
+		{RecorderConfig{Publisher: &amqpretry.ConfirmPublisher{}}, "UserID is empty"},
 	} {
 		_, err := NewRecorder(c.cfg)
 		if err == nil || !strings.Contains(err.Error(), c.want) {

@@ -75,7 +75,9 @@ const (
 	// ResendToExchange publishes the message again to its original
 	// exchange with its original routing key: EVERY queue bound to it
 	// receives it again (all consumers, and the audit's arrivals queue, so
-	// the resent copy is recorded as a new arrival).
+	// the resent copy is recorded as a new arrival). A message the exchange
+	// would route to the audit's arrivals queue only is not published and
+	// is reported failed (ErrRoutedOnlyToAudit; ResenderConfig.ManagementURL).
 	ResendToExchange ResendMode = "to-exchange"
 )
 
@@ -125,6 +127,28 @@ type ResenderConfig struct {
 	// ConnectionName is the client-provided connection name. Default
 	// DefaultResenderConnectionName.
 	ConnectionName string
+	// ManagementURL is the RabbitMQ management HTTP API ("Management
+	// Plugin"), e.g. "http://user:password@host:15672/", that a
+	// ResendToExchange reads the exchange's bindings from before
+	// publishing: a message the exchange would route to no queue but the
+	// audit's own arrivals queue (its business binding is gone) is reported
+	// failed with ErrRoutedOnlyToAudit and not published (a mandatory
+	// publish cannot tell: the audit's binding alone makes it routed). The
+	// user needs the management tag "monitoring" or above (or "management"
+	// with access to the vhost). Default: derived from URI (same host and
+	// credentials, http on port 15672; https on 15671 for amqps). When the
+	// API cannot be read, ResendToExchange returns the error and publishes
+	// nothing.
+	ManagementURL string
+	// SkipRouteCheck turns that check off: a ResendToExchange is then
+	// reported sent as soon as the broker confirmed the mandatory publish,
+	// even when only the audit's arrivals queue received it. For brokers
+	// without the management plugin. Default false.
+	SkipRouteCheck bool
+	// ArrivalsQueue is the audit's arrivals queue, whose binding does not
+	// count as a route. Default DefaultArrivalsQueue (the Consumer's
+	// Naming.ArrivalsQueue).
+	ArrivalsQueue string
 	// Logger gets connection events. Default watermill.NopLogger{}.
 	Logger watermill.LoggerAdapter
 	// ConfirmAbove is how many messages a filter may select before a
@@ -145,6 +169,12 @@ func (c *ResenderConfig) setDefaults() {
 	}
 	if c.ConnectionName == "" {
 		c.ConnectionName = DefaultResenderConnectionName
+	}
+	if c.ArrivalsQueue == "" {
+		c.ArrivalsQueue = DefaultArrivalsQueue
+	}
+	if c.ManagementURL == "" && !c.SkipRouteCheck {
+		c.ManagementURL, _ = managementURL(c.URI)
 	}
 	if c.Logger == nil {
 		c.Logger = watermill.NopLogger{}
@@ -170,6 +200,11 @@ func (c ResenderConfig) Validate() error {
 	}
 	if _, err := amqp.ParseURI(c.URI); err != nil {
 		return fmt.Errorf("audit: ResenderConfig.URI: %w", redact.Error(err, c.URI))
+	}
+	if !c.SkipRouteCheck {
+		if _, err := newRouteChecker(c.ManagementURL, "/", c.ArrivalsQueue); err != nil {
+			return err
+		}
 	}
 	return nil
 }
@@ -354,11 +389,23 @@ type pager interface {
 // UUID header (or, without one, message-id = the message id), the
 // correlation-id, timestamp and the other properties of the arrival, except
 // user-id (RabbitMQ refuses a user-id that is not the connection's user:
-// "Validated User-ID"). Header values come back from their JSON form
-// (amqpretry.HeadersToJSON, as the audit Consumer records them): strings,
-// booleans, integers (as int64, whatever their AMQP width), other numbers
-// and AMQP decimals (float64), nested tables and arrays; timestamps (RFC
-// 3339) and byte arrays (base64) recorded as strings stay strings.
+// "Validated User-ID"). Header values are published exactly as they
+// arrived, each with its AMQP field type (Arrival.HeaderTable: int32 stays
+// int32, int64 stays exact, decimals, timestamps and byte arrays keep
+// their type). Only for an arrival recorded before that was stored (no
+// HeaderTable) do they come back from their JSON form
+// (amqpretry.HeadersToJSON): strings, booleans, integers (as int64,
+// whatever their AMQP width), other numbers and AMQP decimals (float64),
+// nested tables and arrays; timestamps (RFC 3339) and byte arrays
+// (base64) recorded as strings stay strings.
+//
+// The message published is the arrival the filter matched
+// (Message.Arrival: the first arrival of the message id that matches the
+// Filter's Exchange, RoutingKey and Headers). A message id whose matching
+// arrivals differ (Message.ArrivalVariants > 1: one id published with two
+// contents, e.g. by two tenants on two exchanges) is never resent: it is
+// skipped as ambiguous, with the counts, until the filter narrows it to
+// one.
 //
 // Every publish is mandatory and waits for its publisher confirm
 // (amqpretry.ConfirmPublisher; RabbitMQ "Publishers" and "Consumer
@@ -445,6 +492,15 @@ func (r *Resender) Resend(ctx context.Context, f Filter, opts ResendOptions) (Re
 			rep.Sent++
 		}
 	}
+	// Exchanges the management API does not know: missing, or the API is
+	// another broker's (then the broker has them: not published).
+	var unknown map[string]bool
+	if opts.Mode == ResendToExchange && !r.cfg.SkipRouteCheck {
+		var err error
+		if unknown, err = r.checkRoutes(ctx, &rep, pubs, sendable); err != nil {
+			return rep, err
+		}
+	}
 	if opts.DryRun {
 		return rep, nil
 	}
@@ -468,6 +524,9 @@ func (r *Resender) Resend(ctx context.Context, f Filter, opts ResendOptions) (Re
 			exErr, seen := exchangeOK[ex]
 			if !seen {
 				exErr = checkExchange(pub, ex)
+				if exErr == nil && unknown[ex] {
+					exErr = fmt.Errorf("audit: resend: the management API (ResenderConfig.ManagementURL) has no exchange %q, which the broker has: it is another broker's or vhost's, so where the exchange routes is unknown; not published", ex)
+				}
 				exchangeOK[ex] = exErr
 			}
 			if exErr != nil {
@@ -536,6 +595,50 @@ func (r *Resender) checkBreadth(ctx context.Context, f Filter, matched int, opts
 		return fmt.Errorf("%w: the filter selects every message of the audit (%d); nothing was sent: set ResendOptions.AllowAll (auditctl --yes, HTTP allow_all with expected_count) or narrow the filter", ErrBroadResend, len(sel))
 	}
 	return nil
+}
+
+// checkRoutes marks failed (ErrRoutedOnlyToAudit) every sendable message
+// whose exchange would route it to no queue but the audit's arrivals
+// queue (ResenderConfig.ManagementURL); an error if the bindings cannot be
+// read (then nothing is published).
+func (r *Resender) checkRoutes(ctx context.Context, rep *ResendReport, pubs []amqp.Publishing, sendable []bool) (map[string]bool, error) {
+	u, err := amqp.ParseURI(r.cfg.URI)
+	if err != nil {
+		return nil, err
+	}
+	rc, err := newRouteChecker(r.cfg.ManagementURL, u.Vhost, r.cfg.ArrivalsQueue)
+	if err != nil {
+		return nil, err
+	}
+	unknown := map[string]bool{}
+	for i := range sendable {
+		res := &rep.Results[i]
+		if !sendable[i] || res.Exchange == "" {
+			continue
+		}
+		other, toAudit, err := rc.reachesOtherQueue(ctx, res.Exchange, res.RoutingKey, pubs[i].Headers)
+		var nf *mgmtNotFound
+		if errors.As(err, &nf) {
+			unknown[res.Exchange] = true // the publish loop tells missing from another broker's API
+			continue
+		}
+		if ctx.Err() != nil {
+			return unknown, nil // the publish loop reports the rest unsent
+		}
+		if err != nil {
+			return nil, fmt.Errorf("audit: resend: checking where exchange %q routes (set ResenderConfig.ManagementURL, or SkipRouteCheck): %w", res.Exchange, err)
+		}
+		// Routed nowhere: the mandatory publish reports it (unroutable).
+		if !other && toAudit {
+			if rep.DryRun {
+				rep.Sent--
+			}
+			sendable[i] = false
+			res.Status, res.Error = StatusFailed, ErrRoutedOnlyToAudit.Error()
+			rep.Failed++
+		}
+	}
+	return unknown, nil
 }
 
 // stopped marks the sendable messages from index from on as not tried.
@@ -696,6 +799,8 @@ func (r *Resender) plan(m Message, filterQueue string, opts ResendOptions, now t
 	switch {
 	case a == nil:
 		return skip(res, "no arrival record (no body): the message arrived before auditing began or not through an audited exchange")
+	case m.ArrivalVariants > 1:
+		return skip(res, fmt.Sprintf("ambiguous: %d arrivals of this message id match, %d different (exchange, routing key, headers, properties or body); narrow the filter (exchange, routing key, headers) to one", m.ArrivalCount, m.ArrivalVariants))
 	case a.BodyTruncated || len(a.Body) < a.BodySize:
 		return skip(res, fmt.Sprintf("body truncated in the audit (%d of %d bytes stored)", len(a.Body), a.BodySize))
 	}
@@ -724,15 +829,24 @@ func stripHeader(k string) bool {
 func (r *Resender) publishing(m Message, mode ResendMode, now time.Time) (amqp.Publishing, error) {
 	a := m.Arrival
 	h := amqp.Table{}
-	for k, v := range a.Headers {
-		if stripHeader(k) {
-			continue
+	if a.HeaderTable != nil {
+		// Exact: every value with its AMQP field type, as it arrived.
+		for k, v := range a.HeaderTable {
+			if !stripHeader(k) {
+				h[k] = v
+			}
 		}
-		av, err := amqpValue(v, 0)
-		if err != nil {
-			return amqp.Publishing{}, fmt.Errorf("header %q: %v", k, err)
+	} else {
+		for k, v := range a.Headers {
+			if stripHeader(k) {
+				continue
+			}
+			av, err := amqpValue(v, 0)
+			if err != nil {
+				return amqp.Publishing{}, fmt.Errorf("header %q: %v", k, err)
+			}
+			h[k] = av
 		}
-		h[k] = av
 	}
 	h[ResentKey] = now.Format(time.RFC3339)
 	if mode == ResendToQueue && a.Exchange != "" {

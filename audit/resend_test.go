@@ -213,7 +213,9 @@ func newTestResender(t *testing.T, st audit.Store, tp *resendTopology) *audit.Re
 	if tp != nil {
 		uri, lb = testkit.URI(t), tp.loopBack
 	}
-	r, err := audit.NewResender(audit.ResenderConfig{URI: uri, Store: st, LoopBackExchange: lb, ConfirmTimeout: 10 * time.Second})
+	mgmt := testkit.MgmtURI()
+	r, err := audit.NewResender(audit.ResenderConfig{URI: uri, Store: st, LoopBackExchange: lb, ConfirmTimeout: 10 * time.Second,
+		ManagementURL: mgmt, SkipRouteCheck: mgmt == ""})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -373,7 +375,7 @@ func TestResendDryRunSendsNothing(t *testing.T) {
 	st := newResendMemStore()
 	_ = st.Write(context.Background(), []audit.Arrival{resendArrival("m-1", tp.business, tp.key, nil, "x")}, nil)
 	// A Resender with an unreachable broker: DryRun must not connect.
-	r, err := audit.NewResender(audit.ResenderConfig{URI: "amqp://guest:guest@127.0.0.1:1/", Store: st})
+	r, err := audit.NewResender(audit.ResenderConfig{URI: "amqp://guest:guest@127.0.0.1:1/", Store: st, SkipRouteCheck: true})
 	if err != nil {
 		t.Fatal(err)
 	}

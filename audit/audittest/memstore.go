@@ -29,16 +29,17 @@ type MemoryStore struct {
 	failed   int // Write calls refused while down
 	reject   func(messageID string) bool
 	aside    map[string]audit.SetAside
+	unacked  map[string]audit.UnackedDelivery
 }
 
 var (
-	_ audit.Store     = (*MemoryStore)(nil)
-	_ audit.SetAsider = (*MemoryStore)(nil)
+	_ audit.DeliveryLog = (*MemoryStore)(nil)
+	_ audit.SetAsider   = (*MemoryStore)(nil)
 )
 
 // NewMemoryStore returns an empty, up store.
 func NewMemoryStore() *MemoryStore {
-	return &MemoryStore{arrivals: map[string]audit.Arrival{}, attempts: map[string]audit.Attempt{}}
+	return &MemoryStore{arrivals: map[string]audit.Arrival{}, attempts: map[string]audit.Attempt{}, unacked: map[string]audit.UnackedDelivery{}}
 }
 
 // SetDown makes Write and Search fail with ErrDown (true) or work again.
@@ -51,6 +52,12 @@ func (s *MemoryStore) SetDown(down bool) {
 // Write stores the records all or nothing; a record whose ID is stored
 // already is counted in Rewrites and changes nothing.
 func (s *MemoryStore) Write(ctx context.Context, arrivals []audit.Arrival, attempts []audit.Attempt) error {
+	return s.WriteDeliveries(ctx, arrivals, attempts, nil)
+}
+
+// WriteDeliveries is Write, and records the deliveries (audit.DeliveryLog)
+// with it, all or nothing.
+func (s *MemoryStore) WriteDeliveries(ctx context.Context, arrivals []audit.Arrival, attempts []audit.Attempt, deliveries []audit.UnackedDelivery) error {
 	if err := ctx.Err(); err != nil {
 		return err
 	}
@@ -88,7 +95,116 @@ func (s *MemoryStore) Write(ctx context.Context, arrivals []audit.Arrival, attem
 		}
 		s.attempts[a.ID] = a
 	}
+	for _, d := range deliveries {
+		d.Acking = false
+		s.unacked[d.ArrivalID] = d
+	}
 	return nil
+}
+
+// UnackedDeliveries returns the recorded deliveries of these fingerprints,
+// in arrival ID order (audit.DeliveryLog).
+func (s *MemoryStore) UnackedDeliveries(ctx context.Context, fingerprints []string) ([]audit.UnackedDelivery, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.down {
+		return nil, ErrDown
+	}
+	var out []audit.UnackedDelivery
+	for _, d := range s.unacked {
+		if slices.Contains(fingerprints, d.Fingerprint) {
+			out = append(out, d)
+		}
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].ArrivalID < out[j].ArrivalID })
+	return out, nil
+}
+
+// ClaimDelivery moves a recorded delivery from session from to session to,
+// unless it is Acking (audit.DeliveryLog).
+func (s *MemoryStore) ClaimDelivery(ctx context.Context, arrivalID, from, to string) (bool, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.down {
+		return false, ErrDown
+	}
+	d, ok := s.unacked[arrivalID]
+	if !ok || d.Session != from || d.Acking {
+		return false, nil
+	}
+	d.Session = to
+	s.unacked[arrivalID] = d
+	return true, nil
+}
+
+// TakeAckingDelivery forgets a recorded delivery of session if it is
+// Acking (audit.DeliveryLog).
+func (s *MemoryStore) TakeAckingDelivery(ctx context.Context, arrivalID, session string) (bool, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.down {
+		return false, ErrDown
+	}
+	d, ok := s.unacked[arrivalID]
+	if !ok || d.Session != session || !d.Acking {
+		return false, nil
+	}
+	delete(s.unacked, arrivalID)
+	return true, nil
+}
+
+// DeliveriesAcking forgets session's Acking deliveries, then marks
+// session's deliveries of these arrival IDs Acking (audit.DeliveryLog).
+func (s *MemoryStore) DeliveriesAcking(ctx context.Context, session string, arrivalIDs []string) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.down {
+		return ErrDown
+	}
+	for id, d := range s.unacked {
+		if d.Session == session && d.Acking {
+			delete(s.unacked, id)
+		}
+	}
+	s.markLocked(session, arrivalIDs, true)
+	return nil
+}
+
+// DeliveriesNotAcked clears Acking on session's deliveries of these
+// arrival IDs (audit.DeliveryLog).
+func (s *MemoryStore) DeliveriesNotAcked(ctx context.Context, session string, arrivalIDs []string) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.down {
+		return ErrDown
+	}
+	s.markLocked(session, arrivalIDs, false)
+	return nil
+}
+
+func (s *MemoryStore) markLocked(session string, arrivalIDs []string, acking bool) {
+	for _, id := range arrivalIDs {
+		if d, ok := s.unacked[id]; ok && d.Session == session {
+			d.Acking = acking
+			s.unacked[id] = d
+		}
+	}
+}
+
+// Unacked returns how many deliveries are recorded (audit.DeliveryLog):
+// unacked, not yet Acking; and acking, marked Acking (their ack sent or
+// about to be).
+func (s *MemoryStore) Unacked() (unacked, acking int) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, d := range s.unacked {
+		if d.Acking {
+			acking++
+		} else {
+			unacked++
+		}
+	}
+	return unacked, acking
 }
 
 // Search supports Filter.MessageID only (and no filter: every message);

@@ -13,6 +13,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgtype"
 
+	"github.com/rabbitretry/rabbitretry/amqpretry"
 	"github.com/rabbitretry/rabbitretry/audit"
 )
 
@@ -22,9 +23,12 @@ import (
 // SearchEach, which reads no body), newest first by
 // message time
 // (the first arrival's arrived_at, else the first attempt's started_at;
-// ties by message id, descending), each with its first arrival (nil if
-// none is stored) and its attempts oldest first (by started_at, then
-// attempt number).
+// ties by message id, descending), each with its first arrival that
+// matches the filter's Exchange, RoutingKey and Headers (the first arrival
+// when none of them is set; nil if none is stored), the number of its
+// arrivals that match and of different contents among them
+// (Message.ArrivalCount, ArrivalVariants), and its attempts oldest first
+// (by started_at, then attempt number).
 //
 // Filter semantics: MessageID matches exactly; CorrelationID an arrival's
 // or an attempt's; From <= message time < To; Exchange, RoutingKey and
@@ -55,7 +59,7 @@ func (s *Store) SearchPage(ctx context.Context, f audit.Filter) ([]audit.Message
 	if err != nil {
 		return nil, "", err
 	}
-	msgs, err := s.load(ctx, ids, true)
+	msgs, err := s.load(ctx, ids, f, true)
 	if err != nil {
 		return nil, "", err
 	}
@@ -79,7 +83,7 @@ func (s *Store) SearchEach(ctx context.Context, f audit.Filter, fn func(audit.Me
 	}
 	for len(ids) > 0 {
 		n := min(eachChunk, len(ids))
-		msgs, err := s.load(ctx, ids[:n], false)
+		msgs, err := s.load(ctx, ids[:n], f, false)
 		if err != nil {
 			return "", err
 		}
@@ -136,7 +140,7 @@ func (s *Store) Get(ctx context.Context, messageID string) (audit.Message, bool,
 	if err := (audit.Filter{MessageID: messageID}).Validate(); err != nil {
 		return audit.Message{}, false, fmt.Errorf("pgstore: %w", err)
 	}
-	msgs, err := s.load(ctx, []string{messageID}, true)
+	msgs, err := s.load(ctx, []string{messageID}, audit.Filter{}, true)
 	if err != nil {
 		return audit.Message{}, false, err
 	}
@@ -144,9 +148,11 @@ func (s *Store) Get(ctx context.Context, messageID string) (audit.Message, bool,
 	return m, m.Arrival != nil || len(m.Attempts) > 0, nil
 }
 
-// load returns one Message per id, in the order of ids; without bodies
-// (Arrival.Body nil) unless bodies.
-func (s *Store) load(ctx context.Context, ids []string, bodies bool) ([]audit.Message, error) {
+// load returns one Message per id, in the order of ids, each with its
+// first arrival that matches f's arrival conditions (Exchange,
+// RoutingKey, Headers) and the counts of those (Message.ArrivalCount,
+// ArrivalVariants); without bodies (Arrival.Body nil) unless bodies.
+func (s *Store) load(ctx context.Context, ids []string, f audit.Filter, bodies bool) ([]audit.Message, error) {
 	out := make([]audit.Message, len(ids))
 	pos := make(map[string]int, len(ids))
 	for i, id := range ids {
@@ -156,11 +162,19 @@ func (s *Store) load(ctx context.Context, ids []string, bodies bool) ([]audit.Me
 	if len(ids) == 0 {
 		return out, nil
 	}
-	q := s.q.arrivalsOf
+	arrSQL, arrArgs := s.q.arrivalsOf, []any{ids}
 	if !bodies {
-		q = s.q.arrivalsOfNoBody
+		arrSQL = s.q.arrivalsOfNoBody
 	}
-	rows, err := s.pool.Query(ctx, q, ids)
+	args := sqlArgs{args: []any{ids}}
+	ac, err := arrivalConds(f, &args)
+	if err != nil {
+		return nil, err
+	}
+	if len(ac) > 0 {
+		arrSQL, arrArgs = arrivalsOfSQL(s.q.arrivals, strings.Join(ac, " AND "), bodies), args.args
+	}
+	rows, err := s.pool.Query(ctx, arrSQL, arrArgs...)
 	if err != nil {
 		return nil, fmt.Errorf("pgstore: load arrivals: %w", err)
 	}
@@ -174,6 +188,7 @@ func (s *Store) load(ctx context.Context, ids []string, bodies bool) ([]audit.Me
 		}
 		if p, ok := pos[arrs[i].key]; ok {
 			out[p].Arrival = &arrs[i].a
+			out[p].ArrivalCount, out[p].ArrivalVariants = int(arrs[i].count), int(arrs[i].variants)
 		}
 	}
 	rows, err = s.pool.Query(ctx, s.q.attemptsOf, ids)
@@ -193,28 +208,35 @@ func (s *Store) load(ctx context.Context, ids []string, bodies bool) ([]audit.Me
 }
 
 type keyedArrival struct {
-	key string
-	a   audit.Arrival
+	key             string
+	a               audit.Arrival
+	count, variants int64
 }
 
 func scanKeyedArrival(r pgx.CollectableRow) (keyedArrival, error) {
-	var k keyedArrival
-	var err error
-	k.a, err = scanArrival(r, &k.key)
-	return k, err
-}
-
-func scanArrival(r pgx.CollectableRow, key *string) (audit.Arrival, error) {
 	var (
-		a           audit.Arrival
+		k           keyedArrival
 		pub         pgtype.Timestamptz
 		hdrs, props []byte
 		size        int32
+		table       *string
 	)
-	if err := r.Scan(key, &a.ID, &a.MessageID, &a.CorrelationID, &a.Exchange, &a.RoutingKey, &pub, &a.ArrivedAt,
-		&hdrs, &props, &a.Body, &size, &a.BodyTruncated); err != nil {
-		return a, err
+	a := &k.a
+	if err := r.Scan(&k.key, &a.ID, &a.MessageID, &a.CorrelationID, &a.Exchange, &a.RoutingKey, &pub, &a.ArrivedAt,
+		&hdrs, &props, &a.Body, &size, &a.BodyTruncated, &table, &a.MaybeDuplicate, &k.count, &k.variants); err != nil {
+		return k, err
 	}
+	if table != nil {
+		t, err := amqpretry.DecodeHeaderTable(*table)
+		if err != nil {
+			return k, fmt.Errorf("arrival %s header table: %w", a.ID, err)
+		}
+		a.HeaderTable = t
+	}
+	return k, finishArrival(a, pub, hdrs, props, size)
+}
+
+func finishArrival(a *audit.Arrival, pub pgtype.Timestamptz, hdrs, props []byte, size int32) error {
 	if pub.Valid {
 		a.PublishedAt = pub.Time.UTC()
 	}
@@ -225,15 +247,15 @@ func scanArrival(r pgx.CollectableRow, key *string) (audit.Arrival, error) {
 	}
 	if len(hdrs) > 0 && string(hdrs) != "{}" {
 		if err := json.Unmarshal(hdrs, &a.Headers); err != nil {
-			return a, fmt.Errorf("arrival %s headers: %w", a.ID, err)
+			return fmt.Errorf("arrival %s headers: %w", a.ID, err)
 		}
 	}
 	if len(props) > 0 && string(props) != "{}" {
 		if err := json.Unmarshal(props, &a.Properties); err != nil {
-			return a, fmt.Errorf("arrival %s properties: %w", a.ID, err)
+			return fmt.Errorf("arrival %s properties: %w", a.ID, err)
 		}
 	}
-	return a, nil
+	return nil
 }
 
 func scanAttempt(r pgx.CollectableRow) (audit.Attempt, error) {
@@ -244,7 +266,7 @@ func scanAttempt(r pgx.CollectableRow) (audit.Attempt, error) {
 		outcome          string
 	)
 	if err := r.Scan(&a.ID, &a.MessageID, &a.CorrelationID, &a.Queue, &num, &a.StartedAt, &dur, &outcome,
-		&delay, &tier, &a.ErrorClass, &a.Error); err != nil {
+		&delay, &tier, &a.ErrorClass, &a.Error, &a.RecordedBy); err != nil {
 		return a, err
 	}
 	a.Attempt = int(num)
@@ -267,6 +289,26 @@ func (a *sqlArgs) add(v any) string {
 // escape character).
 func likeEscape(s string) string {
 	return strings.NewReplacer(`\`, `\\`, `%`, `\%`, `_`, `\_`).Replace(s)
+}
+
+// arrivalConds are the Filter's conditions on one arrival (alias a):
+// Exchange, RoutingKey, Headers.
+func arrivalConds(f audit.Filter, a *sqlArgs) ([]string, error) {
+	var ac []string
+	if f.Exchange != "" {
+		ac = append(ac, "a.exchange = "+a.add(f.Exchange))
+	}
+	if f.RoutingKey != "" {
+		ac = append(ac, "a.routing_key = "+a.add(f.RoutingKey))
+	}
+	if len(f.Headers) > 0 {
+		h, err := json.Marshal(f.Headers)
+		if err != nil {
+			return nil, fmt.Errorf("pgstore: Filter.Headers: %w", err)
+		}
+		ac = append(ac, "a.headers @> "+a.add(string(h))+"::jsonb")
+	}
+	return ac, nil
 }
 
 // searchSQL builds the page query: message ids and times, newest first.
@@ -299,19 +341,9 @@ func (s *Store) searchSQL(f audit.Filter) (string, []any, int, error) {
 	if !f.To.IsZero() {
 		conds = append(conds, "m.message_time < "+a.add(f.To))
 	}
-	var ac []string
-	if f.Exchange != "" {
-		ac = append(ac, "a.exchange = "+a.add(f.Exchange))
-	}
-	if f.RoutingKey != "" {
-		ac = append(ac, "a.routing_key = "+a.add(f.RoutingKey))
-	}
-	if len(f.Headers) > 0 {
-		h, err := json.Marshal(f.Headers)
-		if err != nil {
-			return "", nil, 0, fmt.Errorf("pgstore: Filter.Headers: %w", err)
-		}
-		ac = append(ac, "a.headers @> "+a.add(string(h))+"::jsonb")
+	ac, err := arrivalConds(f, &a)
+	if err != nil {
+		return "", nil, 0, err
 	}
 	if len(ac) > 0 {
 		conds = append(conds, "m.message_id IN (SELECT "+arrivalKey("a.")+" FROM "+s.q.arrivals+" a WHERE "+strings.Join(ac, " AND ")+")")
@@ -381,7 +413,10 @@ func decodeCursor(c string) (time.Time, string, error) {
 
 // Cursor returns the Filter.After cursor that pages past m: its time is
 // the arrival's ArrivedAt, else the first attempt's StartedAt, as Search
-// sorts. Errors if m has neither.
+// sorts. With a filter on Exchange, RoutingKey or Headers, m.Arrival is the
+// first arrival that matched, which may be later than the message's first
+// one (its sort time): page with SearchPage's cursor then. Errors if m has
+// neither.
 func Cursor(m audit.Message) (string, error) {
 	switch {
 	case m.Arrival != nil:

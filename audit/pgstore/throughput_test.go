@@ -84,14 +84,14 @@ func (s *Store) writeRows(ctx context.Context, arrivals []audit.Arrival, attempt
 	msgUpsert := full.QueuedQueries[len(full.QueuedQueries)-1]
 	b := &pgx.Batch{}
 	for _, a := range arrivals {
-		b.Queue(`INSERT INTO `+s.q.arrivals+` (`+arrivalCols+`) VALUES ($1,$2,$3,$4,$5,$6,$7,$8::jsonb,$9::jsonb,$10,$11,$12) ON CONFLICT (id) DO NOTHING`,
+		b.Queue(`INSERT INTO `+s.q.arrivals+` (`+arrivalCols+`) VALUES ($1,$2,$3,$4,$5,$6,$7,$8::jsonb,$9::jsonb,$10,$11,$12,NULL,false) ON CONFLICT (id) DO NOTHING`,
 			a.ID, a.MessageID, a.CorrelationID, a.Exchange, a.RoutingKey, tstz(a.PublishedAt), a.ArrivedAt,
 			jsonObject(a.Headers), jsonObject(a.Properties), a.Body, int32(a.BodySize), a.BodyTruncated)
 	}
 	for _, a := range attempts {
-		b.Queue(`INSERT INTO `+s.q.attempts+` (`+attemptCols+`) VALUES ($1,$2,$3,$4,$5,$6,$7,$8,$9,$10,$11,$12) ON CONFLICT (id) DO NOTHING`,
+		b.Queue(`INSERT INTO `+s.q.attempts+` (`+attemptCols+`) VALUES ($1,$2,$3,$4,$5,$6,$7,$8,$9,$10,$11,$12,$13) ON CONFLICT (id) DO NOTHING`,
 			a.ID, a.MessageID, a.CorrelationID, a.Queue, int32(a.Attempt), a.StartedAt, a.Duration.Microseconds(),
-			string(a.Outcome), a.Delay.Milliseconds(), a.Tier.Milliseconds(), a.ErrorClass, a.Error)
+			string(a.Outcome), a.Delay.Milliseconds(), a.Tier.Milliseconds(), a.ErrorClass, a.Error, a.RecordedBy)
 	}
 	b.Queue(msgUpsert.SQL, msgUpsert.Arguments...)
 	return pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error { return tx.SendBatch(ctx, b).Close() })
@@ -172,4 +172,64 @@ func BenchmarkWrite500(b *testing.B) {
 		}
 	}
 	b.ReportMetric(float64(b.N*500)/b.Elapsed().Seconds(), "records/s")
+}
+
+// TestDeliveryLogThroughput measures the Consumer's store work per batch
+// with the DeliveryLog: WriteDeliveries (500 records, a row per arrival),
+// then the one statement per batch on its rows, the old one (DELETE by
+// session and IDs after the ack) against DeliveriesAcking (before the
+// ack: delete the rows marked before, mark these). One writer, batches
+// of RABBITRETRY_PG_THROUGHPUT_BATCHES (20).
+func TestDeliveryLogThroughput(t *testing.T) {
+	batches := 20
+	if v, err := strconv.Atoi(os.Getenv("RABBITRETRY_PG_THROUGHPUT_BATCHES")); err == nil && v > 0 {
+		batches = v
+	}
+	const size = 500
+	ctx := context.Background()
+	methods := []struct {
+		name string
+		ack  func(s *Store, session string, ids []string) error
+	}{
+		{"delete-after-ack", func(s *Store, session string, ids []string) error {
+			_, err := s.pool.Exec(ctx, `DELETE FROM `+s.q.unacked+` WHERE (session = $1 AND arrival_id = ANY($2)) OR since < now() - interval '1 day'`, session, ids)
+			return err
+		}},
+		{"acking-before-ack", func(s *Store, session string, ids []string) error { return s.DeliveriesAcking(ctx, session, ids) }},
+	}
+	for _, m := range methods {
+		s := newTestStore(t)
+		type bt struct {
+			arr []audit.Arrival
+			att []audit.Attempt
+			d   []audit.UnackedDelivery
+			ids []string
+		}
+		var bs []bt
+		for i := range batches {
+			a, b := throughputBatch(fmt.Sprintf("b%03d", i), size)
+			x := bt{arr: a, att: b}
+			for j := range a {
+				a[j].ID = fmt.Sprintf("b%03d-%04d", i, j)
+				x.d = append(x.d, audit.UnackedDelivery{ArrivalID: a[j].ID, Fingerprint: fmt.Sprint("fp-", j), Session: "s"})
+				x.ids = append(x.ids, a[j].ID)
+			}
+			bs = append(bs, x)
+		}
+		var ackTime time.Duration
+		start := time.Now()
+		for _, b := range bs {
+			if err := s.WriteDeliveries(ctx, b.arr, b.att, b.d); err != nil {
+				t.Fatal(err)
+			}
+			st := time.Now()
+			if err := m.ack(s, "s", b.ids); err != nil {
+				t.Fatal(err)
+			}
+			ackTime += time.Since(st)
+		}
+		el := time.Since(start)
+		t.Logf("THROUGHPUT %-18s %d batches x %d records: %.0f records/s (%.1f ms/batch, of which the rows statement %.2f ms)",
+			m.name, batches, size, float64(batches*size)/el.Seconds(), el.Seconds()*1000/float64(batches), ackTime.Seconds()*1000/float64(batches))
+	}
 }

@@ -17,6 +17,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
 
+	"github.com/rabbitretry/rabbitretry/amqpretry"
 	"github.com/rabbitretry/rabbitretry/audit"
 )
 
@@ -24,7 +25,10 @@ import (
 // committed. It is idempotent: arrivals and attempts whose ID is already
 // stored (or repeated within the call) are skipped (INSERT ... ON CONFLICT
 // (id) DO NOTHING), so a batch redelivered by RabbitMQ after a crash
-// between commit and ack is written again without duplicates. The rows go
+// between commit and ack is written again without duplicates (the
+// audit.Consumer writes through WriteDeliveries, which also records each
+// arrival's delivery until its ack, so that a redelivered arrival keeps
+// its ID across a crash: audit.DeliveryLog). The rows go
 // in one round trip: one INSERT ... SELECT FROM unnest(arrays) per table
 // and one upsert of the messages rows, rows sorted by key so concurrent
 // writers cannot deadlock.
@@ -213,6 +217,8 @@ func buildWriteBatch(q queries, arrivals []audit.Arrival, attempts []audit.Attem
 			bodies                                 = make([][]byte, n)
 			sizes                                  = make([]int32, n)
 			truncs                                 = make([]bool, n)
+			tables                                 = make([]*string, n)
+			dups                                   = make([]bool, n)
 		)
 		for k, i := range idx {
 			a := &arrivals[i]
@@ -226,7 +232,14 @@ func buildWriteBatch(q queries, arrivals []audit.Arrival, attempts []audit.Attem
 				bodies[k] = []byte{}
 			}
 			sizes[k] = int32(min(max(a.BodySize, len(a.Body)), 1<<31-1))
-			truncs[k] = a.BodyTruncated
+			truncs[k], dups[k] = a.BodyTruncated, a.MaybeDuplicate
+			if a.HeaderTable != nil {
+				// Exact types for Resend; a table the codec cannot hold
+				// (not from a delivery) keeps only the JSON form.
+				if enc, err := amqpretry.EncodeHeaderTable(a.HeaderTable); err == nil {
+					tables[k] = &enc
+				}
+			}
 			key := mids[k]
 			if key == "" { // listed under its own record ID (see arrivalKey)
 				key = ids[k]
@@ -236,7 +249,7 @@ func buildWriteBatch(q queries, arrivals []audit.Arrival, attempts []audit.Attem
 				m.firstArrival = arrs[k]
 			}
 		}
-		b.Queue(q.insertArrivals, ids, mids, cids, exs, rks, pubs, arrs, hdrs, props, bodies, sizes, truncs)
+		b.Queue(q.insertArrivals, ids, mids, cids, exs, rks, pubs, arrs, hdrs, props, bodies, sizes, truncs, tables, dups)
 	}
 
 	if len(attempts) > 0 {
@@ -244,6 +257,7 @@ func buildWriteBatch(q queries, arrivals []audit.Arrival, attempts []audit.Attem
 		n := len(attempts)
 		var (
 			ids, mids, cids, queues, outcomes, classes, errs = make([]string, n), make([]string, n), make([]string, n), make([]string, n), make([]string, n), make([]string, n), make([]string, n)
+			users                                            = make([]string, n)
 			nums                                             = make([]int32, n)
 			starts                                           = make([]pgtype.Timestamptz, n)
 			durs, delays, tiers                              = make([]int64, n), make([]int64, n), make([]int64, n)
@@ -253,6 +267,7 @@ func buildWriteBatch(q queries, arrivals []audit.Arrival, attempts []audit.Attem
 			ids[k], mids[k], cids[k] = cleanText(a.ID), cleanText(a.MessageID), cleanText(a.CorrelationID)
 			queues[k], outcomes[k] = cleanText(a.Queue), cleanText(string(a.Outcome))
 			classes[k], errs[k] = cleanText(a.ErrorClass), cleanText(a.Error)
+			users[k] = cleanText(a.RecordedBy)
 			nums[k] = int32(min(max(a.Attempt, -1<<31), 1<<31-1))
 			starts[k] = pgtype.Timestamptz{Time: a.StartedAt, Valid: true}
 			durs[k], delays[k], tiers[k] = a.Duration.Microseconds(), a.Delay.Milliseconds(), a.Tier.Milliseconds()
@@ -264,7 +279,7 @@ func buildWriteBatch(q queries, arrivals []audit.Arrival, attempts []audit.Attem
 				m.lastAttempt, m.lastStarted, m.lastID, m.lastOutcome = &nums[k], starts[k], &ids[k], &outcomes[k]
 			}
 		}
-		b.Queue(q.insertAttempts, ids, mids, cids, queues, nums, starts, durs, outcomes, delays, tiers, classes, errs)
+		b.Queue(q.insertAttempts, ids, mids, cids, queues, nums, starts, durs, outcomes, delays, tiers, classes, errs, users)
 	}
 
 	n := len(msgs)

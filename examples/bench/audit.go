@@ -196,10 +196,16 @@ func (b *bench) scenarioAudit() (err error) {
 		return err
 	}
 	now := time.Now()
+	u, err := amqp.ParseURI(e.uri)
+	if err != nil {
+		return err
+	}
+	recorderUser := u.Username
 	if _, err := fill(conn, naming.Exchange, audit.AttemptRoutingKey, n, func(i int) amqp.Publishing {
 		body, _ := audit.MarshalAttempt(audit.Attempt{ID: watermill.NewUUID(), MessageID: watermill.NewUUID(), Queue: q,
 			Attempt: 1, StartedAt: now, Duration: 20 * time.Microsecond, Outcome: audit.OutcomeSuccess})
-		return amqp.Publishing{DeliveryMode: amqp.Persistent, ContentType: "application/json", Body: body}
+		// The Recorder's validated user-id: the Consumer stores only its RecorderUsers' records.
+		return amqp.Publishing{DeliveryMode: amqp.Persistent, ContentType: "application/json", Body: body, UserId: recorderUser}
 	}); err != nil {
 		return err
 	}

@@ -38,6 +38,10 @@
 // (the original exchange and routing key: every bound queue gets it
 // again). --dry-run shows what would be sent. A real resend of more than
 // one message needs --yes; a filter selecting everything needs --all.
+// --to-exchange first reads the exchange's bindings from the management
+// HTTP API (--management-url, default $RABBITMQ_MANAGEMENT_URL, else the
+// --uri host and user on port 15672): a message only the audit's own
+// arrivals queue would receive is reported failed and not published.
 //
 // Serve: --listen ADDR (default 127.0.0.1:8080). Read-only unless
 // --enable-resend, which needs the bearer token (16+ bytes) in

@@ -48,7 +48,9 @@ const (
 	// readTokenEnv, when set, is the bearer token the GET routes of serve
 	// require (httpapi.Config.ReadToken).
 	readTokenEnv = "RABBITRETRY_AUDIT_READ_TOKEN"
-	errorWidth   = 60
+	// mgmtEnv is the default --management-url (as rabbitretry-topology's).
+	mgmtEnv    = "RABBITMQ_MANAGEMENT_URL"
+	errorWidth = 60
 	// bodyPreview is how much of a body show prints.
 	bodyPreview = 2048
 	// maxResultLines bounds the per-message lines resend prints.
@@ -93,6 +95,7 @@ type options struct {
 
 	toQueue, toExchange, dryRun, yes, all bool
 	targetQueue, loopBack                 string
+	mgmtURL                               string
 
 	olderThan time.Duration
 	batch     int
@@ -142,6 +145,7 @@ func init() {
 				fs.BoolVar(&o.toExchange, "to-exchange", false, "send to the original exchange and routing key: EVERY bound queue gets it again")
 				fs.StringVar(&o.targetQueue, "target-queue", "", "with --to-queue: send to this `queue` (default: --queue, else the queue the message's attempts were made in)")
 				fs.StringVar(&o.loopBack, "loop-back-exchange", audit.DefaultLoopBackExchange, "loop-back `exchange` of the retry topology")
+				fs.StringVar(&o.mgmtURL, "management-url", "", "management HTTP API `URL` a --to-exchange resend reads the exchange's bindings from (default $"+mgmtEnv+", else the --uri host and user on port 15672)")
 				fs.BoolVar(&o.dryRun, "dry-run", false, "report what would be sent; send nothing")
 				fs.BoolVar(&o.yes, "yes", false, "confirm a resend of more than one message")
 				fs.BoolVar(&o.all, "all", false, "allow a filter that selects every message")
@@ -175,6 +179,7 @@ func init() {
 			fs.StringVar(&o.listen, "listen", defaultListen, "`address` to listen on")
 			fs.BoolVar(&o.enableResend, "enable-resend", false, "enable POST /v1/resend; needs the bearer token in $"+tokenEnv+" (16+ bytes)")
 			fs.StringVar(&o.loopBack, "loop-back-exchange", audit.DefaultLoopBackExchange, "loop-back `exchange` of the retry topology (resend)")
+			fs.StringVar(&o.mgmtURL, "management-url", "", "management HTTP API `URL` a to-exchange resend reads the exchange's bindings from (default $"+mgmtEnv+", else the --uri host and user on port 15672)")
 		}, check: func(o *options) string {
 			if o.enableResend && len(os.Getenv(tokenEnv)) < 16 {
 				return "serve: --enable-resend needs a bearer token of at least 16 bytes in $" + tokenEnv
@@ -294,6 +299,9 @@ func runContext(ctx context.Context, args []string, stdout, stderr io.Writer) in
 	}
 	if o.uri == "" {
 		o.uri = defaultURI
+	}
+	if o.mgmtURL == "" {
+		o.mgmtURL = os.Getenv(mgmtEnv)
 	}
 	return cmd.run(&env{ctx: ctx, o: o, f: f, pos: pos, stdout: stdout, stderr: stderr, now: now})
 }
@@ -604,7 +612,7 @@ func cmdResend(e *env) int {
 		return fail(e.stderr, err)
 	}
 	defer st.Close()
-	r, err := audit.NewResender(audit.ResenderConfig{URI: e.o.uri, Store: st, LoopBackExchange: e.o.loopBack})
+	r, err := audit.NewResender(audit.ResenderConfig{URI: e.o.uri, Store: st, LoopBackExchange: e.o.loopBack, ManagementURL: e.o.mgmtURL})
 	if err != nil {
 		return fail(e.stderr, err)
 	}
@@ -809,7 +817,7 @@ func cmdServe(e *env) int {
 		ReadToken: os.Getenv(readTokenEnv),
 	}
 	if e.o.enableResend {
-		r, err := audit.NewResender(audit.ResenderConfig{URI: e.o.uri, Store: st, LoopBackExchange: e.o.loopBack, Logger: logger})
+		r, err := audit.NewResender(audit.ResenderConfig{URI: e.o.uri, Store: st, LoopBackExchange: e.o.loopBack, ManagementURL: e.o.mgmtURL, Logger: logger})
 		if err != nil {
 			return fail(e.stderr, err)
 		}
