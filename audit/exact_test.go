@@ -166,7 +166,7 @@ func TestAuditSameIDOnTwoExchanges(t *testing.T) {
 		t.Fatalf("search by exchange B shows the arrival on %s with body %q", a.Exchange, a.Body)
 	}
 
-	rep, err := e.resender.Resend(context.Background(), audit.Filter{Headers: map[string]any{"tenant": "B"}}, audit.ResendOptions{Mode: audit.ResendToExchange})
+	rep, err := e.resender.Resend(context.Background(), audit.Filter{Headers: map[string]any{"tenant": "B"}}, audit.ResendOptions{Mode: audit.ResendToExchange, AllowAll: true})
 	if err != nil || rep.Sent != 1 {
 		t.Fatalf("resend tenant B: %+v %v", rep, err)
 	}
@@ -366,7 +366,7 @@ func TestAuditResendToExchangeRoutedOnlyToAudit(t *testing.T) {
 		t.Fatal(err)
 	}
 	for _, dry := range []bool{true, false} {
-		rep, err := e.resender.Resend(context.Background(), audit.Filter{Exchange: e.exA}, audit.ResendOptions{Mode: audit.ResendToExchange, DryRun: dry})
+		rep, err := e.resender.Resend(context.Background(), audit.Filter{Exchange: e.exA}, audit.ResendOptions{Mode: audit.ResendToExchange, DryRun: dry, AllowAll: true})
 		if err != nil || rep.Sent != 0 || rep.Failed != n || !strings.Contains(rep.Results[0].Error, "only to the audit") {
 			t.Fatalf("dry run %v: sent %d failed %d %v (%+v)", dry, rep.Sent, rep.Failed, err, rep.Results[0])
 		}
@@ -379,7 +379,7 @@ func TestAuditResendToExchangeRoutedOnlyToAudit(t *testing.T) {
 	if err := e.ch.QueueBind(e.qA, "order.*", e.exA, false, nil); err != nil {
 		t.Fatal(err)
 	}
-	rep, err := e.resender.Resend(context.Background(), audit.Filter{Exchange: e.exA}, audit.ResendOptions{Mode: audit.ResendToExchange})
+	rep, err := e.resender.Resend(context.Background(), audit.Filter{Exchange: e.exA}, audit.ResendOptions{Mode: audit.ResendToExchange, AllowAll: true})
 	if err != nil || rep.Sent != n {
 		t.Fatalf("with the binding back: %+v %v", rep, err)
 	}

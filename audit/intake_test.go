@@ -75,6 +75,20 @@ func (s *offerStore) Write(ctx context.Context, arr []audit.Arrival, att []audit
 	return s.MemoryStore.Write(ctx, arr, att)
 }
 
+// WriteDeliveries is Write for the Consumer's delivery-log path (the
+// embedded MemoryStore is an audit.DeliveryLog).
+func (s *offerStore) WriteDeliveries(ctx context.Context, arr []audit.Arrival, att []audit.Attempt, dels []audit.UnackedDelivery) error {
+	s.mu.Lock()
+	if s.seen == nil {
+		s.seen = map[string]bool{}
+	}
+	for _, a := range arr {
+		s.seen[a.ID] = true
+	}
+	s.mu.Unlock()
+	return s.MemoryStore.WriteDeliveries(ctx, arr, att, dels)
+}
+
 func (s *offerStore) offered() map[string]bool {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -434,7 +448,7 @@ func TestConsumerSplitsRejectedBatch(t *testing.T) {
 		t.Fatal(err)
 	}
 	if err := e.ch.PublishWithContext(context.Background(), e.naming.Exchange, audit.AttemptRoutingKey, true, false,
-		amqp.Publishing{Body: body, DeliveryMode: amqp.Persistent}); err != nil {
+		amqp.Publishing{Body: body, DeliveryMode: amqp.Persistent, UserId: e.user()}); err != nil {
 		t.Fatal(err)
 	}
 	testkit.WaitFor(t, 20*time.Second, "every record stored or set aside", func() bool {
