@@ -597,8 +597,8 @@ func (d *Delayer) Schedule(ctx context.Context, msg *message.Message, delay time
 		tier, _ = d.topology.TierAtLeast(asked)
 	}
 	if delay <= 0 {
-		// Straight back to Q (the RedeliveryGuard's and the fallback's copies).
-		middleware.SetRemainingDelay(msg.Metadata, 0)
+		// Straight back to Q (the RedeliveryGuard's and the fallback's
+		// copies), with whatever remaining delay the copy's maker set.
 		return d.publish(ctx, msg, d.topology.naming.LoopBackExchange, q, q)
 	}
 	// Beyond the longest tier, the wait queue holds the copy for that tier

@@ -219,7 +219,10 @@ func IsRetryState(k string) bool {
 // in whole milliseconds, rounded up so the message never comes back early);
 // d <= 0 deletes the key. A Delayer that holds every delay in full (such as
 // MemoryDelayer) need not call it; one with a longest delay (amqpretry's
-// tiers, the delay cascade) calls it on every copy it schedules.
+// tiers, the delay cascade) calls it on every copy it schedules with a
+// positive delay. A copy with delay 0 keeps what its maker set: the
+// fallback sets it on a copy it sends straight back when the Delayer refused
+// a long RetryAfter.
 func SetRemainingDelay(md message.Metadata, d time.Duration) {
 	if d <= 0 {
 		delete(md, RemainingDelayKey)

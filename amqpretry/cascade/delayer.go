@@ -226,7 +226,10 @@ func (d *Delayer) Schedule(ctx context.Context, msg *message.Message, delay time
 		cfg.Logger.Info("Requested retry delay exceeds the delay cascade's maximum; held in several hops", watermill.LogFields{
 			"queue": q, "requested": delay.String(), "max_delay": cfg.maxDelay().String(), "remaining": remaining.String()})
 	}
-	middleware.SetRemainingDelay(msg.Metadata, remaining)
+	if n > 0 {
+		// A copy sent straight back keeps what its maker set.
+		middleware.SetRemainingDelay(msg.Metadata, remaining)
+	}
 	return d.c.send(context.WithoutCancel(ctx), msg, n, q)
 }
 
