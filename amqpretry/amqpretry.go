@@ -570,9 +570,14 @@ type Delayer struct {
 // dead-letter path would keep; with
 // Config.NativeDelayedRetry, a retry in its range (NativeDelayedRetry) returns
 // middleware.ErrNativeRetry without publishing; either only while the
-// route checks out (see Config.DeadLetterFirstRetry), else it publishes. The
+// route checks out (see Config.DeadLetterFirstRetry) and ctx is not
+// middleware.WithCopyRequired, else it publishes. The
 // tier is TierFor(delay), or, when ctx carries a middleware.MinimumDelay (a
-// handler's RetryAfter), the smallest tier at or above it. If the
+// handler's RetryAfter), the smallest tier at or above it. A delay (or
+// RetryAfter) longer than the longest tier is held for the longest tier, and
+// the copy carries the rest (middleware.SetRemainingDelay): the
+// RedeliveryGuard sends it round again when it comes back, as many times as
+// needed, so the next attempt never runs earlier than asked. If the
 // wait queue or exchange is missing (returned as unroutable, or 404
 // NOT_FOUND), it redeclares the queue's topology and tries once more, so the
 // nack that follows a failure still finds the dead-letter path. It does not
@@ -585,26 +590,41 @@ func (d *Delayer) Schedule(ctx context.Context, msg *message.Message, delay time
 		return err
 	}
 	tier := d.topology.TierFor(delay)
-	if minimum, ok := middleware.MinimumDelay(ctx); ok {
+	asked := delay
+	minimum, hasMinimum := middleware.MinimumDelay(ctx)
+	if hasMinimum {
 		// A handler's RetryAfter is a floor: round up, never down.
-		var fits bool
-		if tier, fits = d.topology.TierAtLeast(max(delay, minimum)); !fits {
-			d.logger.Info("Requested retry delay exceeds the longest tier; using the longest", watermill.LogFields{
-				"queue": q, "requested": minimum.String(), "tier": tier.String(),
-			})
-		}
+		asked = max(delay, minimum)
+		tier, _ = d.topology.TierAtLeast(asked)
 	}
 	if delay <= 0 {
-		// Straight back to Q (the RedeliveryGuard's and the fallback's copies).
+		// Straight back to Q (the RedeliveryGuard's and the fallback's
+		// copies), with whatever remaining delay the copy's maker set.
 		return d.publish(ctx, msg, d.topology.naming.LoopBackExchange, q, q)
 	}
-	if d.native != nil {
-		minimum, _ := middleware.MinimumDelay(ctx)
+	// Beyond the longest tier, the wait queue holds the copy for that tier
+	// and the copy carries the rest (middleware.RemainingDelayKey): the
+	// RedeliveryGuard sends it round again, so it never runs earlier than
+	// asked. Within the tiers a backoff delay is rounded to the nearest tier
+	// (TierFor), a RetryAfter up (TierAtLeast).
+	var remaining time.Duration
+	if n := len(d.topology.tiers); n > 0 && asked > d.topology.tiers[n-1] {
+		longest := d.topology.tiers[n-1]
+		remaining = asked - longest
+		d.logger.Debug("Retry delay exceeds the longest tier; held in several hops", watermill.LogFields{
+			"queue": q, "requested": asked.String(), "tier": tier.String(), "remaining": remaining.String(),
+		})
+	}
+	middleware.SetRemainingDelay(msg.Metadata, remaining)
+	if d.native != nil && !middleware.CopyRequired(ctx) {
 		if d.native.fits(delay, minimum) && d.routes.usable(q) {
 			return middleware.ErrNativeRetry // the nack with requeue puts it into Q's delayed state
 		}
 	}
-	if d.deadLetterFirst && tier == d.topology.tiers[0] && ctx.Value(foreignDeathsKey{}) == nil && d.routes.usable(q) {
+	if d.deadLetterFirst && remaining == 0 && tier == d.topology.tiers[0] && !middleware.CopyRequired(ctx) &&
+		ctx.Value(foreignDeathsKey{}) == nil && d.routes.usable(q) {
+		// The dead-lettered original carries no header: only a delay the
+		// first tier holds in full takes this path.
 		return middleware.ErrDeadLetter // Q's DLX routes to the first wait queue
 	}
 	wq := d.topology.naming.WaitQueue(q, tier)

@@ -223,7 +223,8 @@ func (t *Topology) TierFor(d time.Duration) time.Duration {
 // TierAtLeast returns the smallest tier >= d, for delays that are a minimum
 // (a handler's RetryAfter): the message never comes back earlier than asked.
 // ok is false when d exceeds the longest tier; the longest tier is returned
-// then, and the message comes back earlier than asked (add a longer tier).
+// then (the Delayer holds the copy for it and the copy carries the rest,
+// middleware.RemainingDelayKey, so it is held again when it comes back).
 // With no tiers (Config.DelayerFactory) it returns 0, false.
 func (t *Topology) TierAtLeast(d time.Duration) (tier time.Duration, ok bool) {
 	if len(t.tiers) == 0 {

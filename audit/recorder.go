@@ -344,7 +344,9 @@ func stateOf(msg *message.Message) *attemptState {
 //     (the message was nacked or requeued);
 //   - else OutcomeSuccess if the handler ran (or without HandlerMiddleware);
 //   - else OutcomeRequeued: the handler did not run (a redelivered message
-//     the RedeliveryGuard copied back to its queue).
+//     the RedeliveryGuard copied back to its queue, or a delivery that came
+//     back before its retry delay was over, middleware.RemainingDelayKey,
+//     which the guard sent through the Delayer again).
 //
 // The record is queued for the background publisher; when Buffer records
 // are waiting, this call blocks until there is room (never drops).
@@ -429,6 +431,11 @@ func (r *Recorder) attemptFrom(msg *message.Message, st *attemptState, chainErr 
 		if !st.ran || a.Error == "" {
 			a.Error = joinText(a.Error, r.cfg.ErrorText(chainErr))
 		}
+	case middleware.RemainingDelay(msg) > 0:
+		// The RedeliveryGuard never runs such a delivery (with or without
+		// HandlerMiddleware).
+		a.Outcome = OutcomeRequeued
+		a.Error = "back before its retry delay was over: handler not run, copy held again for the rest"
 	case st.ran || !r.inner.Load():
 		if st.errText != "" {
 			// The handler failed and the chain settled it without an event

@@ -1,7 +1,10 @@
 package middleware
 
 import (
+	"math"
+	"strconv"
 	"strings"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	wmw "github.com/ThreeDotsLabs/watermill/message/router/middleware"
@@ -107,6 +110,22 @@ const (
 	// ClassRedeliveryLimit).
 	RedeliveriesKey = "rabbitretry-redeliveries"
 
+	// RemainingDelayKey holds, as a decimal number of milliseconds, the part
+	// of a retry's delay that the Delayer could not hold on this hop: a
+	// RetryAfter or a backoff delay longer than amqpretry's longest
+	// wait-queue tier, or than the delay cascade's MaxDelay. A Delayer
+	// writes it on the copy it schedules (SetRemainingDelay); CloneMessage
+	// leaves it off every new copy. A delivery that came back through the
+	// library's own retry path (DeliveryRetryPathKey) carrying a positive
+	// value is not run: the RedeliveryGuard sends a copy back through the
+	// Delayer for that remaining time (confirmed, then ack), with the same
+	// attempt number and redelivery count, so the next attempt never runs
+	// earlier than asked. The value is a duration, not a due time, so no
+	// clock is compared across processes: each hop's wait is timed by the
+	// broker (the wait queue's TTL), and the total is the asked delay plus
+	// the time spent in queues between hops. Retry state (IsRetryState).
+	RemainingDelayKey = "rabbitretry-remaining-delay-ms"
+
 	// XDeathKey holds the broker's x-death header, converted by the
 	// amqpretry Marshaler to JSON (an array of objects with queue, reason,
 	// count, exchange, routing-keys, time). Stripped on Marshal.
@@ -189,7 +208,8 @@ func IsDeliveryOnly(k string) bool {
 //   - every IsDeliveryOnly key (the broker's x-death, x-delivery-count,
 //     x-acquired-count, x-first-death-*, x-last-death-*; the delivery's
 //     exchange, routing key, redelivered flag and retry path; HeaderErrorKey);
-//   - the chain's counters: AttemptKey, RedeliveriesKey and DelayKey;
+//   - the chain's counters: AttemptKey, RedeliveriesKey and DelayKey, and
+//     RemainingDelayKey (the part of a delay still owed);
 //   - the poison marks: PoisonAttemptsKey, PoisonedAtKey and Watermill's
 //     reason_poisoned, topic_poisoned, handler_poisoned and
 //     subscriber_poisoned (message/router/middleware.PoisonQueue).
@@ -202,12 +222,49 @@ func IsDeliveryOnly(k string) bool {
 // IsDeliveryOnly keys (StripDeliveryMetadata) and carry the counters on.
 func IsRetryState(k string) bool {
 	switch k {
-	case AttemptKey, RedeliveriesKey, DelayKey,
+	case AttemptKey, RedeliveriesKey, DelayKey, RemainingDelayKey,
 		PoisonAttemptsKey, PoisonedAtKey,
 		wmw.ReasonForPoisonedKey, wmw.PoisonedTopicKey, wmw.PoisonedHandlerKey, wmw.PoisonedSubscriberKey:
 		return true
 	}
 	return IsDeliveryOnly(k)
+}
+
+// SetRemainingDelay records on md, the metadata of a copy a Delayer is
+// scheduling, the part d of the asked delay it cannot hold (RemainingDelayKey,
+// in whole milliseconds, rounded up so the message never comes back early);
+// d <= 0 deletes the key. A Delayer that holds every delay in full (such as
+// MemoryDelayer) need not call it; one with a longest delay (amqpretry's
+// tiers, the delay cascade) calls it on every copy it schedules with a
+// positive delay. A copy with delay 0 keeps what its maker set: the
+// fallback sets it on a copy it sends straight back when the Delayer refused
+// a long RetryAfter.
+func SetRemainingDelay(md message.Metadata, d time.Duration) {
+	if d <= 0 {
+		delete(md, RemainingDelayKey)
+		return
+	}
+	ms := (d + time.Millisecond - 1) / time.Millisecond
+	md.Set(RemainingDelayKey, strconv.FormatInt(int64(ms), 10))
+}
+
+// RemainingDelay returns the part of its retry delay that msg still owes
+// (RemainingDelayKey): 0 when absent, malformed or not positive, and 0
+// unless the delivery came back through the library's own retry path
+// (DeliveryRetryPathKey "true"), so a header a producer sets cannot delay a
+// message's first run.
+func RemainingDelay(msg *message.Message) time.Duration {
+	if msg.Metadata.Get(DeliveryRetryPathKey) != "true" {
+		return 0
+	}
+	n, err := strconv.ParseInt(msg.Metadata.Get(RemainingDelayKey), 10, 64)
+	if err != nil || n <= 0 {
+		return 0
+	}
+	if n > int64(math.MaxInt64/time.Millisecond) {
+		n = int64(math.MaxInt64 / time.Millisecond)
+	}
+	return time.Duration(n) * time.Millisecond
 }
 
 // StripDeliveryMetadata deletes from md every key that describes one

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -79,6 +80,17 @@ func (c RedeliveryGuardConfig) Validate() error {
 // handler that crashed from a delivery that sat unprocessed in a consumer's
 // prefetch buffer when its channel closed.
 //
+// Early deliveries: a delivery that came back through the library's retry
+// path before its whole delay was over (a RetryAfter or backoff delay longer
+// than the Delayer's longest hold, see RemainingDelayKey) is not run either,
+// and is not counted as a redelivery or an attempt (the handler never saw
+// it): a copy with the same attempt number and redelivery count is handed to
+// the Delayer for the remaining delay (with WithMinimumDelay, so a tiered
+// Delayer rounds up, and WithCopyRequired), and the original is acked once
+// the copy is held. This check comes first, also for a redelivered delivery
+// and with RedeliveriesCounted. The errors are the same as for a
+// redelivery's copy.
+//
 // Past MaxRedeliveries the guard returns a *ClassifiedError with
 // ActionPoison and class ClassRedeliveryLimit (the forwarder poisons it).
 // ErrCannotDelay from the Delayer poisons it as ClassUndelayable. If the
@@ -118,6 +130,9 @@ func Redeliveries(msg *message.Message) int {
 // RedeliveryGuard for the others.
 func (g *RedeliveryGuard) Middleware(h message.HandlerFunc) message.HandlerFunc {
 	return func(msg *message.Message) ([]*message.Message, error) {
+		if d := RemainingDelay(msg); d > 0 {
+			return nil, g.onEarly(msg, d)
+		}
 		if !g.cfg.RedeliveriesCounted && msg.Metadata.Get(DeliveryRedeliveredKey) != "" {
 			return nil, g.onRedelivered(msg)
 		}
@@ -145,13 +160,41 @@ func (g *RedeliveryGuard) onRedelivered(msg *message.Message) error {
 	c.Metadata.Set(AttemptKey, strconv.Itoa(attempt))
 	c.Metadata.Set(RedeliveriesKey, strconv.Itoa(n))
 	serr := g.cfg.Delayer.Schedule(ctx, c, 0)
-	switch {
-	case serr == nil:
+	if serr == nil {
 		g.cfg.Logger.Info("Redelivered message counted and requeued as a copy", fields)
 		return nil
+	}
+	return g.copyNotHeld(serr, attempt, fields, "redelivered")
+}
+
+// onEarly sends a delivery that came back before its delay was over through
+// the Delayer again for the remaining delay d.
+//
+//go:noinline
+func (g *RedeliveryGuard) onEarly(msg *message.Message, d time.Duration) error {
+	ctx := msg.Context()
+	attempt := Attempt(msg)
+	fields := watermill.LogFields{
+		"message_uuid": msg.UUID, "queue": g.cfg.QueueName(ctx), "attempt": attempt, "remaining": d.String(),
+	}
+	c := CloneMessage(msg) // without RemainingDelayKey: the Delayer writes what it cannot hold
+	StripDeliveryMetadata(c.Metadata)
+	c.Metadata.Set(AttemptKey, strconv.Itoa(attempt))
+	serr := g.cfg.Delayer.Schedule(WithCopyRequired(WithMinimumDelay(ctx, d)), c, d)
+	if serr == nil {
+		g.cfg.Logger.Debug("Delivery came back before its retry delay was over; held again for the rest", fields)
+		return nil
+	}
+	return g.copyNotHeld(serr, attempt, fields, "back before its retry delay was over")
+}
+
+// copyNotHeld turns the Delayer's refusal of the guard's copy into the
+// error the chain settles.
+func (g *RedeliveryGuard) copyNotHeld(serr error, attempt int, fields watermill.LogFields, what string) error {
+	switch {
 	case errors.Is(serr, ErrCannotDelay):
 		return &ClassifiedError{
-			Err:            fmt.Errorf("redelivered, and no copy is possible: %w", serr),
+			Err:            fmt.Errorf("%s, and no copy is possible: %w", what, serr),
 			Classification: Classification{Action: ActionPoison, Class: ClassUndelayable},
 		}
 	default:
@@ -160,7 +203,7 @@ func (g *RedeliveryGuard) onRedelivered(msg *message.Message) error {
 		// back to the broker (after the fallback's pause) until a copy can be
 		// held. Running it uncounted would let a crash loop, or a failing
 		// message whose poison copy is refused, run without limit.
-		g.cfg.Logger.Error("Copy of a redelivered message not held; returning it to the broker", serr, fields)
-		return &ScheduleError{Err: serr, HandlerErr: fmt.Errorf("redelivered: %w", ErrHandlerNotRun), Attempt: attempt}
+		g.cfg.Logger.Error("Copy of a message the guard did not run not held; returning it to the broker", serr, fields)
+		return &ScheduleError{Err: serr, HandlerErr: fmt.Errorf("%s: %w", what, ErrHandlerNotRun), Attempt: attempt}
 	}
 }

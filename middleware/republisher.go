@@ -44,6 +44,24 @@ func MinimumDelay(ctx context.Context) (time.Duration, bool) {
 	return d, ok && d > 0
 }
 
+type copyRequiredCtxKey struct{}
+
+// WithCopyRequired returns ctx telling the Delayer that the message must be
+// held as a copy: it must not answer ErrDeadLetter or ErrNativeRetry, whose
+// nack of the original would count as an attempt (an x-death rejection, an
+// x-acquired-count). The RedeliveryGuard sets it when it sends a delivery
+// that came back before its delay was over (RemainingDelayKey) through the
+// Delayer again.
+func WithCopyRequired(ctx context.Context) context.Context {
+	return context.WithValue(ctx, copyRequiredCtxKey{}, true)
+}
+
+// CopyRequired reports whether ctx was made by WithCopyRequired.
+func CopyRequired(ctx context.Context) bool {
+	ok, _ := ctx.Value(copyRequiredCtxKey{}).(bool)
+	return ok
+}
+
 // DelayerFunc adapts a function to Delayer.
 type DelayerFunc func(ctx context.Context, msg *message.Message, delay time.Duration) error
 
@@ -494,12 +512,16 @@ func RecordFailure(md message.Metadata, now time.Time, errText, class, queue str
 
 // CloneMessage returns a new message with msg's UUID, payload and a copy of
 // its metadata (delivery-only keys included: strip them with
-// StripDeliveryMetadata once the failure is recorded). The copy has a
-// background context and no ack state of its own.
+// StripDeliveryMetadata once the failure is recorded), except
+// RemainingDelayKey: the Delayer that schedules the copy writes it anew if
+// it cannot hold the copy's whole delay. The copy has a background context
+// and no ack state of its own.
 func CloneMessage(msg *message.Message) *message.Message {
 	c := message.NewMessage(msg.UUID, msg.Payload)
 	for k, v := range msg.Metadata {
-		c.Metadata[k] = v
+		if k != RemainingDelayKey {
+			c.Metadata[k] = v
+		}
 	}
 	return c
 }

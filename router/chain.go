@@ -99,8 +99,9 @@ type Config struct {
 	// minute (the delivery stays unacked meanwhile): the fallback copy goes
 	// straight back to the queue, so the next attempt never runs earlier
 	// than asked. A longer RetryAfter is handed to the Delayer once more
-	// after the pause; only if that fails too does the copy come back after
-	// a minute.
+	// after the pause; if that fails too, the copy goes back to the queue
+	// carrying the remaining delay (middleware.RemainingDelayKey), and the
+	// RedeliveryGuard holds it again before it runs.
 	FallbackPause time.Duration
 	// Pause, when set, pauses consumption while a dependency is down instead
 	// of charging attempts (see middleware.Pause): it goes just inside the

@@ -667,3 +667,53 @@ func TestForeignCountsNeverDecideFirstRun(t *testing.T) {
 	t.Logf("ACCOUNT TestForeignCountsNeverDecideFirstRun: published=%d handled=0 poisoned=%d duplicates=0 lost=%d (handler runs %d)",
 		len(forged), len(poisoned), len(forged)-len(poisoned), handlerRuns)
 }
+
+// A Delayer that holds at most 60 ms per hop (as amqpretry's longest tier
+// does) and a RetryAfter of 250 ms (issue 18 item 8): the copy carries the
+// remaining delay, the chain holds it again without running it, and the
+// second attempt runs no earlier than asked, as attempt 2, with no
+// redelivery counted and no poisoning.
+func TestRetryAfterLongerThanDelayerHoldsEndToEnd(t *testing.T) {
+	const hold, asked = 60 * time.Millisecond, 250 * time.Millisecond
+	var hops atomic.Int64
+	wrap := func(inner middleware.Delayer) middleware.Delayer {
+		return middleware.DelayerFunc(func(ctx context.Context, msg *message.Message, delay time.Duration) error {
+			if m, ok := middleware.MinimumDelay(ctx); ok {
+				delay = max(delay, m)
+			}
+			held := min(delay, hold)
+			middleware.SetRemainingDelay(msg.Metadata, delay-held)
+			msg.Metadata.Set(middleware.DeliveryRetryPathKey, "true") // amqpretry's Marshaler sets it from the delivery
+			hops.Add(1)
+			return inner.Schedule(ctx, msg, held)
+		})
+	}
+	var seen calls
+	done := make(chan struct{})
+	e := newEnvWrapped(t, router.Config{MaxRedeliveries: 1}, wrap, func(msg *message.Message) ([]*message.Message, error) {
+		c := seen.record(msg)
+		if c.attempt == 1 {
+			return nil, middleware.RetryAfter(errTransient, asked)
+		}
+		close(done)
+		return nil, nil
+	})
+	e.publish(t, message.NewMessage(watermill.NewUUID(), []byte("p")))
+	recv(t, done, 5*time.Second)
+	got := seen.get()
+	if len(got) != 2 || got[0].attempt != 1 || got[1].attempt != 2 {
+		t.Fatalf("calls %+v, want attempts 1 and 2", got)
+	}
+	if gap := got[1].at.Sub(got[0].at); gap < asked {
+		t.Errorf("second attempt %v after the first, earlier than the %v asked", gap, asked)
+	}
+	if n := hops.Load(); n != 5 { // 60+60+60+60+10 ms
+		t.Errorf("%d hops, want 5", n)
+	}
+	if got[1].md.Get(middleware.RedeliveriesKey) != "" || got[1].md.Get(middleware.DelayKey) != "250" {
+		t.Errorf("second attempt's metadata %v", got[1].md)
+	}
+	if e.observer.count("poisoned") != 0 || e.observer.count("retry") != 1 {
+		t.Errorf("observer: %d poisoned, %d retries; want 0, 1", e.observer.count("poisoned"), e.observer.count("retry"))
+	}
+}

@@ -35,9 +35,11 @@ const fallbackMaxHold = time.Minute
 //     pauses at least that long, since the copy it then sends has no
 //     broker-side delay: the next attempt never runs earlier than asked.
 //     A RetryAfter above one minute is not held here: after the pause the
-//     copy is handed to the Delayer once more with the remaining delay;
-//     only if that fails too does the copy come back after at most a
-//     minute, earlier than asked (logged at Error);
+//     copy is handed to the Delayer once more with the remaining delay; if
+//     that fails too, the copy goes back to the queue carrying the
+//     remaining delay (middleware.RemainingDelayKey), so the
+//     RedeliveryGuard does not run it but hands it to the Delayer again
+//     (logged at Error);
 //  2. it hands a copy to the Delayer with delay 0 (amqpretry: straight back to
 //     the origin queue through the loop-back exchange, confirmed), counted as
 //     the next attempt for a failed retry, or as past the last attempt for a
@@ -119,10 +121,11 @@ func (f *fallback) onFailure(msg *message.Message, err error) error {
 				})
 				return nil
 			}
-			f.logger.Error("Fallback: retry copy not held on the second try; the copy goes back to the queue earlier than the handler asked", serr, watermill.LogFields{
-				"message_uuid": msg.UUID, "queue": f.queueName(ctx), "attempt": attempt, "asked": asked.String(), "held": fallbackMaxHold.String(),
+			f.logger.Error("Fallback: retry copy not held on the second try; the copy goes back to the queue carrying the remaining delay, to be held again before it runs", serr, watermill.LogFields{
+				"message_uuid": msg.UUID, "queue": f.queueName(ctx), "attempt": attempt, "asked": asked.String(), "remaining": remaining.String(),
 			})
-			remaining = fallbackMaxHold
+			middleware.SetRemainingDelay(c.Metadata, remaining)
+			remaining = 0
 		}
 		if !f.wait(ctx, remaining) {
 			return err

@@ -237,3 +237,52 @@ func TestFallbackLongRetryAfterTriesDelayerAgain(t *testing.T) {
 		t.Fatalf("second try: delays %v, floors %v; want one of about %v with the same floor", d.held, d.minima, asked)
 	}
 }
+
+// refuseDelayedDelayer refuses every copy with a delay and holds the
+// zero-delay ones.
+type refuseDelayedDelayer struct {
+	mu   sync.Mutex
+	zero []*message.Message
+}
+
+func (d *refuseDelayedDelayer) Schedule(_ context.Context, msg *message.Message, delay time.Duration) error {
+	if delay > 0 {
+		return errors.New("wait queue refused the copy")
+	}
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.zero = append(d.zero, msg)
+	return nil
+}
+
+// A RetryAfter above a minute that the Delayer refuses twice (issue 18 item
+// 8): the copy goes straight back, without holding the delivery, carrying
+// the remaining delay (middleware.RemainingDelayKey), so the
+// RedeliveryGuard holds it again before it runs. Before, it came back after
+// a minute, earlier than asked.
+func TestFallbackLongRetryAfterRefusedCarriesRemainingDelay(t *testing.T) {
+	d := &refuseDelayedDelayer{}
+	c := newFallbackChain(t, d, nopPublisher{})
+	const asked = 10 * time.Minute
+	start := time.Now()
+	_, err := c.Middleware(func(*message.Message) ([]*message.Message, error) {
+		return nil, middleware.RetryAfter(errTransient, asked)
+	})(msgAt(1))
+	if err != nil {
+		t.Fatalf("want ack after the zero-delay copy, got %v", err)
+	}
+	if took := time.Since(start); took > 30*time.Second {
+		t.Errorf("fallback held the delivery %v", took)
+	}
+	if len(d.zero) != 1 {
+		t.Fatalf("zero-delay copies %d, want 1", len(d.zero))
+	}
+	cp := d.zero[0]
+	cp.Metadata.Set(middleware.DeliveryRetryPathKey, "true") // as the loop-back delivery would carry
+	if r := middleware.RemainingDelay(cp); r < asked-time.Minute || r > asked {
+		t.Errorf("copy's remaining delay %v, want about %v", r, asked)
+	}
+	if cp.Metadata.Get(middleware.AttemptKey) != "2" {
+		t.Errorf("copy's attempt %q, want 2", cp.Metadata.Get(middleware.AttemptKey))
+	}
+}

@@ -127,6 +127,13 @@ const topic = "orders"
 // filled in; a zero Backoff becomes exactBackoff(20ms).
 func newEnv(t *testing.T, cfg router.Config, h message.HandlerFunc, inner ...message.HandlerMiddleware) *env {
 	t.Helper()
+	return newEnvWrapped(t, cfg, nil, h, inner...)
+}
+
+// newEnvWrapped is newEnv with the chain's Delayer wrap(MemoryDelayer) when
+// wrap is not nil.
+func newEnvWrapped(t *testing.T, cfg router.Config, wrap func(middleware.Delayer) middleware.Delayer, h message.HandlerFunc, inner ...message.HandlerMiddleware) *env {
+	t.Helper()
 	e := &env{observer: &recObserver{}, runErr: make(chan error, 1)}
 	e.in = gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 1024}, watermill.NopLogger{})
 	e.poisonPS = gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 1024}, watermill.NopLogger{})
@@ -142,6 +149,9 @@ func newEnv(t *testing.T, cfg router.Config, h message.HandlerFunc, inner ...mes
 		t.Fatal(err)
 	}
 	cfg.Delayer = e.delayer
+	if wrap != nil {
+		cfg.Delayer = wrap(e.delayer)
+	}
 	cfg.PoisonPublisher = e.poison
 	if cfg.Observer == nil {
 		cfg.Observer = e.observer

@@ -192,9 +192,10 @@ func (d *Delayer) Config() Config { return d.c.cfg }
 //
 // The delay used is max(delay, middleware.MinimumDelay(ctx)) (a handler's
 // RetryAfter is a floor), rounded up to the grain. A delay above MaxDelay
-// is clamped to MaxDelay and logged (Info), as amqpretry's tiers clamp to
-// the longest tier: a retry then comes back earlier than asked (MaxDelay is
-// 77.7 days by default). A delay of 0 grains is published straight to the
+// is held for MaxDelay (77.7 days by default) and the copy carries the rest
+// (middleware.SetRemainingDelay, logged at Info): when it comes back, the
+// RedeliveryGuard sends it through the cascade again, so it never runs
+// earlier than asked. A delay of 0 grains is published straight to the
 // delivery exchange. The first Schedule declares the cascade (Declare), the
 // first for a queue binds it (BindDestination); if a publish shows either
 // missing (unroutable, or 404), it redeclares and tries once more. It does
@@ -218,10 +219,16 @@ func (d *Delayer) Schedule(ctx context.Context, msg *message.Message, delay time
 		delay = max(delay, minimum)
 	}
 	n, ok := cfg.grains(delay)
+	var remaining time.Duration
 	if !ok {
-		cfg.Logger.Info("Requested retry delay exceeds the delay cascade's maximum; using the maximum", watermill.LogFields{
-			"queue": q, "requested": delay.String(), "max_delay": cfg.maxDelay().String()})
 		n = uint64(1)<<uint(cfg.Levels) - 1
+		remaining = delay - cfg.maxDelay()
+		cfg.Logger.Info("Requested retry delay exceeds the delay cascade's maximum; held in several hops", watermill.LogFields{
+			"queue": q, "requested": delay.String(), "max_delay": cfg.maxDelay().String(), "remaining": remaining.String()})
+	}
+	if n > 0 {
+		// A copy sent straight back keeps what its maker set.
+		middleware.SetRemainingDelay(msg.Metadata, remaining)
 	}
 	return d.c.send(context.WithoutCancel(ctx), msg, n, q)
 }

@@ -58,11 +58,14 @@ type retryEnv struct {
 	queues   []string
 }
 
-func newRetryEnv(t *testing.T, maxAttempts int, policy func() backoff.BackOff) *retryEnv {
+func newRetryEnv(t *testing.T, maxAttempts int, policy func() backoff.BackOff, opts ...func(*cascade.Config)) *retryEnv {
 	t.Helper()
 	uri := testkit.URI(t)
 	name := testkit.UniqueName(t, "cascretry")
 	e := &retryEnv{t: t, uri: uri, exchange: name + ".biz", cascade: cascade.Config{Prefix: name + ".delay"}}
+	for _, o := range opts {
+		o(&e.cascade)
+	}
 	conn, err := amqp.Dial(uri)
 	if err != nil {
 		t.Fatal(err)
@@ -408,5 +411,39 @@ func TestConfigRefusesTierModes(t *testing.T) {
 		if err == nil || !strings.Contains(err.Error(), "amqpretry.Config."+field) || !strings.Contains(err.Error(), "DelayerFactory") {
 			t.Errorf("%s with DelayerFactory: %v, want an error naming both", field, err)
 		}
+	}
+}
+
+// A RetryAfter beyond the cascade's MaxDelay (issue 18 item 8): with 3
+// levels of 100 ms (MaxDelay 700 ms) a RetryAfter(1.5s) is held 700 ms, the
+// copy carries the remaining 800 ms, the RedeliveryGuard sends it round
+// again (700 ms, then 100 ms) without running it: attempt 2 runs no earlier
+// than 1.5 s after attempt 1. Before, it came back after 700 ms.
+func TestRetryAfterBeyondMaxDelay(t *testing.T) {
+	const retryAfter = 1500 * time.Millisecond
+	e := newRetryEnv(t, 3, testkit.ExactBackoff(100*time.Millisecond), func(c *cascade.Config) {
+		c.Grain, c.Levels = 100*time.Millisecond, 3
+	})
+	orders := newLog()
+	e.handle("orders", func(msg *message.Message) error {
+		if s := orders.add(msg); s.attempt == 1 {
+			return middleware.RetryAfter(errors.New("rate limited"), retryAfter)
+		}
+		return nil
+	})
+	e.start()
+	e.publish(message.NewMessage("order-1", []byte("x")))
+	first := testkit.Recv(t, orders.ch, 20*time.Second)
+	second := testkit.Recv(t, orders.ch, 20*time.Second)
+	if first.attempt != 1 || second.attempt != 2 {
+		t.Fatalf("attempts %d, %d; want 1, 2", first.attempt, second.attempt)
+	}
+	gap := second.at.Sub(first.at)
+	t.Logf("attempt 2 came %v after attempt 1 (RetryAfter %v, MaxDelay 700ms)", gap.Round(time.Millisecond), retryAfter)
+	if gap < retryAfter-7*earlyPerHop { // 3 + 3 + 1 level hops
+		t.Errorf("attempt 2 came %v after attempt 1, earlier than the RetryAfter %v", gap, retryAfter)
+	}
+	if got := second.md.Get(middleware.RemainingDelayKey); got != "" {
+		t.Errorf("attempt 2 carries %s=%q", middleware.RemainingDelayKey, got)
 	}
 }
