@@ -25,7 +25,26 @@ const (
 	// MaxLevels bounds Config.Levels: with the smallest grain (1 ms), level
 	// 31's TTL is 2^31 ms, and 2^32 ms would exceed amqpretry.MaxTTL.
 	MaxLevels = 32
+	// LevelDeliveryLimit is the x-delivery-limit argument quorum level
+	// queues are declared with: 2^31-1 returns, i.e. never reached. A level
+	// queue has no consumer except Census, and an interrupted census (its
+	// connection dropped, a deadline, Ctrl-C) returns every delivery it
+	// held, which RabbitMQ 4.x counts against the queue's delivery limit
+	// (default 20 since 4.0; "Quorum Queues", poison message handling): a
+	// message over the limit is dead-lettered to the next level, i.e.
+	// delivered early. A large finite value, not -1: a negative limit
+	// means "unlimited" on 4.x but acts as 0 (drop after one delivery) on
+	// 3.x, and an argument at declaration is the proven-safe way to set it
+	// (a policy is not needed).
+	LevelDeliveryLimit = 1<<31 - 1
 )
+
+// ErrSettingsMismatch is returned (wrapped) by Declare when the cascade's
+// prefix is already declared with another Levels, Grain or QueueType: both
+// settings are named in the error. Two processes declaring one prefix with
+// different Levels would bind each level twice with different patterns
+// (duplicates and early deliveries, for good: bindings are durable).
+var ErrSettingsMismatch = errors.New("cascade: the cascade is already declared with other settings")
 
 // Config configures the delay cascade. The zero value is usable: zero
 // fields take the defaults given. Every process sharing a vhost's cascade
@@ -84,6 +103,11 @@ type Config struct {
 	// Logger receives warnings (a clamped delay, a redeclared topology).
 	// Default watermill.NopLogger{}.
 	Logger watermill.LoggerAdapter
+
+	// legacyLevels: the level queues were declared by a version without
+	// x-delivery-limit (set by the Delayer/Publisher after the broker
+	// refused the new argument); declare them as they are.
+	legacyLevels bool
 }
 
 func (c *Config) setDefaults() {
@@ -236,20 +260,70 @@ func (c *Config) levelArgs(n int) amqp.Table {
 	if c.QueueType == amqpretry.QueueTypeQuorum {
 		args["x-dead-letter-strategy"] = "at-least-once"
 		args["x-overflow"] = "reject-publish"
+		if !c.legacyLevels {
+			args["x-delivery-limit"] = int64(LevelDeliveryLimit)
+		}
 	}
 	return args
+}
+
+// SettingsExchange is the name of the cascade's settings marker:
+// "<Prefix>.settings", an internal fanout exchange that routes nothing.
+// Declare declares it first, with the settings (Levels, Grain, QueueType)
+// written in its alternate-exchange argument, the one exchange argument
+// RabbitMQ compares on a redeclare ("Exchanges", equivalence): a second
+// Declare with other settings is refused by the broker (406
+// PRECONDITION_FAILED) before it binds anything, and Declare returns
+// ErrSettingsMismatch naming both. The alternate exchange it names does
+// not exist and is never used (nothing is published to an internal
+// exchange).
+func (c Config) SettingsExchange() string {
+	c.setDefaults()
+	return c.Prefix + ".settings"
+}
+
+// settings is the marker's value: "levels=L grain=G T" (short: the
+// broker's refusal, which quotes it twice, is limited to 255 bytes).
+func (c *Config) settings() string {
+	return fmt.Sprintf("levels=%d grain=%v %s", c.Levels, c.Grain, c.QueueType)
+}
+
+var aeValues = regexp.MustCompile(`received '([^']*)' but current is '([^']*)'`)
+
+// declareSettings declares the settings marker (see SettingsExchange).
+func (c *Config) declareSettings(ch *amqp.Channel) error {
+	err := ch.ExchangeDeclare(c.SettingsExchange(), amqp.ExchangeFanout, true, false, true, false,
+		amqp.Table{"alternate-exchange": c.settings()})
+	if err == nil {
+		return nil
+	}
+	var aerr *amqp.Error
+	if errors.As(err, &aerr) && aerr.Code == amqp.PreconditionFailed {
+		found := "other settings (the broker's message is truncated)"
+		if m := aeValues.FindStringSubmatch(aerr.Reason); m != nil {
+			found = m[2]
+		}
+		return fmt.Errorf("%w: prefix %q is declared with %s, this Config has %s (every process sharing a cascade must use the same Levels, Grain and QueueType; use another Prefix, or Delete the cascade once it is empty): %w",
+			ErrSettingsMismatch, c.Prefix, found, c.settings(), err)
+	}
+	return declareError("exchange", c.SettingsExchange(), err)
 }
 
 // Declare declares the whole fixed topology on ch, idempotently (RabbitMQ
 // declares are no-ops when the object exists with the same arguments):
 //
+//   - first the settings marker (SettingsExchange): if the prefix is
+//     already declared with other Levels, Grain or QueueType, Declare
+//     stops there with ErrSettingsMismatch (wrapped, naming both), having
+//     bound nothing (the broker closes ch);
 //   - the delivery exchange (topic, durable);
 //   - per level n in [0, Levels): exchange "<Prefix>.level.NN" (topic,
 //     durable) and queue "<Prefix>.level.NN" (durable, QueueType,
 //     x-message-ttl 2^n × Grain in ms, x-dead-letter-exchange level n-1's
 //     exchange or, for level 0, the delivery exchange, no
 //     x-dead-letter-routing-key so the message keeps its key; quorum:
-//     x-dead-letter-strategy at-least-once, x-overflow reject-publish);
+//     x-dead-letter-strategy at-least-once, x-overflow reject-publish,
+//     x-delivery-limit LevelDeliveryLimit);
 //   - level n's exchange bound to its queue with "*." × (Levels-1-n) + "1.#"
 //     and to the next exchange (exchange-to-exchange binding, RabbitMQ
 //     "Exchange to Exchange Bindings") with "*." × (Levels-1-n) + "0.#".
@@ -259,9 +333,16 @@ func (c *Config) levelArgs(n int) amqp.Table {
 // *amqpretry.DeclareError (Kind "exchange", "queue" or "binding") for the
 // first refused operation; the broker then closes ch (a queue declared with
 // other arguments: 406 PRECONDITION_FAILED, Argument names the argument).
+// Quorum level queues declared by a version without x-delivery-limit are
+// refused with Argument "x-delivery-limit" and Found "none"; the Delayer
+// and the Publisher then keep using them as they are and log a warning
+// (see the README's upgrade note: recreate the levels once empty).
 func (c Config) Declare(ch *amqp.Channel) error {
 	c, err := c.resolved()
 	if err != nil {
+		return err
+	}
+	if err := c.declareSettings(ch); err != nil {
 		return err
 	}
 	if err := ch.ExchangeDeclare(c.DeliveryExchange(), amqp.ExchangeTopic, true, false, false, false, nil); err != nil {
@@ -331,7 +412,8 @@ func (c Config) UnbindDestination(ch *amqp.Channel, queue string) error {
 }
 
 // Delete deletes the level queues (with every message waiting in them),
-// the level exchanges and the delivery exchange (unconditionally; missing
+// the level exchanges, the delivery exchange and the settings marker
+// (unconditionally; missing
 // ones are not an error: queue.delete and exchange.delete of a missing
 // object succeed on RabbitMQ 3.10+). For tests and decommissioning. It
 // returns Validate's error or the first broker error.
@@ -353,7 +435,18 @@ func (c Config) Delete(ch *amqp.Channel) error {
 	if err := ch.ExchangeDelete(c.DeliveryExchange(), false, false); err != nil {
 		return fmt.Errorf("cascade: deleting exchange %q: %w", c.DeliveryExchange(), err)
 	}
+	if err := ch.ExchangeDelete(c.SettingsExchange(), false, false); err != nil {
+		return fmt.Errorf("cascade: deleting exchange %q: %w", c.SettingsExchange(), err)
+	}
 	return nil
+}
+
+// legacyLevelQueue reports whether err is the broker refusing a level
+// queue's x-delivery-limit because the queue was declared without one (by
+// an earlier version of this package).
+func legacyLevelQueue(err error) bool {
+	var de *amqpretry.DeclareError
+	return errors.As(err, &de) && de.Kind == "queue" && de.Argument == "x-delivery-limit" && de.Found == "none"
 }
 
 // LevelCount is what Waiting reports for one level.

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -25,6 +26,33 @@ type core struct {
 	mu       sync.Mutex
 	declared bool
 	bound    map[string]bool
+	// legacy: the level queues were declared without x-delivery-limit (by
+	// an earlier version); declare them as they are.
+	legacy atomic.Bool
+}
+
+// declare is Config.Declare on ch, with the level queues as found: if the
+// broker refuses x-delivery-limit on a level queue declared without one
+// (an earlier version's), it logs a warning and declares them without it
+// from then on, on a new channel of the publisher (the refusal closed ch).
+func (c *core) declare(ch *amqp.Channel) error {
+	cfg := c.cfg
+	cfg.legacyLevels = c.legacy.Load()
+	err := cfg.Declare(ch)
+	if err == nil || cfg.legacyLevels || !legacyLevelQueue(err) {
+		return err
+	}
+	c.cfg.Logger.Error("Delay cascade level queues were declared without x-delivery-limit by an earlier version; "+
+		"using them as they are (on RabbitMQ 4.x, a message returned 20 times by interrupted censuses moves on early). "+
+		"Recreate the cascade once it is empty (README, delay cascade, upgrading)", err, watermill.LogFields{"prefix": c.cfg.Prefix})
+	c.legacy.Store(true)
+	cfg.legacyLevels = true
+	ch2, cerr := c.pub.Channel()
+	if cerr != nil {
+		return errors.Join(err, cerr)
+	}
+	defer ch2.Close()
+	return cfg.Declare(ch2)
 }
 
 func newCore(cfg Config) (*core, error) {
@@ -70,10 +98,16 @@ func (c *core) ensureBound(queue string, force bool) error {
 	}
 	defer ch.Close()
 	if !c.declared {
-		if err := c.cfg.Declare(ch); err != nil {
+		if err := c.declare(ch); err != nil {
 			return err
 		}
 		c.declared = true
+		if ch.IsClosed() { // closed by a refused legacy level queue (core.declare)
+			if ch, err = c.pub.Channel(); err != nil {
+				return err
+			}
+			defer ch.Close()
+		}
 	}
 	if err := c.cfg.BindDestination(ch, queue); err != nil {
 		return err
