@@ -35,11 +35,10 @@ type CensusOptions struct {
 	// disturbing as a census.
 	DryRun bool
 	// Concurrency is the number of messages taken out and not yet put
-	// back at once: the census consumer's prefetch, and the put-back
-	// publishes awaiting their confirms. Default 128. Measured on a
-	// 2-core machine, 10,000 messages in 12 quorum levels: about 6,000
-	// messages/s with 32 and 9,000 with 128 on RabbitMQ 4.3.6 (4,800 and
-	// 6,900 on 3.10).
+	// back at once: the census consumer's prefetch and the largest batch
+	// put back in one transaction (see Census). Default 128. Measured on a
+	// 2-core machine with RabbitMQ 4.3.6: 3,000 messages in 12 quorum
+	// levels in about 1 s.
 	Concurrency int
 }
 
@@ -72,8 +71,9 @@ type CensusReport struct {
 	Destinations []CensusEntry `json:"destinations"`
 	// Taken is the number of messages taken out of the level queues and
 	// put back or tried to, Counted those counted in Entries (Taken less
-	// Foreign), PutBack those put back (confirmed) and acknowledged: after
-	// a successful census PutBack == Taken.
+	// Foreign), PutBack those put back and acknowledged (transaction
+	// committed): after a successful census PutBack == Taken; after an
+	// abandoned one, the last batch is either put back or untouched.
 	Taken, Counted, PutBack int
 	// Moved is the number of counted messages addressed to a destination of
 	// CensusOptions.Move (put back to the new destination, unless DryRun).
@@ -83,10 +83,10 @@ type CensusReport struct {
 	// header set by hand): put back with the nearest delay they can have
 	// left (see Census), not the header's.
 	Clamped int
-	// Returned is the number of deliveries the census consumer got after
-	// deciding to stop (its own put-back copies, mostly) and left to the
-	// broker to return to the level queue, untouched, when it cancelled
-	// (at most Concurrency per level).
+	// Returned is the number of deliveries the census consumer got and did
+	// not put back (after deciding to stop: its own put-back copies,
+	// mostly; or held when ctx ended), left to the broker to return to the
+	// level queue, untouched (at most Concurrency per level).
 	Returned int
 	// Foreign is the number of messages in a level queue whose routing key
 	// is not a cascade key of this Config (a cascade declared with other
@@ -106,33 +106,57 @@ type CensusReport struct {
 // taking the message. Use Waiting for per-level counts without
 // disturbing anything.
 //
-// How a message is put back: remaining = due − now, rounded up to the
-// grain; it is published (mandatory, with publisher confirms, "Publishers",
-// "Consumer Acknowledgements and Publisher Confirms") to the top level's
-// exchange with the key for that many grains, or straight to the delivery
-// exchange when nothing remains, and the original is acknowledged only
-// after the confirm. So it is at-least-once: if Census or its connection
-// dies between the confirm and the ack, the message is in the cascade twice
-// and its destination gets it twice; nothing is lost.
+// How a message is put back: its remaining delay is due − now (DueHeader),
+// clamped to what its level and routing key allow: at least the key's
+// lower bits (what it must still wait after this level), at most those
+// plus this level's whole TTL (2^n grains); a header outside that range (a
+// sender's clock off, a header set by hand) is not trusted
+// (CensusReport.Clamped). Rounded up to the grain, at least one grain (a
+// copy due now goes through level 0, never straight to its destination:
+// if the destination is unbound then, level 0's at-least-once
+// dead-lettering keeps it). The copy is published (mandatory) to the
+// entry exchange for that many grains.
 //
-// Messages are taken by a consumer (manual acks, prefetch Concurrency),
-// never rejected or requeued by Census: on RabbitMQ 4.x every return of a
-// quorum queue message counts against the queue's delivery limit
-// (x-delivery-count, default 20), and a message over the limit is
-// dead-lettered, i.e. passed to the next level early ("Quorum Queues",
-// poison message handling). When a level is done (its count at start put
-// back, or a message of this census met, or the queue empty, or ctx
-// ended), Census waits until every put-back is confirmed and acked, then
-// cancels the consumer: the deliveries it received after deciding to stop
-// (at most Concurrency, CensusReport.Returned; mostly its own put-back
-// copies) go back to the queue untouched, which on RabbitMQ 4.x counts one
-// delivery attempt each (measured on 4.3.6: x-delivery-count 1). The next
-// census puts such a message back as a fresh copy (count 0), so the counts
-// do not add up across censuses. (Acks sent after the cancel would not
-// help: RabbitMQ 4.3 returns a cancelled consumer's unacked messages at
-// once and ignores later acks, which duplicated messages in our tests.)
-// While a message is held it does not expire; its put-back copy has its
-// remaining delay, so the hold costs no lateness.
+// Transactions: Census consumes a level queue on a channel in transaction
+// mode (tx.select; RabbitMQ "AMQP 0-9-1 Reference", tx class) with prefetch
+// Concurrency, and puts messages back in batches: the copies' publishes and
+// the originals' acks, then tx.commit. The broker applies a batch whole on
+// commit, or not at all if the channel or connection ends before the
+// commit reached it; so an interruption at any point (Ctrl-C, a deadline,
+// a dropped connection, a resource alarm blocking the connection) leaves
+// each message either put back or where it was, never both (no
+// duplicate) and never neither (no loss). A copy the broker returns as
+// unroutable (a level queue or binding deleted meanwhile) has been acked
+// with its batch: Census redeclares the cascade and republishes it with
+// publisher confirms (logged), and returns an error if that fails. The
+// limit: RabbitMQ applies a transaction's publishes and acks to each queue
+// separately, so a broker node failing in the middle of a commit
+// (milliseconds per batch) can apply some and not others ("Reliability
+// Guide" and "AMQP 0-9-1 semantics", transactions across queues).
+//
+// Bounded: every broker round trip is watched; once ctx has ended, Census
+// waits at most 2 s more for the one in progress, then abandons the
+// connection (with Config.URI, its own connection, closed at once; with a
+// Config.Publisher, the census channel is closed in the background) and
+// returns: within ctx's deadline + about 2 s even while a disk or memory
+// alarm blocks the connection (RabbitMQ "Blocked Connection
+// Notifications"). Whatever the broker had not read of an abandoned batch
+// is read later in order, or not at all: still all or nothing. Measured on
+// RabbitMQ 4.3.6 during a disk alarm with a 3 s deadline: returned after
+// 5.0 s, 0 of 100 messages duplicated, lost or early
+// (faults.TestCascadeCensusDiskAlarm).
+//
+// Deliveries Census does not put back (those after it decided to stop,
+// mostly its own copies: CensusReport.Returned) go back to the queue
+// untouched when it cancels its consumer or its channel ends. On RabbitMQ
+// 4.x that counts a delivery attempt each; the level queues' delivery limit
+// (LevelDeliveryLimit, 2^31-1) is never reached, so no number of
+// interrupted censuses moves a message on early. (Level queues declared by
+// an earlier version without x-delivery-limit have the broker's default,
+// 20 on 4.x: recreate them, see the README.) While a message is held it
+// does not expire; its copy has its remaining delay, so the hold costs no
+// lateness, except when an alarm delays a commit: the copies then enter
+// the cascade when the alarm clears, with the delay computed before it.
 //
 // Timing: a message is exact to the grain plus the time it was held
 // (milliseconds) when it carries DueHeader (the Delayer and Publisher stamp
@@ -155,10 +179,10 @@ type CensusReport struct {
 // returns the report so far and the first error: Validate's, an invalid
 // option (a level out of range, a bad or circular Move), a declare or bind
 // error (*amqpretry.DeclareError, e.g. 404 for a missing new destination),
-// the publisher's error for a put-back (the message stays in its level
-// queue, returned by the broker when Census closes its channel), or ctx's
-// (Census stops taking messages, finishes the put-backs in flight and
-// returns what it holds beyond them, see above).
+// a put-back transaction's error (its messages are either put back or
+// still in their level queue), a failed reroute of an unroutable copy, or
+// ctx's (Census stops taking messages, commits nothing more, and returns
+// what it holds, see above).
 func Census(ctx context.Context, cfg Config, opts CensusOptions) (CensusReport, error) {
 	rep := CensusReport{Started: time.Now()}
 	c, err := newCore(cfg)
