@@ -368,10 +368,7 @@ func (r *censusRun) level(ctx context.Context, n int) error {
 					break collect
 				}
 				batch = append(batch, d)
-				if !idle.Stop() {
-					<-idle.C
-				}
-				idle.Reset(50 * time.Millisecond)
+				idle.Reset(50 * time.Millisecond) // Go 1.23+: no stale tick survives a Reset
 			case <-idle.C:
 				if len(batch) > 0 {
 					break collect // commit what came; more may follow
