@@ -37,6 +37,8 @@ const (
 	// 3.x, and an argument at declaration is the proven-safe way to set it
 	// (a policy is not needed).
 	LevelDeliveryLimit = 1<<31 - 1
+	// DefaultTopologyCheck is the default of Config.TopologyCheck: 5 s.
+	DefaultTopologyCheck = 5 * time.Second
 )
 
 // ErrSettingsMismatch is returned (wrapped) by Declare when the cascade's
@@ -103,6 +105,24 @@ type Config struct {
 	// Logger receives warnings (a clamped delay, a redeclared topology).
 	// Default watermill.NopLogger{}.
 	Logger watermill.LoggerAdapter
+	// TopologyCheck is how often a Delayer or Publisher that has declared
+	// the cascade checks that it is still there: the settings marker, the
+	// delivery exchange and every level's exchange and queue (passive
+	// declares, 2 × Levels + 2 reads on one channel, no writes). If one is
+	// missing (an operator deleted it, or a tool like `rabbitmqctl
+	// delete_queue`), it logs an error, declares the whole cascade again
+	// (Declare, idempotent: it also restores the bindings deleted with it)
+	// and binds again every destination it has bound. A deleted level
+	// queue, level exchange or delivery exchange is thus back within about
+	// TopologyCheck, and messages that expire after that find their route;
+	// messages whose dead-lettering found no route before that wait in the
+	// previous quorum level's dead-letter buffer until RabbitMQ's
+	// at-least-once dead-letter worker retries them (every
+	// dead_letter_worker_publisher_confirm_timeout, 3 min by default;
+	// classic levels drop them). Default DefaultTopologyCheck (5 s);
+	// negative disables the check. A bare binding removed on its own is
+	// not seen (AMQP cannot read bindings); Declare restores it.
+	TopologyCheck time.Duration
 
 	// legacyLevels: the level queues were declared by a version without
 	// x-delivery-limit (set by the Delayer/Publisher after the broker
@@ -128,6 +148,9 @@ func (c *Config) setDefaults() {
 	}
 	if c.Logger == nil {
 		c.Logger = watermill.NopLogger{}
+	}
+	if c.TopologyCheck == 0 {
+		c.TopologyCheck = DefaultTopologyCheck
 	}
 }
 

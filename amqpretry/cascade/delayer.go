@@ -29,6 +29,13 @@ type core struct {
 	// legacy: the level queues were declared without x-delivery-limit (by
 	// an earlier version); declare them as they are.
 	legacy atomic.Bool
+
+	// The topology check (Config.TopologyCheck): started by the first
+	// declare, stopped by close.
+	watchOnce sync.Once
+	stopOnce  sync.Once
+	stop      chan struct{}
+	done      chan struct{}
 }
 
 // declare is Config.Declare on ch, with the level queues as found: if the
@@ -60,7 +67,7 @@ func newCore(cfg Config) (*core, error) {
 	if err != nil {
 		return nil, err
 	}
-	c := &core{cfg: cfg, pub: cfg.Publisher, bound: map[string]bool{}}
+	c := &core{cfg: cfg, pub: cfg.Publisher, bound: map[string]bool{}, stop: make(chan struct{})}
 	if c.pub == nil {
 		if cfg.URI == "" {
 			return nil, errors.New("cascade.Config: Publisher and URI are both empty; set one")
@@ -75,6 +82,11 @@ func newCore(cfg Config) (*core, error) {
 }
 
 func (c *core) close() error {
+	c.watchOnce.Do(func() {}) // no check starts after this
+	c.stopOnce.Do(func() { close(c.stop) })
+	if c.done != nil {
+		<-c.done
+	}
 	if c.ownPub {
 		return c.pub.Close()
 	}
@@ -102,6 +114,7 @@ func (c *core) ensureBound(queue string, force bool) error {
 			return err
 		}
 		c.declared = true
+		c.startWatch()
 		if ch.IsClosed() { // closed by a refused legacy level queue (core.declare)
 			if ch, err = c.pub.Channel(); err != nil {
 				return err
@@ -114,6 +127,112 @@ func (c *core) ensureBound(queue string, force bool) error {
 	}
 	c.bound[queue] = true
 	return nil
+}
+
+// startWatch starts the topology check (once; not after close). Called
+// with c.mu held.
+func (c *core) startWatch() {
+	if c.cfg.TopologyCheck < 0 {
+		return
+	}
+	c.watchOnce.Do(func() {
+		c.done = make(chan struct{})
+		go c.watch()
+	})
+}
+
+// watch checks the topology every TopologyCheck until close, and repairs it
+// when a piece is missing.
+func (c *core) watch() {
+	defer close(c.done)
+	t := time.NewTicker(c.cfg.TopologyCheck)
+	defer t.Stop()
+	for {
+		select {
+		case <-c.stop:
+			return
+		case <-t.C:
+		}
+		missing, err := c.checkTopology()
+		if missing == "" {
+			if err != nil {
+				c.cfg.Logger.Debug("Delay cascade topology check skipped", watermill.LogFields{"prefix": c.cfg.Prefix, "error": err.Error()})
+			}
+			continue
+		}
+		c.repair(missing, err)
+	}
+}
+
+// checkTopology passively declares the settings marker, the delivery
+// exchange and each level's exchange and queue; it returns the name of the
+// first one the broker reports missing (404 NOT_FOUND) with the error, or
+// "" and an error that says nothing about the topology (no channel).
+func (c *core) checkTopology() (missing string, err error) {
+	ch, err := c.pub.Channel()
+	if err != nil {
+		return "", err
+	}
+	defer ch.Close()
+	check := func(name string, err error) (string, error) {
+		var aerr *amqp.Error
+		if errors.As(err, &aerr) && aerr.Code == amqp.NotFound {
+			return name, err
+		}
+		return "", err
+	}
+	cfg := &c.cfg
+	if err := ch.ExchangeDeclarePassive(cfg.SettingsExchange(), amqp.ExchangeFanout, true, false, true, false, nil); err != nil {
+		return check("exchange "+cfg.SettingsExchange(), err)
+	}
+	if err := ch.ExchangeDeclarePassive(cfg.DeliveryExchange(), amqp.ExchangeTopic, true, false, false, false, nil); err != nil {
+		return check("exchange "+cfg.DeliveryExchange(), err)
+	}
+	for n := cfg.Levels - 1; n >= 0; n-- {
+		name := cfg.LevelName(n)
+		if err := ch.ExchangeDeclarePassive(name, amqp.ExchangeTopic, true, false, false, false, nil); err != nil {
+			return check("exchange "+name, err)
+		}
+		if _, err := ch.QueueDeclarePassive(name, true, false, false, false, nil); err != nil {
+			return check("queue "+name, err)
+		}
+	}
+	return "", nil
+}
+
+// repair declares the cascade again and binds again every destination
+// bound so far, after checkTopology found missing missing. A destination
+// that cannot be bound (its queue deleted) is dropped from the cache: the
+// next publish to it binds it or reports why not.
+func (c *core) repair(missing string, cause error) {
+	c.cfg.Logger.Error("Delay cascade topology incomplete (deleted by an operator?); declaring it again", cause, watermill.LogFields{
+		"prefix": c.cfg.Prefix, "missing": missing})
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.declared = false
+	ch, err := c.pub.Channel()
+	if err != nil {
+		c.cfg.Logger.Error("Delay cascade redeclare failed; retrying at the next check", err, watermill.LogFields{"prefix": c.cfg.Prefix})
+		return
+	}
+	defer func() { _ = ch.Close() }()
+	if err := c.declare(ch); err != nil {
+		c.cfg.Logger.Error("Delay cascade redeclare failed; retrying at the next check", err, watermill.LogFields{"prefix": c.cfg.Prefix})
+		return
+	}
+	c.declared = true
+	for q := range c.bound {
+		if ch.IsClosed() {
+			if ch, err = c.pub.Channel(); err != nil {
+				c.declared = false // bind the rest at the next check
+				return
+			}
+		}
+		if err := c.cfg.BindDestination(ch, q); err != nil {
+			c.cfg.Logger.Error("Delay cascade: binding a destination again failed", err, watermill.LogFields{"prefix": c.cfg.Prefix, "queue": q})
+			delete(c.bound, q)
+		}
+	}
 }
 
 // forget drops what ensure cached, after the broker showed the topology or
