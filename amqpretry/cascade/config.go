@@ -123,6 +123,18 @@ type Config struct {
 	// negative disables the check. A bare binding removed on its own is
 	// not seen (AMQP cannot read bindings); Declare restores it.
 	TopologyCheck time.Duration
+	// ManagementURL, when set, is the base URL of the RabbitMQ management
+	// HTTP API ("Management Plugin", HTTP API), with credentials, e.g.
+	// "http://guest:guest@127.0.0.1:15672" (the password is sent as basic
+	// auth and never shown in errors or logs). With it, Waiting also
+	// reports each level's dead-letter backlog and length limits
+	// (LevelCount.DeadLettering, LevelCount.LengthLimit), and the topology
+	// check logs an error for a level queue with a length limit. Default ""
+	// (no management API: DeadLettering is -1, LengthLimit unknown).
+	ManagementURL string
+	// Vhost is the cascade's virtual host, for ManagementURL only (AMQP
+	// uses the connection's). Default "/".
+	Vhost string
 
 	// legacyLevels: the level queues were declared by a version without
 	// x-delivery-limit (set by the Delayer/Publisher after the broker
@@ -200,6 +212,9 @@ func (c Config) Validate() error {
 	}
 	if c.Publisher != nil && c.URI != "" {
 		return errors.New("cascade.Config: both Publisher and URI are set; set one")
+	}
+	if _, err := c.managementClient(); err != nil {
+		return err
 	}
 	return nil
 }
@@ -489,15 +504,45 @@ type LevelCount struct {
 	// Consumers should be 0: anything consuming a level queue takes
 	// messages out of the cascade.
 	Consumers int
+	// DeadLettering is the level's dead-letter backlog: messages that
+	// expired out of this level and that RabbitMQ's at-least-once
+	// dead-letter worker has not yet handed to the next level (a quorum
+	// queue's messages_dlx, "Quorum Queues", at-least-once
+	// dead-lettering), read from the management API, which refreshes it
+	// about every 5 s. Normally 0 or a few in transit; a lasting backlog
+	// means the next hop had no route or refused them (a deleted level
+	// queue or exchange, a length limit): they are still safe in this
+	// queue and the worker retries them every
+	// dead_letter_worker_publisher_confirm_timeout (3 min by default).
+	// These messages are not in Messages: the cascade holds Messages +
+	// DeadLettering. -1 when Config.ManagementURL is not set, and for
+	// classic levels (no buffer: they dead-letter at-most-once).
+	DeadLettering int
+	// LengthLimit lists the length limits in force on the level queue
+	// ("max-length=100", "max-length-bytes=…", from a policy, an operator
+	// policy or an argument; "Queue Length Limit"), read from the
+	// management API; "" when none, or when Config.ManagementURL is not
+	// set. Levels must have none: a full quorum level refuses publishes
+	// (x-overflow reject-publish: Schedule returns amqpretry.ErrNacked and
+	// the message is retried or nacked by the caller, never lost) and
+	// dead-lettering into it (the messages wait in the level above for
+	// the dead-letter worker's retry, minutes late).
+	LengthLimit string
 }
 
 // Waiting reports, per level (level 0 first), how many messages wait in
 // the level queue, with a passive queue.declare each. A message is counted
 // in the level it is in now; how long it still waits, and for which
 // destination, is in its routing key and DueHeader, which can only be read
-// by consuming it: Census does, and gives per-destination counts. It
-// returns Validate's error, ctx's error (checked between declares), or the
-// broker's error (a missing level queue: 404 NOT_FOUND, which closes ch).
+// by consuming it: Census does, and gives per-destination counts. A ready
+// count does not include the level's dead-letter backlog (messages that
+// expired and are not yet in the next level): with Config.ManagementURL
+// set, Waiting reads it (and length limits) from the management API, one
+// GET for all levels (LevelCount.DeadLettering, LengthLimit); without,
+// DeadLettering is -1. It returns Validate's error, ctx's error (checked
+// between declares), the broker's error (a missing level queue: 404
+// NOT_FOUND, which closes ch), or the management API's error (with the
+// counts read so far).
 func (c Config) Waiting(ctx context.Context, ch *amqp.Channel) ([]LevelCount, error) {
 	c, err := c.resolved()
 	if err != nil {
@@ -512,7 +557,21 @@ func (c Config) Waiting(ctx context.Context, ch *amqp.Channel) ([]LevelCount, er
 		if err != nil {
 			return counts, fmt.Errorf("cascade: inspecting level queue %q: %w", c.LevelName(n), err)
 		}
-		counts = append(counts, LevelCount{Level: n, Queue: q.Name, TTL: levelTTL(c.Grain, n), Messages: q.Messages, Consumers: q.Consumers})
+		counts = append(counts, LevelCount{Level: n, Queue: q.Name, TTL: levelTTL(c.Grain, n), Messages: q.Messages, Consumers: q.Consumers, DeadLettering: -1})
+	}
+	stats, err := c.levelStats(ctx)
+	if err != nil {
+		return counts, err
+	}
+	for i := range counts {
+		s, ok := stats[counts[i].Queue]
+		if !ok {
+			continue
+		}
+		if s.MessagesDLX != nil {
+			counts[i].DeadLettering = *s.MessagesDLX
+		}
+		counts[i].LengthLimit = s.lengthLimit()
 	}
 	return counts, nil
 }

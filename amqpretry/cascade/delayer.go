@@ -147,6 +147,7 @@ func (c *core) watch() {
 	defer close(c.done)
 	t := time.NewTicker(c.cfg.TopologyCheck)
 	defer t.Stop()
+	warned := map[string]string{}
 	for {
 		select {
 		case <-c.stop:
@@ -154,13 +155,40 @@ func (c *core) watch() {
 		case <-t.C:
 		}
 		missing, err := c.checkTopology()
-		if missing == "" {
-			if err != nil {
-				c.cfg.Logger.Debug("Delay cascade topology check skipped", watermill.LogFields{"prefix": c.cfg.Prefix, "error": err.Error()})
-			}
+		if missing != "" {
+			c.repair(missing, err)
 			continue
 		}
-		c.repair(missing, err)
+		if err != nil {
+			c.cfg.Logger.Debug("Delay cascade topology check skipped", watermill.LogFields{"prefix": c.cfg.Prefix, "error": err.Error()})
+			continue
+		}
+		c.checkLengthLimits(warned)
+	}
+}
+
+// checkLengthLimits logs an error for each level queue the management API
+// (Config.ManagementURL) shows with a length limit, once per level and
+// limit (warned remembers them).
+func (c *core) checkLengthLimits(warned map[string]string) {
+	if c.cfg.ManagementURL == "" {
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), c.cfg.TopologyCheck)
+	defer cancel()
+	stats, err := c.cfg.levelStats(ctx)
+	if err != nil {
+		c.cfg.Logger.Debug("Delay cascade length limit check skipped", watermill.LogFields{"prefix": c.cfg.Prefix, "error": err.Error()})
+		return
+	}
+	for name, s := range stats {
+		limit := s.lengthLimit()
+		if limit != "" && warned[name] != limit {
+			c.cfg.Logger.Error("Delay cascade level queue has a length limit (a policy?): once full it refuses scheduled messages "+
+				"(Schedule fails with a nack) and dead-lettering from the level above (those wait minutes in its dead-letter buffer); "+
+				"exclude the level queues from length-limit policies", nil, watermill.LogFields{"queue": name, "limit": limit})
+		}
+		warned[name] = limit
 	}
 }
 
