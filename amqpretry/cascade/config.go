@@ -515,8 +515,9 @@ type LevelCount struct {
 	// queue and the worker retries them every
 	// dead_letter_worker_publisher_confirm_timeout (3 min by default).
 	// These messages are not in Messages: the cascade holds Messages +
-	// DeadLettering. -1 when Config.ManagementURL is not set, and for
-	// classic levels (no buffer: they dead-letter at-most-once).
+	// DeadLettering. -1 when unknown: Config.ManagementURL not set, a
+	// classic level (no buffer: it dead-letters at-most-once), or a queue
+	// the management API has no statistics for yet (created seconds ago).
 	DeadLettering int
 	// LengthLimit lists the length limits in force on the level queue
 	// ("max-length=100", "max-length-bytes=…", from a policy, an operator

@@ -7,6 +7,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"net/url"
 	"strconv"
 	"strings"
 	"text/tabwriter"
@@ -81,8 +82,8 @@ func runCascade(ctx context.Context, o *options, pos []string, stdout, stderr io
 	default:
 		return usageErr(stderr, "cascade: unknown subcommand %q (want waiting, census, move, redirect or unredirect)", sub)
 	}
-	if o.queue != "" || o.tiers != "" || o.waitEx != "" || o.poisonEx != "" || o.loopBackEx != "" || o.mgmtURL != "" {
-		return usageErr(stderr, "cascade %s: --queue, --tiers, --management-url and the exchange flags apply to show and tidy only", sub)
+	if o.queue != "" || o.tiers != "" || o.waitEx != "" || o.poisonEx != "" || o.loopBackEx != "" || (o.mgmtURL != "" && sub != "waiting") {
+		return usageErr(stderr, "cascade %s: --queue, --tiers, --management-url and the exchange flags apply to show and tidy only (--management-url also to cascade waiting)", sub)
 	}
 	if o.dryRun && sub != "move" {
 		return usageErr(stderr, "--dry-run applies to tidy and cascade move only")
@@ -111,6 +112,16 @@ func runCascade(ctx context.Context, o *options, pos []string, stdout, stderr io
 	}
 	sec := secrets{au.Password}
 	cfg := cascade.Config{Prefix: co.prefix, Grain: co.grain, Levels: co.levels, QueueType: o.queueType}
+	if o.mgmtURL != "" { // cascade waiting: dead-letter backlogs and length limits too
+		mu, err := url.Parse(o.mgmtURL)
+		if err != nil || (mu.Scheme != "http" && mu.Scheme != "https") || mu.Host == "" {
+			return usageErr(stderr, "--management-url: want an http(s) URL such as %s", defaultMgmtURL)
+		}
+		if p, ok := mu.User.Password(); ok {
+			sec = append(sec, p)
+		}
+		cfg.ManagementURL, cfg.Vhost = o.mgmtURL, au.Vhost
+	}
 	if err := cfg.Validate(); err != nil {
 		return usageErr(stderr, "%s", strings.TrimPrefix(err.Error(), "cascade."))
 	}
@@ -180,14 +191,45 @@ func runCascade(ctx context.Context, o *options, pos []string, stdout, stderr io
 		return sec.fail(stderr, err)
 	}
 	tw := tabwriter.NewWriter(stdout, 0, 4, 2, ' ', 0)
-	fmt.Fprintln(tw, "LEVEL\tQUEUE\tTTL\tMESSAGES\tCONSUMERS")
-	total := 0
+	if cfg.ManagementURL == "" {
+		fmt.Fprintln(tw, "LEVEL\tQUEUE\tTTL\tMESSAGES\tCONSUMERS")
+	} else {
+		fmt.Fprintln(tw, "LEVEL\tQUEUE\tTTL\tMESSAGES\tCONSUMERS\tDEAD-LETTERING\tLENGTH LIMIT")
+	}
+	total, dlx, limited, unknown := 0, 0, 0, 0
 	for _, c := range counts {
-		fmt.Fprintf(tw, "%d\t%s\t%v\t%d\t%d\n", c.Level, c.Queue, c.TTL, c.Messages, c.Consumers)
+		if cfg.ManagementURL == "" {
+			fmt.Fprintf(tw, "%d\t%s\t%v\t%d\t%d\n", c.Level, c.Queue, c.TTL, c.Messages, c.Consumers)
+		} else {
+			dl, limit := "-", c.LengthLimit
+			if c.DeadLettering >= 0 {
+				dl = fmt.Sprint(c.DeadLettering)
+				dlx += c.DeadLettering
+			} else {
+				unknown++
+			}
+			if limit == "" {
+				limit = "-"
+			} else {
+				limited++
+			}
+			fmt.Fprintf(tw, "%d\t%s\t%v\t%d\t%d\t%s\t%s\n", c.Level, c.Queue, c.TTL, c.Messages, c.Consumers, dl, limit)
+		}
 		total += c.Messages
 	}
 	_ = tw.Flush()
-	fmt.Fprintf(stdout, "%d message(s) waiting in %d levels (ready counts; per destination: cascade census).\n", total, len(counts))
+	if cfg.ManagementURL == "" {
+		fmt.Fprintf(stdout, "%d message(s) waiting in %d levels (ready counts; per destination: cascade census; dead-letter backlogs: --management-url).\n", total, len(counts))
+		return exitOK
+	}
+	fmt.Fprintf(stdout, "%d message(s) waiting in %d levels, and %d in dead-letter backlogs (between two levels; management API figures, refreshed every ~5 s", total, len(counts), dlx)
+	if unknown > 0 {
+		fmt.Fprintf(stdout, "; none yet for %d level(s), shown as -", unknown)
+	}
+	fmt.Fprintln(stdout, ").")
+	if limited > 0 {
+		fmt.Fprintf(stdout, "%d level queue(s) have a length limit: a full level refuses scheduled messages and holds the level above's for minutes; exclude the levels from length-limit policies.\n", limited)
+	}
 	return exitOK
 }
 

@@ -32,6 +32,8 @@ func TestCascadeUsageErrors(t *testing.T) {
 		{[]string{"cascade", "waiting", "--dry-run"}, "--dry-run applies"},
 		{[]string{"cascade", "waiting", "--json"}, "--json applies"},
 		{[]string{"cascade", "waiting", "--queue", "q"}, "apply to show and tidy only"},
+		{[]string{"cascade", "census", "--management-url", "http://h/"}, "apply to show and tidy only"},
+		{[]string{"cascade", "waiting", "--management-url", "ftp://h/"}, "--management-url"},
 		{[]string{"cascade", "census", "--level", "x"}, "--level"},
 		{[]string{"cascade", "waiting", "--grain", "1500us"}, "Grain"},
 		{[]string{"cascade", "waiting", "--levels", "40"}, "Levels"},
@@ -111,6 +113,16 @@ func TestCascadeCommands(t *testing.T) {
 	t.Logf("cascade waiting:\n%s", out)
 	if code != exitOK || !hasRow(out, "5", prefix+".level.05", "3.2s", "6", "0") || !strings.Contains(out, "6 message(s) waiting in 6 levels") {
 		t.Errorf("waiting: exit %d, %s %s", code, out, errOut)
+	}
+	if mgmt := testkit.MgmtURI(); mgmt != "" {
+		code, out, errOut = runArgs(append([]string{"cascade", "waiting", "--management-url", mgmt}, base...)...)
+		t.Logf("cascade waiting --management-url:\n%s", out)
+		// The backlog is 0, or "-" while the management API has no
+		// statistics for the queue yet (created seconds ago).
+		if code != exitOK || !(hasRow(out, "5", prefix+".level.05", "3.2s", "6", "0", "0", "-") || hasRow(out, "5", prefix+".level.05", "3.2s", "6", "0", "-", "-")) ||
+			!strings.Contains(out, "6 message(s) waiting in 6 levels, and 0 in dead-letter backlogs") {
+			t.Errorf("waiting --management-url: exit %d, %s %s", code, out, errOut)
+		}
 	}
 	code, out, errOut = runArgs(append([]string{"cascade", "census", "--json"}, base...)...)
 	var rep cascade.CensusReport

@@ -17,7 +17,9 @@
 //	show     print a table: queue, role, tier, messages, state (ok, missing, orphan)
 //	tidy     delete the empty orphan wait queues; list the ones kept and why
 //	cascade waiting   per level queue: TTL, messages, consumers (cascade.Config.Waiting:
-//	                  passive declares, fast, disturbs nothing)
+//	                  passive declares, fast, disturbs nothing); with --management-url also
+//	                  each level's dead-letter backlog (messages expired out of it and not
+//	                  yet in the next level) and any length limit on it
 //	cascade census    per destination (messages, earliest and latest due time), then per
 //	                  level and destination (cascade.Census): every waiting message is taken
 //	                  out and put back with its remaining delay (the copy's publish and the
