@@ -187,8 +187,10 @@ func levelTTL(grain time.Duration, n int) time.Duration {
 // Validate reports the first invalid field, by name: Prefix reserved or too
 // long, Grain not a positive whole number of milliseconds, Levels outside
 // [1, MaxLevels] or with a top-level TTL above amqpretry.MaxTTL, QueueType
-// neither quorum nor classic, or both Publisher and URI set. Zero fields
-// are valid (defaults); NewDelayer and NewPublisher apply them first.
+// neither quorum nor classic, both Publisher and URI set, or a
+// ManagementURL that is not an http(s) URL (shown without its password).
+// Zero fields are valid (defaults); NewDelayer and NewPublisher apply them
+// first.
 func (c Config) Validate() error {
 	c.setDefaults()
 	if strings.HasPrefix(c.Prefix, "amq.") {

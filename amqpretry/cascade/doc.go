@@ -117,6 +117,16 @@
 // Delayer and Publisher do, once per queue per process) and again after
 // recreating a queue (a subscriber's topology builder is a good place).
 //
+// The same holds between levels: a level queue, level exchange or the
+// delivery exchange deleted by an operator leaves the messages above it
+// in their level's dead-letter buffer. A Delayer or Publisher checks the
+// cascade every Config.TopologyCheck (5 s) and declares it again, with its
+// destinations' bindings, when a piece is missing, so only messages that
+// reached the gap before that wait for the worker's resend. With
+// Config.ManagementURL, Waiting reports each level's dead-letter backlog
+// (LevelCount.DeadLettering) and length limits (a full level refuses
+// publishes: Schedule returns amqpretry.ErrNacked).
+//
 // # What the consumer sees
 //
 // The delivered message keeps its body, properties and headers, plus what
