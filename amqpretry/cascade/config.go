@@ -114,12 +114,14 @@ type Config struct {
 	// (Declare, idempotent: it also restores the bindings deleted with it)
 	// and binds again every destination it has bound. A deleted level
 	// queue, level exchange or delivery exchange is thus back within about
-	// TopologyCheck, and messages that expire after that find their route;
-	// messages whose dead-lettering found no route before that wait in the
+	// TopologyCheck, and messages that expire after that find their route.
+	// Messages whose dead-lettering found no route before that wait in the
 	// previous quorum level's dead-letter buffer until RabbitMQ's
 	// at-least-once dead-letter worker retries them (every
 	// dead_letter_worker_publisher_confirm_timeout, 3 min by default;
-	// classic levels drop them). Default DefaultTopologyCheck (5 s);
+	// classic levels drop them), unless ManagementURL is set: then the
+	// repair has the workers resend at once (see ManagementURL). Default
+	// DefaultTopologyCheck (5 s);
 	// negative disables the check. A bare binding removed on its own is
 	// not seen (AMQP cannot read bindings); Declare restores it.
 	TopologyCheck time.Duration
@@ -128,9 +130,20 @@ type Config struct {
 	// "http://guest:guest@127.0.0.1:15672" (the password is sent as basic
 	// auth and never shown in errors or logs). With it, Waiting also
 	// reports each level's dead-letter backlog and length limits
-	// (LevelCount.DeadLettering, LevelCount.LengthLimit), and the topology
-	// check logs an error for a level queue with a length limit. Default ""
-	// (no management API: DeadLettering is -1, LengthLimit unknown).
+	// (LevelCount.DeadLettering, LevelCount.LengthLimit), the topology
+	// check logs an error for a level queue with a length limit, and after
+	// repairing a deleted piece (TopologyCheck) it has the quorum levels'
+	// dead-letter workers resend their buffers at once instead of at their
+	// next resend (3 min): it applies a policy named
+	// "<Prefix>.dead-letter-retry" to the level queues (priority 2^20,
+	// definition dead-letter-strategy at-least-once, which their arguments
+	// already set) and deletes it again; a policy change makes each quorum
+	// queue's worker look its dead-letter exchange up again and resend
+	// ("Policies"; rabbit_fifo_dlx_worker). For that moment it replaces
+	// any other policy on the level queues, and the user needs the
+	// policymaker (or administrator) tag; without it the repair logs an
+	// error and the messages arrive at the next resend. Default "" (no
+	// management API: DeadLettering is -1, LengthLimit unknown).
 	ManagementURL string
 	// Vhost is the cascade's virtual host, for ManagementURL only (AMQP
 	// uses the connection's). Default "/".
@@ -561,6 +574,9 @@ func (c Config) Waiting(ctx context.Context, ch *amqp.Channel) ([]LevelCount, er
 			return counts, fmt.Errorf("cascade: inspecting level queue %q: %w", c.LevelName(n), err)
 		}
 		counts = append(counts, LevelCount{Level: n, Queue: q.Name, TTL: levelTTL(c.Grain, n), Messages: q.Messages, Consumers: q.Consumers, DeadLettering: -1})
+	}
+	if c.ManagementURL == "" {
+		return counts, nil
 	}
 	stats, err := c.levelStats(ctx)
 	if err != nil {

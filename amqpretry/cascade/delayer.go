@@ -261,6 +261,17 @@ func (c *core) repair(missing string, cause error) {
 			delete(c.bound, q)
 		}
 	}
+	// Messages that expired into the gap wait in a level's dead-letter
+	// buffer for the worker's resend (minutes): with the management API,
+	// have the workers resend now.
+	if c.cfg.ManagementURL != "" && c.cfg.QueueType == amqpretry.QueueTypeQuorum {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		if err := c.cfg.nudgeDeadLetterWorkers(ctx); err != nil {
+			c.cfg.Logger.Error("Delay cascade: could not have the dead-letter workers resend now (management API; the user needs the policymaker tag); "+
+				"messages that expired into the gap arrive at their next resend, minutes late", err, watermill.LogFields{"prefix": c.cfg.Prefix})
+		}
+	}
 }
 
 // forget drops what ensure cached, after the broker showed the topology or

@@ -122,8 +122,9 @@
 // in their level's dead-letter buffer. A Delayer or Publisher checks the
 // cascade every Config.TopologyCheck (5 s) and declares it again, with its
 // destinations' bindings, when a piece is missing, so only messages that
-// reached the gap before that wait for the worker's resend. With
-// Config.ManagementURL, Waiting reports each level's dead-letter backlog
+// reached the gap before that wait for the worker's resend; with
+// Config.ManagementURL the repair has the workers resend them at once (a
+// policy change), and Waiting reports each level's dead-letter backlog
 // (LevelCount.DeadLettering) and length limits (a full level refuses
 // publishes: Schedule returns amqpretry.ErrNacked).
 //

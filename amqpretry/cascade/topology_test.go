@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"os"
 	"regexp"
 	"strings"
 	"testing"
@@ -231,4 +232,65 @@ wait:
 	testkit.WaitFor(t, 10*time.Second, "the topology check's length limit error", func() bool {
 		return strings.Contains(logs.String(), "has a length limit") && strings.Contains(logs.String(), "max-length=2")
 	})
+}
+
+// TestRepairDrainsDeadLetterBacklog: level 1's queue is deleted before 5
+// messages are scheduled 600 ms ahead (levels 2 and 1), so all 5 expire
+// out of level 2 (400 ms) into the gap, before the topology check (every
+// 2 s) repairs it: they sit in level 2's dead-letter buffer, which
+// RabbitMQ's worker resends every 3 minutes. With ManagementURL the repair
+// has the workers resend at once (a policy applied and removed): all 5
+// arrive within the check interval plus the tolerance of their due time.
+func TestRepairDrainsDeadLetterBacklog(t *testing.T) {
+	mgmt := testkit.HaveMgmt(t)
+	if os.Getenv("RABBITRETRY_NUDGE_OFF") != "" { // measure the "before" by hand
+		mgmt = ""
+	}
+	const check = 2 * time.Second
+	f := newFixture(t, Config{Levels: 3, QueueName: queueFromCtx, TopologyCheck: check, ManagementURL: mgmt})
+	q := f.cfg.Prefix + ".dest"
+	arrivals := f.queue(q)
+	d := f.delayer(q)
+	if _, err := f.channel().QueueDelete(f.cfg.LevelName(1), false, false, false); err != nil {
+		t.Fatal(err)
+	}
+	const published = 5
+	const delay = 600 * time.Millisecond
+	sent := time.Now()
+	for i := range published {
+		if err := d.Schedule(queueCtx(q), message.NewMessage(fmt.Sprint(i), nil), delay); err != nil {
+			t.Fatal(err)
+		}
+	}
+	seen := map[string]int{}
+	var early, late, duplicates int
+	var worst time.Duration
+	deadline := time.After(delay + check + 8*time.Second)
+wait:
+	for len(seen) < published {
+		select {
+		case a := <-arrivals:
+			seen[a.msg.UUID]++
+			if seen[a.msg.UUID] > 1 {
+				duplicates++
+			}
+			errd := a.at.Sub(sent) - delay
+			worst = max(worst, errd)
+			switch {
+			case errd < -3*earlyPerLevel:
+				early++
+			case errd > check+lateTolerance:
+				late++
+			}
+		case <-deadline:
+			break wait
+		}
+	}
+	lost := published - len(seen)
+	t.Logf("ACCOUNT %s: published=%d handled=%d poisoned=0 duplicates=%d lost=%d", t.Name(), published, len(seen), duplicates, lost)
+	t.Logf("%s: early=%d late=%d worst=%v (late: more than %v after the delay; lost: not arrived %v after it)",
+		t.Name(), early, late, worst.Round(time.Millisecond), check+lateTolerance, check+8*time.Second)
+	if lost > 0 || early > 0 || late > 0 || duplicates > 0 {
+		t.Errorf("lost %d, early %d, late %d, duplicates %d; want 0", lost, early, late, duplicates)
+	}
 }
