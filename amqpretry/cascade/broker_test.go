@@ -451,11 +451,11 @@ func TestDeclareAndWaiting(t *testing.T) {
 	classic := f.cfg
 	classic.QueueType = amqpretry.QueueTypeClassic
 	ch2 := f.channel()
-	var de *amqpretry.DeclareError
-	// The broker names the first argument that differs (3.10:
-	// x-dead-letter-strategy, which classic level queues do not set).
-	if err := classic.Declare(ch2); !errors.As(err, &de) || de.Kind != "queue" || de.Argument == "" {
-		t.Errorf("redeclaring as classic: %v, want a DeclareError naming an argument", err)
+	// The settings marker refuses it first (SettingsExchange), naming
+	// both settings.
+	if err := classic.Declare(ch2); !errors.Is(err, ErrSettingsMismatch) || !strings.Contains(err.Error(), "levels=26 grain=100ms quorum") ||
+		!strings.Contains(err.Error(), "levels=26 grain=100ms classic") {
+		t.Errorf("redeclaring as classic: %v, want ErrSettingsMismatch naming both settings", err)
 	} else {
 		t.Logf("redeclaring as classic: %v", err)
 	}

@@ -25,7 +25,28 @@ const (
 	// MaxLevels bounds Config.Levels: with the smallest grain (1 ms), level
 	// 31's TTL is 2^31 ms, and 2^32 ms would exceed amqpretry.MaxTTL.
 	MaxLevels = 32
+	// LevelDeliveryLimit is the x-delivery-limit argument quorum level
+	// queues are declared with: 2^31-1 returns, i.e. never reached. A level
+	// queue has no consumer except Census, and an interrupted census (its
+	// connection dropped, a deadline, Ctrl-C) returns every delivery it
+	// held, which RabbitMQ 4.x counts against the queue's delivery limit
+	// (default 20 since 4.0; "Quorum Queues", poison message handling): a
+	// message over the limit is dead-lettered to the next level, i.e.
+	// delivered early. A large finite value, not -1: a negative limit
+	// means "unlimited" on 4.x but acts as 0 (drop after one delivery) on
+	// 3.x, and an argument at declaration is the proven-safe way to set it
+	// (a policy is not needed).
+	LevelDeliveryLimit = 1<<31 - 1
+	// DefaultTopologyCheck is the default of Config.TopologyCheck: 5 s.
+	DefaultTopologyCheck = 5 * time.Second
 )
+
+// ErrSettingsMismatch is returned (wrapped) by Declare when the cascade's
+// prefix is already declared with another Levels, Grain or QueueType: both
+// settings are named in the error. Two processes declaring one prefix with
+// different Levels would bind each level twice with different patterns
+// (duplicates and early deliveries, for good: bindings are durable).
+var ErrSettingsMismatch = errors.New("cascade: the cascade is already declared with other settings")
 
 // Config configures the delay cascade. The zero value is usable: zero
 // fields take the defaults given. Every process sharing a vhost's cascade
@@ -84,6 +105,54 @@ type Config struct {
 	// Logger receives warnings (a clamped delay, a redeclared topology).
 	// Default watermill.NopLogger{}.
 	Logger watermill.LoggerAdapter
+	// TopologyCheck is how often a Delayer or Publisher that has declared
+	// the cascade checks that it is still there: the settings marker, the
+	// delivery exchange and every level's exchange and queue (passive
+	// declares, 2 × Levels + 2 reads on one channel, no writes). If one is
+	// missing (an operator deleted it, or a tool like `rabbitmqctl
+	// delete_queue`), it logs an error, declares the whole cascade again
+	// (Declare, idempotent: it also restores the bindings deleted with it)
+	// and binds again every destination it has bound. A deleted level
+	// queue, level exchange or delivery exchange is thus back within about
+	// TopologyCheck, and messages that expire after that find their route.
+	// Messages whose dead-lettering found no route before that wait in the
+	// previous quorum level's dead-letter buffer until RabbitMQ's
+	// at-least-once dead-letter worker retries them (every
+	// dead_letter_worker_publisher_confirm_timeout, 3 min by default;
+	// classic levels drop them), unless ManagementURL is set: then the
+	// repair has the workers resend at once (see ManagementURL). Default
+	// DefaultTopologyCheck (5 s);
+	// negative disables the check. A bare binding removed on its own is
+	// not seen (AMQP cannot read bindings); Declare restores it.
+	TopologyCheck time.Duration
+	// ManagementURL, when set, is the base URL of the RabbitMQ management
+	// HTTP API ("Management Plugin", HTTP API), with credentials, e.g.
+	// "http://guest:guest@127.0.0.1:15672" (the password is sent as basic
+	// auth and never shown in errors or logs). With it, Waiting also
+	// reports each level's dead-letter backlog and length limits
+	// (LevelCount.DeadLettering, LevelCount.LengthLimit), the topology
+	// check logs an error for a level queue with a length limit, and after
+	// repairing a deleted piece (TopologyCheck) it has the quorum levels'
+	// dead-letter workers resend their buffers at once instead of at their
+	// next resend (3 min): it applies a policy named
+	// "<Prefix>.dead-letter-retry" to the level queues (priority 2^20,
+	// definition dead-letter-strategy at-least-once, which their arguments
+	// already set) and deletes it again; a policy change makes each quorum
+	// queue's worker look its dead-letter exchange up again and resend
+	// ("Policies"; rabbit_fifo_dlx_worker). For that moment it replaces
+	// any other policy on the level queues, and the user needs the
+	// policymaker (or administrator) tag; without it the repair logs an
+	// error and the messages arrive at the next resend. Default "" (no
+	// management API: DeadLettering is -1, LengthLimit unknown).
+	ManagementURL string
+	// Vhost is the cascade's virtual host, for ManagementURL only (AMQP
+	// uses the connection's). Default "/".
+	Vhost string
+
+	// legacyLevels: the level queues were declared by a version without
+	// x-delivery-limit (set by the Delayer/Publisher after the broker
+	// refused the new argument); declare them as they are.
+	legacyLevels bool
 }
 
 func (c *Config) setDefaults() {
@@ -104,6 +173,9 @@ func (c *Config) setDefaults() {
 	}
 	if c.Logger == nil {
 		c.Logger = watermill.NopLogger{}
+	}
+	if c.TopologyCheck == 0 {
+		c.TopologyCheck = DefaultTopologyCheck
 	}
 }
 
@@ -128,8 +200,10 @@ func levelTTL(grain time.Duration, n int) time.Duration {
 // Validate reports the first invalid field, by name: Prefix reserved or too
 // long, Grain not a positive whole number of milliseconds, Levels outside
 // [1, MaxLevels] or with a top-level TTL above amqpretry.MaxTTL, QueueType
-// neither quorum nor classic, or both Publisher and URI set. Zero fields
-// are valid (defaults); NewDelayer and NewPublisher apply them first.
+// neither quorum nor classic, both Publisher and URI set, or a
+// ManagementURL that is not an http(s) URL (shown without its password).
+// Zero fields are valid (defaults); NewDelayer and NewPublisher apply them
+// first.
 func (c Config) Validate() error {
 	c.setDefaults()
 	if strings.HasPrefix(c.Prefix, "amq.") {
@@ -153,6 +227,9 @@ func (c Config) Validate() error {
 	}
 	if c.Publisher != nil && c.URI != "" {
 		return errors.New("cascade.Config: both Publisher and URI are set; set one")
+	}
+	if _, err := c.managementClient(); err != nil {
+		return err
 	}
 	return nil
 }
@@ -236,20 +313,70 @@ func (c *Config) levelArgs(n int) amqp.Table {
 	if c.QueueType == amqpretry.QueueTypeQuorum {
 		args["x-dead-letter-strategy"] = "at-least-once"
 		args["x-overflow"] = "reject-publish"
+		if !c.legacyLevels {
+			args["x-delivery-limit"] = int64(LevelDeliveryLimit)
+		}
 	}
 	return args
+}
+
+// SettingsExchange is the name of the cascade's settings marker:
+// "<Prefix>.settings", an internal fanout exchange that routes nothing.
+// Declare declares it first, with the settings (Levels, Grain, QueueType)
+// written in its alternate-exchange argument, the one exchange argument
+// RabbitMQ compares on a redeclare ("Exchanges", equivalence): a second
+// Declare with other settings is refused by the broker (406
+// PRECONDITION_FAILED) before it binds anything, and Declare returns
+// ErrSettingsMismatch naming both. The alternate exchange it names does
+// not exist and is never used (nothing is published to an internal
+// exchange).
+func (c Config) SettingsExchange() string {
+	c.setDefaults()
+	return c.Prefix + ".settings"
+}
+
+// settings is the marker's value: "levels=L grain=G T" (short: the
+// broker's refusal, which quotes it twice, is limited to 255 bytes).
+func (c *Config) settings() string {
+	return fmt.Sprintf("levels=%d grain=%v %s", c.Levels, c.Grain, c.QueueType)
+}
+
+var aeValues = regexp.MustCompile(`received '([^']*)' but current is '([^']*)'`)
+
+// declareSettings declares the settings marker (see SettingsExchange).
+func (c *Config) declareSettings(ch *amqp.Channel) error {
+	err := ch.ExchangeDeclare(c.SettingsExchange(), amqp.ExchangeFanout, true, false, true, false,
+		amqp.Table{"alternate-exchange": c.settings()})
+	if err == nil {
+		return nil
+	}
+	var aerr *amqp.Error
+	if errors.As(err, &aerr) && aerr.Code == amqp.PreconditionFailed {
+		found := "other settings (the broker's message is truncated)"
+		if m := aeValues.FindStringSubmatch(aerr.Reason); m != nil {
+			found = m[2]
+		}
+		return fmt.Errorf("%w: prefix %q is declared with %s, this Config has %s (every process sharing a cascade must use the same Levels, Grain and QueueType; use another Prefix, or Delete the cascade once it is empty): %w",
+			ErrSettingsMismatch, c.Prefix, found, c.settings(), err)
+	}
+	return declareError("exchange", c.SettingsExchange(), err)
 }
 
 // Declare declares the whole fixed topology on ch, idempotently (RabbitMQ
 // declares are no-ops when the object exists with the same arguments):
 //
+//   - first the settings marker (SettingsExchange): if the prefix is
+//     already declared with other Levels, Grain or QueueType, Declare
+//     stops there with ErrSettingsMismatch (wrapped, naming both), having
+//     bound nothing (the broker closes ch);
 //   - the delivery exchange (topic, durable);
 //   - per level n in [0, Levels): exchange "<Prefix>.level.NN" (topic,
 //     durable) and queue "<Prefix>.level.NN" (durable, QueueType,
 //     x-message-ttl 2^n × Grain in ms, x-dead-letter-exchange level n-1's
 //     exchange or, for level 0, the delivery exchange, no
 //     x-dead-letter-routing-key so the message keeps its key; quorum:
-//     x-dead-letter-strategy at-least-once, x-overflow reject-publish);
+//     x-dead-letter-strategy at-least-once, x-overflow reject-publish,
+//     x-delivery-limit LevelDeliveryLimit);
 //   - level n's exchange bound to its queue with "*." × (Levels-1-n) + "1.#"
 //     and to the next exchange (exchange-to-exchange binding, RabbitMQ
 //     "Exchange to Exchange Bindings") with "*." × (Levels-1-n) + "0.#".
@@ -259,9 +386,16 @@ func (c *Config) levelArgs(n int) amqp.Table {
 // *amqpretry.DeclareError (Kind "exchange", "queue" or "binding") for the
 // first refused operation; the broker then closes ch (a queue declared with
 // other arguments: 406 PRECONDITION_FAILED, Argument names the argument).
+// Quorum level queues declared by a version without x-delivery-limit are
+// refused with Argument "x-delivery-limit" and Found "none"; the Delayer
+// and the Publisher then keep using them as they are and log a warning
+// (see the README's upgrade note: recreate the levels once empty).
 func (c Config) Declare(ch *amqp.Channel) error {
 	c, err := c.resolved()
 	if err != nil {
+		return err
+	}
+	if err := c.declareSettings(ch); err != nil {
 		return err
 	}
 	if err := ch.ExchangeDeclare(c.DeliveryExchange(), amqp.ExchangeTopic, true, false, false, false, nil); err != nil {
@@ -331,7 +465,8 @@ func (c Config) UnbindDestination(ch *amqp.Channel, queue string) error {
 }
 
 // Delete deletes the level queues (with every message waiting in them),
-// the level exchanges and the delivery exchange (unconditionally; missing
+// the level exchanges, the delivery exchange and the settings marker
+// (unconditionally; missing
 // ones are not an error: queue.delete and exchange.delete of a missing
 // object succeed on RabbitMQ 3.10+). For tests and decommissioning. It
 // returns Validate's error or the first broker error.
@@ -353,7 +488,18 @@ func (c Config) Delete(ch *amqp.Channel) error {
 	if err := ch.ExchangeDelete(c.DeliveryExchange(), false, false); err != nil {
 		return fmt.Errorf("cascade: deleting exchange %q: %w", c.DeliveryExchange(), err)
 	}
+	if err := ch.ExchangeDelete(c.SettingsExchange(), false, false); err != nil {
+		return fmt.Errorf("cascade: deleting exchange %q: %w", c.SettingsExchange(), err)
+	}
 	return nil
+}
+
+// legacyLevelQueue reports whether err is the broker refusing a level
+// queue's x-delivery-limit because the queue was declared without one (by
+// an earlier version of this package).
+func legacyLevelQueue(err error) bool {
+	var de *amqpretry.DeclareError
+	return errors.As(err, &de) && de.Kind == "queue" && de.Argument == "x-delivery-limit" && de.Found == "none"
 }
 
 // LevelCount is what Waiting reports for one level.
@@ -373,15 +519,46 @@ type LevelCount struct {
 	// Consumers should be 0: anything consuming a level queue takes
 	// messages out of the cascade.
 	Consumers int
+	// DeadLettering is the level's dead-letter backlog: messages that
+	// expired out of this level and that RabbitMQ's at-least-once
+	// dead-letter worker has not yet handed to the next level (a quorum
+	// queue's messages_dlx, "Quorum Queues", at-least-once
+	// dead-lettering), read from the management API, which refreshes it
+	// about every 5 s. Normally 0 or a few in transit; a lasting backlog
+	// means the next hop had no route or refused them (a deleted level
+	// queue or exchange, a length limit): they are still safe in this
+	// queue and the worker retries them every
+	// dead_letter_worker_publisher_confirm_timeout (3 min by default).
+	// These messages are not in Messages: the cascade holds Messages +
+	// DeadLettering. -1 when unknown: Config.ManagementURL not set, a
+	// classic level (no buffer: it dead-letters at-most-once), or a queue
+	// the management API has no statistics for yet (created seconds ago).
+	DeadLettering int
+	// LengthLimit lists the length limits in force on the level queue
+	// ("max-length=100", "max-length-bytes=…", from a policy, an operator
+	// policy or an argument; "Queue Length Limit"), read from the
+	// management API; "" when none, or when Config.ManagementURL is not
+	// set. Levels must have none: a full quorum level refuses publishes
+	// (x-overflow reject-publish: Schedule returns amqpretry.ErrNacked and
+	// the message is retried or nacked by the caller, never lost) and
+	// dead-lettering into it (the messages wait in the level above for
+	// the dead-letter worker's retry, minutes late).
+	LengthLimit string
 }
 
 // Waiting reports, per level (level 0 first), how many messages wait in
 // the level queue, with a passive queue.declare each. A message is counted
 // in the level it is in now; how long it still waits, and for which
 // destination, is in its routing key and DueHeader, which can only be read
-// by consuming it: Census does, and gives per-destination counts. It
-// returns Validate's error, ctx's error (checked between declares), or the
-// broker's error (a missing level queue: 404 NOT_FOUND, which closes ch).
+// by consuming it: Census does, and gives per-destination counts. A ready
+// count does not include the level's dead-letter backlog (messages that
+// expired and are not yet in the next level): with Config.ManagementURL
+// set, Waiting reads it (and length limits) from the management API, one
+// GET for all levels (LevelCount.DeadLettering, LengthLimit); without,
+// DeadLettering is -1. It returns Validate's error, ctx's error (checked
+// between declares), the broker's error (a missing level queue: 404
+// NOT_FOUND, which closes ch), or the management API's error (with the
+// counts read so far).
 func (c Config) Waiting(ctx context.Context, ch *amqp.Channel) ([]LevelCount, error) {
 	c, err := c.resolved()
 	if err != nil {
@@ -396,7 +573,24 @@ func (c Config) Waiting(ctx context.Context, ch *amqp.Channel) ([]LevelCount, er
 		if err != nil {
 			return counts, fmt.Errorf("cascade: inspecting level queue %q: %w", c.LevelName(n), err)
 		}
-		counts = append(counts, LevelCount{Level: n, Queue: q.Name, TTL: levelTTL(c.Grain, n), Messages: q.Messages, Consumers: q.Consumers})
+		counts = append(counts, LevelCount{Level: n, Queue: q.Name, TTL: levelTTL(c.Grain, n), Messages: q.Messages, Consumers: q.Consumers, DeadLettering: -1})
+	}
+	if c.ManagementURL == "" {
+		return counts, nil
+	}
+	stats, err := c.levelStats(ctx)
+	if err != nil {
+		return counts, err
+	}
+	for i := range counts {
+		s, ok := stats[counts[i].Queue]
+		if !ok {
+			continue
+		}
+		if s.MessagesDLX != nil {
+			counts[i].DeadLettering = *s.MessagesDLX
+		}
+		counts[i].LengthLimit = s.lengthLimit()
 	}
 	return counts, nil
 }

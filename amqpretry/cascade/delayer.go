@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -25,6 +26,40 @@ type core struct {
 	mu       sync.Mutex
 	declared bool
 	bound    map[string]bool
+	// legacy: the level queues were declared without x-delivery-limit (by
+	// an earlier version); declare them as they are.
+	legacy atomic.Bool
+
+	// The topology check (Config.TopologyCheck): started by the first
+	// declare, stopped by close.
+	watchOnce sync.Once
+	stopOnce  sync.Once
+	stop      chan struct{}
+	done      chan struct{}
+}
+
+// declare is Config.Declare on ch, with the level queues as found: if the
+// broker refuses x-delivery-limit on a level queue declared without one
+// (an earlier version's), it logs a warning and declares them without it
+// from then on, on a new channel of the publisher (the refusal closed ch).
+func (c *core) declare(ch *amqp.Channel) error {
+	cfg := c.cfg
+	cfg.legacyLevels = c.legacy.Load()
+	err := cfg.Declare(ch)
+	if err == nil || cfg.legacyLevels || !legacyLevelQueue(err) {
+		return err
+	}
+	c.cfg.Logger.Error("Delay cascade level queues were declared without x-delivery-limit by an earlier version; "+
+		"using them as they are (on RabbitMQ 4.x, a message returned 20 times by interrupted censuses moves on early). "+
+		"Recreate the cascade once it is empty (README, delay cascade, upgrading)", err, watermill.LogFields{"prefix": c.cfg.Prefix})
+	c.legacy.Store(true)
+	cfg.legacyLevels = true
+	ch2, cerr := c.pub.Channel()
+	if cerr != nil {
+		return errors.Join(err, cerr)
+	}
+	defer ch2.Close()
+	return cfg.Declare(ch2)
 }
 
 func newCore(cfg Config) (*core, error) {
@@ -32,7 +67,7 @@ func newCore(cfg Config) (*core, error) {
 	if err != nil {
 		return nil, err
 	}
-	c := &core{cfg: cfg, pub: cfg.Publisher, bound: map[string]bool{}}
+	c := &core{cfg: cfg, pub: cfg.Publisher, bound: map[string]bool{}, stop: make(chan struct{})}
 	if c.pub == nil {
 		if cfg.URI == "" {
 			return nil, errors.New("cascade.Config: Publisher and URI are both empty; set one")
@@ -47,6 +82,11 @@ func newCore(cfg Config) (*core, error) {
 }
 
 func (c *core) close() error {
+	c.watchOnce.Do(func() {}) // no check starts after this
+	c.stopOnce.Do(func() { close(c.stop) })
+	if c.done != nil {
+		<-c.done
+	}
 	if c.ownPub {
 		return c.pub.Close()
 	}
@@ -70,16 +110,168 @@ func (c *core) ensureBound(queue string, force bool) error {
 	}
 	defer ch.Close()
 	if !c.declared {
-		if err := c.cfg.Declare(ch); err != nil {
+		if err := c.declare(ch); err != nil {
 			return err
 		}
 		c.declared = true
+		c.startWatch()
+		if ch.IsClosed() { // closed by a refused legacy level queue (core.declare)
+			if ch, err = c.pub.Channel(); err != nil {
+				return err
+			}
+			defer ch.Close()
+		}
 	}
 	if err := c.cfg.BindDestination(ch, queue); err != nil {
 		return err
 	}
 	c.bound[queue] = true
 	return nil
+}
+
+// startWatch starts the topology check (once; not after close). Called
+// with c.mu held.
+func (c *core) startWatch() {
+	if c.cfg.TopologyCheck < 0 {
+		return
+	}
+	c.watchOnce.Do(func() {
+		c.done = make(chan struct{})
+		go c.watch()
+	})
+}
+
+// watch checks the topology every TopologyCheck until close, and repairs it
+// when a piece is missing.
+func (c *core) watch() {
+	defer close(c.done)
+	t := time.NewTicker(c.cfg.TopologyCheck)
+	defer t.Stop()
+	warned := map[string]string{}
+	for {
+		select {
+		case <-c.stop:
+			return
+		case <-t.C:
+		}
+		missing, err := c.checkTopology()
+		if missing != "" {
+			c.repair(missing, err)
+			continue
+		}
+		if err != nil {
+			c.cfg.Logger.Debug("Delay cascade topology check skipped", watermill.LogFields{"prefix": c.cfg.Prefix, "error": err.Error()})
+			continue
+		}
+		c.checkLengthLimits(warned)
+	}
+}
+
+// checkLengthLimits logs an error for each level queue the management API
+// (Config.ManagementURL) shows with a length limit, once per level and
+// limit (warned remembers them).
+func (c *core) checkLengthLimits(warned map[string]string) {
+	if c.cfg.ManagementURL == "" {
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), c.cfg.TopologyCheck)
+	defer cancel()
+	stats, err := c.cfg.levelStats(ctx)
+	if err != nil {
+		c.cfg.Logger.Debug("Delay cascade length limit check skipped", watermill.LogFields{"prefix": c.cfg.Prefix, "error": err.Error()})
+		return
+	}
+	for name, s := range stats {
+		limit := s.lengthLimit()
+		if limit != "" && warned[name] != limit {
+			c.cfg.Logger.Error("Delay cascade level queue has a length limit (a policy?): once full it refuses scheduled messages "+
+				"(Schedule fails with a nack) and dead-lettering from the level above (those wait minutes in its dead-letter buffer); "+
+				"exclude the level queues from length-limit policies", nil, watermill.LogFields{"queue": name, "limit": limit})
+		}
+		warned[name] = limit
+	}
+}
+
+// checkTopology passively declares the settings marker, the delivery
+// exchange and each level's exchange and queue; it returns the name of the
+// first one the broker reports missing (404 NOT_FOUND) with the error, or
+// "" and an error that says nothing about the topology (no channel).
+func (c *core) checkTopology() (missing string, err error) {
+	ch, err := c.pub.Channel()
+	if err != nil {
+		return "", err
+	}
+	defer ch.Close()
+	check := func(name string, err error) (string, error) {
+		var aerr *amqp.Error
+		if errors.As(err, &aerr) && aerr.Code == amqp.NotFound {
+			return name, err
+		}
+		return "", err
+	}
+	cfg := &c.cfg
+	if err := ch.ExchangeDeclarePassive(cfg.SettingsExchange(), amqp.ExchangeFanout, true, false, true, false, nil); err != nil {
+		return check("exchange "+cfg.SettingsExchange(), err)
+	}
+	if err := ch.ExchangeDeclarePassive(cfg.DeliveryExchange(), amqp.ExchangeTopic, true, false, false, false, nil); err != nil {
+		return check("exchange "+cfg.DeliveryExchange(), err)
+	}
+	for n := cfg.Levels - 1; n >= 0; n-- {
+		name := cfg.LevelName(n)
+		if err := ch.ExchangeDeclarePassive(name, amqp.ExchangeTopic, true, false, false, false, nil); err != nil {
+			return check("exchange "+name, err)
+		}
+		if _, err := ch.QueueDeclarePassive(name, true, false, false, false, nil); err != nil {
+			return check("queue "+name, err)
+		}
+	}
+	return "", nil
+}
+
+// repair declares the cascade again and binds again every destination
+// bound so far, after checkTopology found missing missing. A destination
+// that cannot be bound (its queue deleted) is dropped from the cache: the
+// next publish to it binds it or reports why not.
+func (c *core) repair(missing string, cause error) {
+	c.cfg.Logger.Error("Delay cascade topology incomplete (deleted by an operator?); declaring it again", cause, watermill.LogFields{
+		"prefix": c.cfg.Prefix, "missing": missing})
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.declared = false
+	ch, err := c.pub.Channel()
+	if err != nil {
+		c.cfg.Logger.Error("Delay cascade redeclare failed; retrying at the next check", err, watermill.LogFields{"prefix": c.cfg.Prefix})
+		return
+	}
+	defer func() { _ = ch.Close() }()
+	if err := c.declare(ch); err != nil {
+		c.cfg.Logger.Error("Delay cascade redeclare failed; retrying at the next check", err, watermill.LogFields{"prefix": c.cfg.Prefix})
+		return
+	}
+	c.declared = true
+	for q := range c.bound {
+		if ch.IsClosed() {
+			if ch, err = c.pub.Channel(); err != nil {
+				c.declared = false // bind the rest at the next check
+				return
+			}
+		}
+		if err := c.cfg.BindDestination(ch, q); err != nil {
+			c.cfg.Logger.Error("Delay cascade: binding a destination again failed", err, watermill.LogFields{"prefix": c.cfg.Prefix, "queue": q})
+			delete(c.bound, q)
+		}
+	}
+	// Messages that expired into the gap wait in a level's dead-letter
+	// buffer for the worker's resend (minutes): with the management API,
+	// have the workers resend now.
+	if c.cfg.ManagementURL != "" && c.cfg.QueueType == amqpretry.QueueTypeQuorum {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		if err := c.cfg.nudgeDeadLetterWorkers(ctx); err != nil {
+			c.cfg.Logger.Error("Delay cascade: could not have the dead-letter workers resend now (management API; the user needs the policymaker tag); "+
+				"messages that expired into the gap arrive at their next resend, minutes late", err, watermill.LogFields{"prefix": c.cfg.Prefix})
+		}
+	}
 }
 
 // forget drops what ensure cached, after the broker showed the topology or

@@ -84,9 +84,18 @@
 // dead-lettering, RabbitMQ 3.10+): the level queue keeps a message until
 // the next level's queue (or the destination) confirmed it, so the cascade
 // is at-least-once across node restarts (a duplicate is possible, a loss
-// is not). Classic queues dead-letter at-most-once ("Dead Letter
-// Exchanges": a message expiring while the node stops, or routed nowhere,
-// is lost); choose them only where that is acceptable.
+// is not). Quorum level queues also carry x-delivery-limit
+// LevelDeliveryLimit (2^31-1): returns by interrupted censuses count
+// against a quorum queue's delivery limit on RabbitMQ 4.x (default 20), and
+// a message over it would be dead-lettered to the next level, early.
+// Classic queues dead-letter at-most-once ("Dead Letter Exchanges": a
+// message expiring while the node stops, or routed nowhere, is lost);
+// choose them only where that is acceptable.
+//
+// Every process sharing a prefix must use the same Levels, Grain and
+// QueueType: Declare first declares a settings marker (SettingsExchange)
+// that the broker refuses to redeclare with other settings, and returns
+// ErrSettingsMismatch naming both before binding anything.
 //
 // Publishing is mandatory with publisher confirms (amqpretry's
 // ConfirmPublisher, "Consumer Acknowledgements and Publisher Confirms"):
@@ -107,6 +116,17 @@
 // 3 min by default). Bind each destination before publishing to it (the
 // Delayer and Publisher do, once per queue per process) and again after
 // recreating a queue (a subscriber's topology builder is a good place).
+//
+// The same holds between levels: a level queue, level exchange or the
+// delivery exchange deleted by an operator leaves the messages above it
+// in their level's dead-letter buffer. A Delayer or Publisher checks the
+// cascade every Config.TopologyCheck (5 s) and declares it again, with its
+// destinations' bindings, when a piece is missing, so only messages that
+// reached the gap before that wait for the worker's resend; with
+// Config.ManagementURL the repair has the workers resend them at once (a
+// policy change), and Waiting reports each level's dead-letter backlog
+// (LevelCount.DeadLettering) and length limits (a full level refuses
+// publishes: Schedule returns amqpretry.ErrNacked).
 //
 // # What the consumer sees
 //
@@ -141,14 +161,17 @@
 // message. Counts per destination, with the earliest and latest due time,
 // come from Census: it takes the waiting messages out of the level queues
 // and puts each back with its remaining delay (every message the Delayer
-// and Publisher send carries its due time in DueHeader), acking the
-// original only after the confirmed put-back, so a crash can duplicate a
-// message, never lose it; CensusOptions.Move readdresses a queue's waiting
-// messages to another queue on the way. Config.Redirect is the instant
-// alternative for a decommissioned queue: it binds the new queue with the
-// old one's delivery pattern and unbinds the old one, so the waiting
-// messages arrive at the new queue when due, untouched. The command
-// rabbitretry-topology has both (cascade waiting|census|move|redirect).
+// and Publisher send carries its due time in DueHeader, clamped to what
+// its level and key allow), the copy's publish and the original's ack in
+// one transaction, so an interrupted census (Ctrl-C, deadline, dropped
+// connection, resource alarm) leaves each message put back or untouched,
+// and returns within its deadline + about 2 s; CensusOptions.Move
+// readdresses a queue's waiting messages to another queue on the way.
+// Config.Redirect is the instant alternative for a decommissioned queue:
+// it binds the new queue with the old one's delivery pattern and unbinds
+// the old one, so the waiting messages arrive at the new queue when due,
+// untouched; Config.Unredirect undoes it. The command rabbitretry-topology
+// has them all (cascade waiting|census|move|redirect|unredirect).
 // Config.Delete removes the cascade with every waiting message.
 //
 // RabbitMQ pages relied upon: "Time-To-Live and Expiration" (queue TTL,

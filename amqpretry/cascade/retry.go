@@ -77,7 +77,19 @@ func DelayerFactory(cfg Config) amqpretry.DelayerFactory {
 // topology channel), and records both, so the first Schedule for queue
 // needs no declare of its own.
 func (c *core) bindOn(ch *amqp.Channel, queue string) error {
-	if err := c.cfg.Declare(ch); err != nil {
+	c.mu.Lock()
+	first := !c.declared
+	c.mu.Unlock()
+	if first {
+		// On the publisher's channel first: finds level queues of an
+		// earlier version (core.declare) without closing ch.
+		if err := c.ensureBound(queue, true); err != nil {
+			return err
+		}
+	}
+	cfg := c.cfg
+	cfg.legacyLevels = c.legacy.Load()
+	if err := cfg.Declare(ch); err != nil {
 		return err
 	}
 	if err := c.cfg.BindDestination(ch, queue); err != nil {

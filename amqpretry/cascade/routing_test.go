@@ -2,6 +2,7 @@ package cascade
 
 import (
 	"errors"
+	"fmt"
 	"math/rand/v2"
 	"strings"
 	"testing"
@@ -283,7 +284,11 @@ func TestValidate(t *testing.T) {
 		{Config{Levels: 27}, "Levels"}, // 2^26 × 100 ms > MaxTTL
 		{Config{QueueType: "stream"}, "QueueType"},
 		{Config{URI: "amqp://x", Publisher: &amqpretry.ConfirmPublisher{}}, "Publisher"},
+		{Config{ManagementURL: "ftp://u:s3cret@h/"}, "ManagementURL"},
 	} {
+		if strings.Contains(fmt.Sprint(c.cfg.Validate()), "s3cret") {
+			t.Errorf("Validate shows the management password: %v", c.cfg.Validate())
+		}
 		err := c.cfg.Validate()
 		if err == nil || !strings.Contains(err.Error(), c.field) {
 			t.Errorf("%+v: Validate() = %v, want an error naming %s", c.cfg, err, c.field)

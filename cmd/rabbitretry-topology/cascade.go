@@ -7,6 +7,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"net/url"
 	"strconv"
 	"strings"
 	"text/tabwriter"
@@ -28,8 +29,8 @@ func (c *cascadeOptions) flags(fs *flag.FlagSet) {
 	fs.StringVar(&c.prefix, "cascade-prefix", "", "cascade: name `prefix` of the delay cascade (default "+cascade.DefaultPrefix+")")
 	fs.DurationVar(&c.grain, "grain", 0, "cascade: the cascade's `grain` (default 100ms)")
 	fs.IntVar(&c.levels, "levels", 0, "cascade: number of `levels` (default: derived from --grain, 26 for 100ms)")
-	fs.StringVar(&c.from, "from", "", "cascade move, redirect: the destination `queue` to take messages from")
-	fs.StringVar(&c.to, "to", "", "cascade move, redirect: the destination `queue` to give them to (must exist)")
+	fs.StringVar(&c.from, "from", "", "cascade move, redirect, unredirect: the destination `queue` to take messages from")
+	fs.StringVar(&c.to, "to", "", "cascade move, redirect, unredirect: the destination `queue` to give them to (must exist)")
 	fs.StringVar(&c.levelList, "level", "", "cascade census, move: only these `levels`, comma-separated (default all)")
 }
 
@@ -43,7 +44,7 @@ func (c *cascadeOptions) unused() error {
 	case c.levels != 0:
 		return errors.New("--levels applies to the cascade commands only")
 	case c.from != "" || c.to != "":
-		return errors.New("--from and --to apply to cascade move and redirect only")
+		return errors.New("--from and --to apply to cascade move, redirect and unredirect only")
 	case c.levelList != "":
 		return errors.New("--level applies to cascade census and move only")
 	}
@@ -65,10 +66,11 @@ func parseLevels(s string) ([]int, error) {
 	return out, nil
 }
 
-// runCascade runs "cascade SUB": waiting, census, move or redirect.
+// runCascade runs "cascade SUB": waiting, census, move, redirect or
+// unredirect.
 func runCascade(ctx context.Context, o *options, pos []string, stdout, stderr io.Writer) int {
 	if len(pos) == 0 {
-		return usageErr(stderr, "cascade: missing subcommand (waiting, census, move or redirect)")
+		return usageErr(stderr, "cascade: missing subcommand (waiting, census, move, redirect or unredirect)")
 	}
 	sub := pos[0]
 	if len(pos) > 1 {
@@ -76,12 +78,12 @@ func runCascade(ctx context.Context, o *options, pos []string, stdout, stderr io
 	}
 	co := &o.cascade
 	switch sub {
-	case "waiting", "census", "move", "redirect":
+	case "waiting", "census", "move", "redirect", "unredirect":
 	default:
-		return usageErr(stderr, "cascade: unknown subcommand %q (want waiting, census, move or redirect)", sub)
+		return usageErr(stderr, "cascade: unknown subcommand %q (want waiting, census, move, redirect or unredirect)", sub)
 	}
-	if o.queue != "" || o.tiers != "" || o.waitEx != "" || o.poisonEx != "" || o.loopBackEx != "" || o.mgmtURL != "" {
-		return usageErr(stderr, "cascade %s: --queue, --tiers, --management-url and the exchange flags apply to show and tidy only", sub)
+	if o.queue != "" || o.tiers != "" || o.waitEx != "" || o.poisonEx != "" || o.loopBackEx != "" || (o.mgmtURL != "" && sub != "waiting") {
+		return usageErr(stderr, "cascade %s: --queue, --tiers, --management-url and the exchange flags apply to show and tidy only (--management-url also to cascade waiting)", sub)
 	}
 	if o.dryRun && sub != "move" {
 		return usageErr(stderr, "--dry-run applies to tidy and cascade move only")
@@ -89,12 +91,12 @@ func runCascade(ctx context.Context, o *options, pos []string, stdout, stderr io
 	if o.json && sub != "census" {
 		return usageErr(stderr, "--json applies to show and cascade census only")
 	}
-	moving := sub == "move" || sub == "redirect"
+	moving := sub == "move" || sub == "redirect" || sub == "unredirect"
 	if moving && (co.from == "" || co.to == "") {
 		return usageErr(stderr, "cascade %s: --from and --to are required", sub)
 	}
 	if !moving && (co.from != "" || co.to != "") {
-		return usageErr(stderr, "--from and --to apply to cascade move and redirect only")
+		return usageErr(stderr, "--from and --to apply to cascade move, redirect and unredirect only")
 	}
 	if co.levelList != "" && sub != "census" && sub != "move" {
 		return usageErr(stderr, "--level applies to cascade census and move only")
@@ -110,6 +112,16 @@ func runCascade(ctx context.Context, o *options, pos []string, stdout, stderr io
 	}
 	sec := secrets{au.Password}
 	cfg := cascade.Config{Prefix: co.prefix, Grain: co.grain, Levels: co.levels, QueueType: o.queueType}
+	if o.mgmtURL != "" { // cascade waiting: dead-letter backlogs and length limits too
+		mu, err := url.Parse(o.mgmtURL)
+		if err != nil || (mu.Scheme != "http" && mu.Scheme != "https") || mu.Host == "" {
+			return usageErr(stderr, "--management-url: want an http(s) URL such as %s", defaultMgmtURL)
+		}
+		if p, ok := mu.User.Password(); ok {
+			sec = append(sec, p)
+		}
+		cfg.ManagementURL, cfg.Vhost = o.mgmtURL, au.Vhost
+	}
 	if err := cfg.Validate(); err != nil {
 		return usageErr(stderr, "%s", strings.TrimPrefix(err.Error(), "cascade."))
 	}
@@ -163,6 +175,15 @@ func runCascade(ctx context.Context, o *options, pos []string, stdout, stderr io
 		fmt.Fprintf(stdout, "Redirected: messages for %q now arrive at %q (binding %q on %s); %q is unbound.\n",
 			co.from, co.to, strings.Repeat("*.", cfg.Levels)+co.from, cfg.DeliveryExchange(), co.from)
 		fmt.Fprintf(stdout, "Anything that binds %q again (its Delayer, Publisher or subscriber) makes its messages arrive at both queues.\n", co.from)
+		fmt.Fprintf(stdout, "Undo: %s cascade unredirect --from %s --to %s (same cascade flags).\n", prog, co.from, co.to)
+		return exitOK
+	}
+	if sub == "unredirect" {
+		if err := cfg.Unredirect(ch, co.from, co.to); err != nil {
+			return sec.fail(stderr, err)
+		}
+		fmt.Fprintf(stdout, "Unredirected: messages for %q arrive at %q again (binding %q on %s); %q no longer gets them.\n",
+			co.from, co.from, strings.Repeat("*.", cfg.Levels)+co.from, cfg.DeliveryExchange(), co.to)
 		return exitOK
 	}
 	counts, err := cfg.Waiting(ctx, ch)
@@ -170,14 +191,45 @@ func runCascade(ctx context.Context, o *options, pos []string, stdout, stderr io
 		return sec.fail(stderr, err)
 	}
 	tw := tabwriter.NewWriter(stdout, 0, 4, 2, ' ', 0)
-	fmt.Fprintln(tw, "LEVEL\tQUEUE\tTTL\tMESSAGES\tCONSUMERS")
-	total := 0
+	if cfg.ManagementURL == "" {
+		fmt.Fprintln(tw, "LEVEL\tQUEUE\tTTL\tMESSAGES\tCONSUMERS")
+	} else {
+		fmt.Fprintln(tw, "LEVEL\tQUEUE\tTTL\tMESSAGES\tCONSUMERS\tDEAD-LETTERING\tLENGTH LIMIT")
+	}
+	total, dlx, limited, unknown := 0, 0, 0, 0
 	for _, c := range counts {
-		fmt.Fprintf(tw, "%d\t%s\t%v\t%d\t%d\n", c.Level, c.Queue, c.TTL, c.Messages, c.Consumers)
+		if cfg.ManagementURL == "" {
+			fmt.Fprintf(tw, "%d\t%s\t%v\t%d\t%d\n", c.Level, c.Queue, c.TTL, c.Messages, c.Consumers)
+		} else {
+			dl, limit := "-", c.LengthLimit
+			if c.DeadLettering >= 0 {
+				dl = fmt.Sprint(c.DeadLettering)
+				dlx += c.DeadLettering
+			} else {
+				unknown++
+			}
+			if limit == "" {
+				limit = "-"
+			} else {
+				limited++
+			}
+			fmt.Fprintf(tw, "%d\t%s\t%v\t%d\t%d\t%s\t%s\n", c.Level, c.Queue, c.TTL, c.Messages, c.Consumers, dl, limit)
+		}
 		total += c.Messages
 	}
 	_ = tw.Flush()
-	fmt.Fprintf(stdout, "%d message(s) waiting in %d levels (ready counts; per destination: cascade census).\n", total, len(counts))
+	if cfg.ManagementURL == "" {
+		fmt.Fprintf(stdout, "%d message(s) waiting in %d levels (ready counts; per destination: cascade census; dead-letter backlogs: --management-url).\n", total, len(counts))
+		return exitOK
+	}
+	fmt.Fprintf(stdout, "%d message(s) waiting in %d levels, and %d in dead-letter backlogs (between two levels; management API figures, refreshed every ~5 s", total, len(counts), dlx)
+	if unknown > 0 {
+		fmt.Fprintf(stdout, "; none yet for %d level(s), shown as -", unknown)
+	}
+	fmt.Fprintln(stdout, ").")
+	if limited > 0 {
+		fmt.Fprintf(stdout, "%d level queue(s) have a length limit: a full level refuses scheduled messages and holds the level above's for minutes; exclude the levels from length-limit policies.\n", limited)
+	}
 	return exitOK
 }
 

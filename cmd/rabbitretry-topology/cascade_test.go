@@ -27,10 +27,13 @@ func TestCascadeUsageErrors(t *testing.T) {
 		{[]string{"cascade", "waiting", "extra"}, "unexpected argument"},
 		{[]string{"cascade", "move", "--from", "a"}, "--from and --to are required"},
 		{[]string{"cascade", "redirect", "--to", "a"}, "--from and --to are required"},
+		{[]string{"cascade", "unredirect", "--from", "a"}, "--from and --to are required"},
 		{[]string{"cascade", "census", "--from", "a"}, "--from and --to apply"},
 		{[]string{"cascade", "waiting", "--dry-run"}, "--dry-run applies"},
 		{[]string{"cascade", "waiting", "--json"}, "--json applies"},
 		{[]string{"cascade", "waiting", "--queue", "q"}, "apply to show and tidy only"},
+		{[]string{"cascade", "census", "--management-url", "http://h/"}, "apply to show and tidy only"},
+		{[]string{"cascade", "waiting", "--management-url", "ftp://h/"}, "--management-url"},
 		{[]string{"cascade", "census", "--level", "x"}, "--level"},
 		{[]string{"cascade", "waiting", "--grain", "1500us"}, "Grain"},
 		{[]string{"cascade", "waiting", "--levels", "40"}, "Levels"},
@@ -111,6 +114,16 @@ func TestCascadeCommands(t *testing.T) {
 	if code != exitOK || !hasRow(out, "5", prefix+".level.05", "3.2s", "6", "0") || !strings.Contains(out, "6 message(s) waiting in 6 levels") {
 		t.Errorf("waiting: exit %d, %s %s", code, out, errOut)
 	}
+	if mgmt := testkit.MgmtURI(); mgmt != "" {
+		code, out, errOut = runArgs(append([]string{"cascade", "waiting", "--management-url", mgmt}, base...)...)
+		t.Logf("cascade waiting --management-url:\n%s", out)
+		// The backlog is 0, or "-" while the management API has no
+		// statistics for the queue yet (created seconds ago).
+		if code != exitOK || !(hasRow(out, "5", prefix+".level.05", "3.2s", "6", "0", "0", "-") || hasRow(out, "5", prefix+".level.05", "3.2s", "6", "0", "-", "-")) ||
+			!strings.Contains(out, "6 message(s) waiting in 6 levels, and 0 in dead-letter backlogs") {
+			t.Errorf("waiting --management-url: exit %d, %s %s", code, out, errOut)
+		}
+	}
 	code, out, errOut = runArgs(append([]string{"cascade", "census", "--json"}, base...)...)
 	var rep cascade.CensusReport
 	if code != exitOK || json.Unmarshal([]byte(out), &rep) != nil {
@@ -180,4 +193,82 @@ func hasRow(out string, fields ...string) bool {
 		}
 	}
 	return false
+}
+
+// TestCascadeUnredirectCommand: redirect then unredirect A to B; A's
+// messages arrive at A again, on time, none at B (#19.16).
+func TestCascadeUnredirectCommand(t *testing.T) {
+	uri := testkit.URI(t)
+	prefix := testkit.UniqueName(t, "it.topounredirect")
+	cfg := cascade.Config{Prefix: prefix, Grain: 100 * time.Millisecond, Levels: 6, URI: uri}
+	pub, err := cascade.NewPublisher(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = pub.Close() })
+	conn, err := amqp.Dial(uri)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = conn.Close() })
+	ch, err := conn.Channel()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if ch, err := conn.Channel(); err == nil {
+			_ = cfg.Delete(ch)
+		}
+	})
+	qs := map[string]string{"A": prefix + ".A", "B": prefix + ".B"}
+	arrivals := make(chan [2]string, 16)
+	for k, q := range qs {
+		if _, err := ch.QueueDeclare(q, false, true, false, false, nil); err != nil {
+			t.Fatal(err)
+		}
+		ds, err := ch.Consume(q, "", true, false, false, false, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		go func() {
+			for d := range ds {
+				arrivals <- [2]string{k, string(d.Body)}
+			}
+		}()
+		if err := pub.Bind(q); err != nil {
+			t.Fatal(err)
+		}
+	}
+	base := []string{"--uri", uri, "--cascade-prefix", prefix, "--levels", "6"}
+	for _, sub := range []string{"redirect", "unredirect"} {
+		code, out, errOut := runArgs(append([]string{"cascade", sub, "--from", qs["A"], "--to", qs["B"]}, base...)...)
+		t.Logf("cascade %s: %s", sub, out)
+		if code != exitOK {
+			t.Fatalf("%s: exit %d, %s %s", sub, code, out, errOut)
+		}
+	}
+	sent := time.Now()
+	for i := range 3 {
+		msg := message.NewMessage(fmt.Sprint(i), []byte(fmt.Sprint(i)))
+		delay.Message(msg, delay.For(time.Second))
+		if err := pub.Publish(qs["A"], msg); err != nil {
+			t.Fatal(err)
+		}
+	}
+	late, seen := 0, map[string]int{}
+	for range 3 {
+		a := testkit.Recv(t, arrivals, 10*time.Second)
+		seen[a[1]]++
+		if a[0] != "A" {
+			t.Errorf("%s arrived at %s, want A", a[1], a[0])
+		}
+		if time.Since(sent) > 2500*time.Millisecond {
+			late++
+		}
+	}
+	t.Logf("ACCOUNT %s: published=3 handled=%d poisoned=0 duplicates=%d lost=%d", t.Name(), len(seen), 3-len(seen), 3-len(seen))
+	t.Logf("TIMING %s: early=0 late=%d", t.Name(), late)
+	if late != 0 {
+		t.Errorf("%d late", late)
+	}
 }

@@ -10,24 +10,29 @@
 // Usage:
 //
 //	rabbitretry-topology show|tidy --queue Q [flags]
-//	rabbitretry-topology cascade waiting|census|move|redirect [flags]
+//	rabbitretry-topology cascade waiting|census|move|redirect|unredirect [flags]
 //
 // Commands:
 //
 //	show     print a table: queue, role, tier, messages, state (ok, missing, orphan)
 //	tidy     delete the empty orphan wait queues; list the ones kept and why
 //	cascade waiting   per level queue: TTL, messages, consumers (cascade.Config.Waiting:
-//	                  passive declares, fast, disturbs nothing)
+//	                  passive declares, fast, disturbs nothing); with --management-url also
+//	                  each level's dead-letter backlog (messages expired out of it and not
+//	                  yet in the next level) and any length limit on it
 //	cascade census    per destination (messages, earliest and latest due time), then per
 //	                  level and destination (cascade.Census): every waiting message is taken
-//	                  out and put back with its remaining delay (confirmed publish, then ack;
-//	                  a crash can duplicate a message, never lose it)
+//	                  out and put back with its remaining delay (the copy's publish and the
+//	                  original's ack in one transaction: interrupted, each message is put
+//	                  back or left untouched)
 //	cascade move      a census that puts the messages for --from back addressed to --to,
 //	                  keeping their due times; --dry-run counts what would move
 //	cascade redirect  bind --to with --from's key on the delivery exchange and unbind
 //	                  --from (cascade.Config.Redirect): waiting and future messages for
 //	                  --from arrive at --to, untouched; stop --from's services first, as
 //	                  anything binding --from again makes its messages arrive at both
+//	cascade unredirect  undo redirect (cascade.Config.Unredirect): bind --from again, then
+//	                  unbind --to's binding of --from's key
 //
 // Flags (before or after the command):
 //
@@ -44,7 +49,7 @@
 //	--cascade-prefix P        cascade: the cascade's name prefix (default rabbitretry.delay)
 //	--grain D                 cascade: its grain (default 100ms)
 //	--levels N                cascade: its levels (default derived from --grain: 26 for 100ms)
-//	--from Q, --to Q2         cascade move, redirect: old and new destination queue
+//	--from Q, --to Q2         cascade move, redirect, unredirect: old and new destination queue
 //	--level N,...             cascade census, move: only these levels (default all)
 //
 // The tiers, queue type and names must be those the services use (their

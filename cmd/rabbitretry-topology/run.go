@@ -67,7 +67,7 @@ func (o *options) flags(fs *flag.FlagSet) {
 const usageText = `Usage: rabbitretry-topology show|tidy --queue Q [--uri AMQP_URI] [--management-url URL]
            [--tiers 1s,2s,4s | --max-attempts N] [--queue-type classic|quorum]
            [--wait-exchange X] [--poison-exchange X] [--loopback-exchange X] [--dry-run] [--json]
-       rabbitretry-topology cascade waiting|census|move|redirect [--uri AMQP_URI]
+       rabbitretry-topology cascade waiting|census|move|redirect|unredirect [--uri AMQP_URI]
            [--cascade-prefix P] [--grain 100ms] [--levels N] [--queue-type quorum|classic]
            [--from Q --to Q2] [--level N,...] [--dry-run] [--json]
 
@@ -86,12 +86,15 @@ The delay cascade (amqpretry/cascade, shared by all queues of a vhost):
   cascade waiting   messages per level queue (passive declares; disturbs nothing)
   cascade census    take every waiting message out, count it per destination
                     and level (with earliest and latest due time), and put it
-                    back with its remaining delay (confirmed, then acked)
+                    back with its remaining delay (copy and ack in one
+                    transaction: interrupted, each is put back or untouched)
   cascade move      census that puts the messages for --from back for --to
                     (--dry-run: count only, move nothing)
   cascade redirect  bind --to with --from's key and unbind --from: waiting
                     and future messages for --from arrive at --to; stop
                     --from's services first (they would bind it again)
+  cascade unredirect  undo redirect: bind --from again, then unbind --to's
+                    binding of --from's key
 The --cascade-prefix, --grain, --levels and --queue-type must be the
 services' (cascade.Config).
 

@@ -51,7 +51,7 @@ func TestUsageErrors(t *testing.T) {
 			t.Errorf("%q: password printed: %s", c.args, errOut)
 		}
 	}
-	if code, _, errOut := runArgs("-h"); code != exitOK || !strings.Contains(errOut, "Usage: rabbitretry-topology show|tidy") || !strings.Contains(errOut, "cascade waiting|census|move|redirect") ||
+	if code, _, errOut := runArgs("-h"); code != exitOK || !strings.Contains(errOut, "Usage: rabbitretry-topology show|tidy") || !strings.Contains(errOut, "cascade waiting|census|move|redirect|unredirect") ||
 		strings.Contains(errOut, "guest:guest@127") {
 		t.Errorf("-h: exit %d, %s", code, errOut)
 	}
