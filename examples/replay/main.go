@@ -397,7 +397,7 @@ func run(ctx context.Context, cfg config) (sum summary, err error) {
 		return sum, fmt.Errorf("stats: %w", err)
 	}
 	sum.Poisoned = st.Depth
-	fmt.Fprintf(cfg.Out, "$ go run ./poison/cmd/poisonctl --queue %s stats\n", poisonQueue)
+	fmt.Fprintf(cfg.Out, "$ go run ./cmd/poisonctl --queue %s stats\n", poisonQueue)
 	fmt.Fprintf(cfg.Out, "depth %d, consumers %d; by class %v; by handler %v; by original queue %v\n",
 		st.Depth, st.Consumers, st.ByClass, st.ByHandler, st.ByOriginalQueue)
 	list, err := adm.List(ctx, poisonQueue, admin.Filter{})
@@ -410,7 +410,7 @@ func run(ctx context.Context, cfg config) (sum summary, err error) {
 		return o
 	}
 	sort.SliceStable(list, func(i, j int) bool { return orderOf(list[i]).ID < orderOf(list[j]).ID })
-	fmt.Fprintf(cfg.Out, "$ go run ./poison/cmd/poisonctl --queue %s list\n", poisonQueue)
+	fmt.Fprintf(cfg.Out, "$ go run ./cmd/poisonctl --queue %s list\n", poisonQueue)
 	tw := tabwriter.NewWriter(cfg.Out, 0, 0, 2, ' ', 0)
 	fmt.Fprintln(tw, "UUID\tATTEMPTS\tCLASS\tREASON\tORDER (body)")
 	for _, pm := range list {
@@ -427,7 +427,7 @@ func run(ctx context.Context, cfg config) (sum summary, err error) {
 		"replay --reason " + blockedDomain + " --dry-run",
 		"replay --reason " + blockedDomain,
 	} {
-		fmt.Fprintf(cfg.Out, "  go run ./poison/cmd/poisonctl --queue %s %s\n", poisonQueue, c)
+		fmt.Fprintf(cfg.Out, "  go run ./cmd/poisonctl --queue %s %s\n", poisonQueue, c)
 	}
 
 	// --- 4. fix, replay, verify --------------------------------------------
@@ -436,7 +436,7 @@ func run(ctx context.Context, cfg config) (sum summary, err error) {
 	d.mailServerRejects.Store(false)
 	d.logf("mailer fixed: the mail server accepts @%s again", blockedDomain)
 	filter := admin.Filter{ReasonContains: blockedDomain}
-	fmt.Fprintf(cfg.Out, "$ go run ./poison/cmd/poisonctl --queue %s replay --reason %s\n", poisonQueue, blockedDomain)
+	fmt.Fprintf(cfg.Out, "$ go run ./cmd/poisonctl --queue %s replay --reason %s\n", poisonQueue, blockedDomain)
 	res, err := adm.Replay(ctx, poisonQueue, filter, admin.ReplayOptions{
 		Progress: func(done, total int) {
 			if done == total || done%5 == 0 {
@@ -468,7 +468,7 @@ func run(ctx context.Context, cfg config) (sum summary, err error) {
 		return sum, fmt.Errorf("stats: %w", err)
 	}
 	sum.PoisonLeft = st.Depth
-	fmt.Fprintf(cfg.Out, "$ go run ./poison/cmd/poisonctl --queue %s stats\n", poisonQueue)
+	fmt.Fprintf(cfg.Out, "$ go run ./cmd/poisonctl --queue %s stats\n", poisonQueue)
 	fmt.Fprintf(cfg.Out, "depth %d\n", st.Depth)
 
 	fmt.Fprintf(cfg.Out, "$ curl -s %s | grep ^rabbitretry_\n", sum.MetricsURL)

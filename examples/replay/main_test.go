@@ -79,8 +79,8 @@ func TestReplayStory(t *testing.T) {
 		}
 	}
 	for _, want := range []string{
-		"go run ./poison/cmd/poisonctl --queue " + queue + ".poison list",
-		"go run ./poison/cmd/poisonctl --queue " + queue + ".poison replay --reason example.invalid",
+		"go run ./cmd/poisonctl --queue " + queue + ".poison list",
+		"go run ./cmd/poisonctl --queue " + queue + ".poison replay --reason example.invalid",
 	} {
 		if !strings.Contains(out.String(), want) {
 			t.Errorf("output lacks %q", want)
