@@ -448,8 +448,18 @@ func (r *Retry) SubscriberConfig() wamqp.Config { return r.subscriber }
 // poisoned) before the subscriber closes, instead of watermill-amqp's nack
 // of every in-flight delivery. drainTimeout bounds that wait (0: 20 s); keep
 // it below the router's CloseTimeout. It returns watermill-amqp's error.
+//
+// Each subscription also consumes the originating queue's quarantine queue
+// (Naming.QuarantineQueue) with prefetch 1, on a second connection (its
+// connection_name, if set, gets ".quarantine" appended), and hands its
+// messages to the same handler: the RedeliveryGuard moves a redelivered
+// message there so that a crash is counted against the message that
+// crashed, not against the others the consumer held (see
+// middleware.RedeliveryGuard). A subscriber built from SubscriberConfig
+// alone does not consume the quarantine; the guard then counts every
+// redelivery in the originating queue, as before.
 func (r *Retry) NewSubscriber(logger watermill.LoggerAdapter, drainTimeout time.Duration) (*router.DrainingSubscriber, error) {
-	sub, err := wamqp.NewSubscriber(r.subscriber, logger)
+	sub, err := newQuarantineSubscriber(r.subscriber, r.topology, logger)
 	if err != nil {
 		return nil, err
 	}
@@ -468,8 +478,8 @@ func (r *Retry) Publisher() *ConfirmPublisher { return r.publisher }
 // QueueName returns the originating queue for a subscribe topic.
 func (r *Retry) QueueName(topic string) string { return r.subscriber.Queue.GenerateName(topic) }
 
-// DeleteQueues deletes originating queue queue together with its wait queues
-// and poison queue, with every message in them (queue.delete, unconditional;
+// DeleteQueues deletes originating queue queue together with its wait
+// queues, poison queue and quarantine queue, with every message in them (queue.delete, unconditional;
 // a missing queue is not an error). The shared exchanges stay. Meant for
 // demos, tests and decommissioning; it returns the first broker error.
 func (r *Retry) DeleteQueues(queue string) error {
@@ -478,7 +488,7 @@ func (r *Retry) DeleteQueues(queue string) error {
 		return err
 	}
 	defer ch.Close()
-	for _, q := range append([]string{queue, r.topology.PoisonQueue(queue)}, r.topology.WaitQueues(queue)...) {
+	for _, q := range append([]string{queue}, r.topology.sideQueues(queue)...) {
 		if _, err := ch.QueueDelete(q, false, false, false); err != nil {
 			return fmt.Errorf("amqpretry: deleting queue %q: %w", q, err)
 		}

@@ -218,7 +218,7 @@ func (m Marshaler) Unmarshal(d amqp.Delivery) (*message.Message, error) {
 			}
 			headers[middleware.XAcquiredCountKey] = strconv.FormatInt(n, 10)
 		case PublishIDHeader, middleware.HeaderErrorKey, middleware.DeliveryExchangeKey, middleware.DeliveryRoutingKeyKey,
-			middleware.DeliveryRedeliveredKey, middleware.DeliveryRetryPathKey, TypedHeadersKey:
+			middleware.DeliveryRedeliveredKey, middleware.DeliveryRetryPathKey, middleware.DeliveryQuarantineKey, TypedHeadersKey:
 			continue
 		default:
 			s, err := headerToString(v)
@@ -267,7 +267,7 @@ func onlyPlainStringHeaders(h amqp.Table) bool {
 		}
 		switch k {
 		case headerXDeath, headerXDeliveryCount, headerXAcquiredCount, middleware.HeaderErrorKey, middleware.DeliveryExchangeKey, middleware.DeliveryRoutingKeyKey,
-			middleware.DeliveryRedeliveredKey, middleware.DeliveryRetryPathKey, TypedHeadersKey:
+			middleware.DeliveryRedeliveredKey, middleware.DeliveryRetryPathKey, middleware.DeliveryQuarantineKey, TypedHeadersKey:
 			return false
 		}
 	}
@@ -327,7 +327,7 @@ func isBrokerOwnedOrDeliveryOnly(k string) bool {
 	switch k {
 	case headerXDeath, headerXDeliveryCount, headerXAcquiredCount, // == middleware.XDeathKey, XDeliveryCountKey, XAcquiredCountKey
 		middleware.DeliveryExchangeKey, middleware.DeliveryRoutingKeyKey, middleware.DeliveryRedeliveredKey,
-		middleware.DeliveryRetryPathKey, middleware.HeaderErrorKey, PublishIDHeader, TypedHeadersKey:
+		middleware.DeliveryRetryPathKey, middleware.DeliveryQuarantineKey, middleware.HeaderErrorKey, PublishIDHeader, TypedHeadersKey:
 		return true
 	}
 	return strings.HasPrefix(k, prefixXFirstDeath) || strings.HasPrefix(k, prefixXLastDeath)

@@ -72,12 +72,20 @@ const (
 	// earlier failure); otherwise they may be a producer's and are replaced.
 	DeliveryRetryPathKey = "rabbitretry-delivery-retry-path"
 
+	// DeliveryQuarantineKey is "true" when the current delivery came from
+	// its queue's quarantine queue (see Quarantiner): consumed with prefetch
+	// 1, so a redelivery there is attributable to the message itself. Set by
+	// the subscriber that consumes the quarantine (amqpretry's
+	// Retry.NewSubscriber), never taken from a header, and never travels on
+	// the wire. Read by the RedeliveryGuard.
+	DeliveryQuarantineKey = "rabbitretry-delivery-quarantine"
+
 	// RedeliveriesKey holds, as a decimal string, how many times the message
 	// came back redelivered (see DeliveryRedeliveredKey) since it was first
 	// consumed: the RedeliveryGuard writes it into the copy it makes of a
-	// redelivered message. A redelivery does not consume an attempt; past
-	// RedeliveryGuardConfig.MaxRedeliveries the message is poisoned (class
-	// ClassRedeliveryLimit).
+	// redelivered message. A redelivery does not consume an attempt; at
+	// RedeliveryGuardConfig.MaxRedeliveries, on a redelivery attributable to
+	// the message, it is poisoned (class ClassRedeliveryLimit).
 	RedeliveriesKey = "rabbitretry-redeliveries"
 
 	// XDeathKey holds the broker's x-death header, converted by the

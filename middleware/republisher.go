@@ -456,7 +456,7 @@ func (r *Republisher) onFailure(msg *message.Message, err error) error {
 }
 
 // deliveryOnlyKeys describe one delivery and never travel on a copy.
-var deliveryOnlyKeys = []string{XDeathKey, XDeliveryCountKey, XAcquiredCountKey, DeliveryExchangeKey, DeliveryRoutingKeyKey, DeliveryRedeliveredKey, DeliveryRetryPathKey, HeaderErrorKey}
+var deliveryOnlyKeys = []string{XDeathKey, XDeliveryCountKey, XAcquiredCountKey, DeliveryExchangeKey, DeliveryRoutingKeyKey, DeliveryRedeliveredKey, DeliveryRetryPathKey, DeliveryQuarantineKey, HeaderErrorKey}
 
 // StripDeliveryMetadata deletes from md the keys that describe one delivery
 // (x-death, x-delivery-count, x-acquired-count, the delivery exchange and
