@@ -15,6 +15,7 @@ import (
 	"fmt"
 	"slices"
 	"time"
+	"weak"
 
 	"github.com/ThreeDotsLabs/watermill"
 	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v2/pkg/amqp"
@@ -295,6 +296,8 @@ type Retry struct {
 	customClose func() error
 	subscriber  wamqp.Config
 	queueName   func(ctx context.Context) string
+	late        *lateVerdicts
+	logger      watermill.LoggerAdapter
 }
 
 // New validates cfg, connects the retry publisher (publisher confirms) and
@@ -415,7 +418,7 @@ func New(cfg Config) (*Retry, error) {
 		sub.Queue.Durable = true
 	}
 	return &Retry{chain: chain, topology: topo, marshaler: marshaler, publisher: pub, delayer: delayer,
-		customClose: custom.Close, subscriber: sub, queueName: cfg.QueueName}, nil
+		customClose: custom.Close, subscriber: sub, queueName: cfg.QueueName, late: newLateVerdicts(), logger: cfg.Logger}, nil
 }
 
 // Middleware is the retry chain; pass it to (*message.Router).AddMiddleware
@@ -424,12 +427,47 @@ func New(cfg Config) (*Retry, error) {
 // It also tells the chain whether a message's delivery can still be acked
 // (its channel open, its consumer not cancelled by the broker): a failure
 // on a delivery the broker has already taken back is neither retried nor
-// poisoned (middleware.ActionNack), since the broker redelivers it.
+// poisoned (middleware.ActionNack), since the broker redelivers it. Such
+// deliveries are taken back on a consumer timeout ("Delivery
+// Acknowledgement Timeout": on RabbitMQ 4.x the consumer is cancelled and
+// every unacked delivery returned; a late ack is void), a closed channel
+// or a lost connection. Two consequences are handled here:
+//   - a delivery taken back before its handler started (it sat in the
+//     prefetch buffer) is not run: the router nacks it (void) and the
+//     broker's redelivery runs instead, so a slow neighbour does not make
+//     the other prefetched messages run twice;
+//   - a handler that finished after its delivery was taken back has its
+//     result remembered (the last 4096 such messages, in this process):
+//     when the broker redelivers that message here, the handler does not
+//     run again; the remembered result is settled instead (a success
+//     acked, a failure retried or poisoned as usual), and the redelivery
+//     is not counted as a crash. Another process runs it again
+//     (at-least-once).
 func (r *Retry) Middleware(h message.HandlerFunc) message.HandlerFunc {
-	inner := r.chain.Middleware(h)
+	inner := r.chain.Middleware(recordVerdict(h))
 	return func(msg *message.Message) ([]*message.Message, error) {
 		defer forgetDelivery(msg)
-		return inner(msg)
+		if !deliveryAlive(msg) {
+			return nil, errDeliveryGone
+		}
+		key := lateKey(msg)
+		fields := watermill.LogFields{"message_uuid": msg.UUID, "attempt": msg.Metadata.Get(middleware.AttemptKey)}
+		if msg.Metadata.Get(middleware.DeliveryRedeliveredKey) != "" {
+			if err, ok := r.late.take(key); ok {
+				// Its redelivery is explained: the handler ran here and
+				// finished after the broker took the delivery back.
+				r.logger.Info("Redelivered message already ran here after its delivery was taken back (consumer timeout?); settling that result without running it again", fields)
+				delete(msg.Metadata, middleware.DeliveryRedeliveredKey)
+				replays.Store(weak.Make(msg), verdict{err: err})
+				defer replays.Delete(weak.Make(msg))
+			}
+		}
+		out, err := inner(msg)
+		if v, ran := takeVerdict(msg); ran && !deliveryAlive(msg) {
+			r.late.add(key, v.err)
+			r.logger.Info("Handler finished after the broker took its delivery back (consumer timeout?); its redelivery will settle this result without running again", fields)
+		}
+		return out, err
 	}
 }
 

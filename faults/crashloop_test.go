@@ -30,7 +30,6 @@ func TestCrashLoop(t *testing.T) {
 func crashLoop(t *testing.T, bin string, prefetch int) {
 	const maxRedeliveries = 3
 	e := newEnv(t, amqpretry.QueueTypeQuorum)
-	e.extraQueues = append(e.extraQueues, e.retry.Topology().QuarantineQueue(e.queue))
 	crashUUIDs, crashPs := newMessages(1, func(int) []byte { return []byte("crash") })
 	okUUIDs, okPs := newMessages(3, nil)
 	e.declare()
