@@ -128,10 +128,13 @@ type Config struct {
 	// API or logged as a rabbitmqctl command (see AdoptQueue). Default nil:
 	// the library declares Q with the arguments it needs.
 	AdoptQueue *AdoptQueue
-	// MaxRedeliveries is how many broker redeliveries (the redelivered flag:
-	// consumer crash, connection loss, consumer_timeout, a requeue) a message
-	// survives before it is poisoned with class "redelivery-limit" without
-	// running the handler again (see middleware.RedeliveryGuard). Default 3.
+	// MaxRedeliveries bounds the crashes a message may cause (runs ended by
+	// a broker redelivery: consumer crash, connection loss, consumer
+	// timeout, a requeue): the redelivery that brings its count to
+	// MaxRedeliveries, in the quarantine queue where it is attributable
+	// (see Naming.QuarantineQueue, Retry.NewSubscriber), poisons it with
+	// class "redelivery-limit" without running the handler again (see
+	// middleware.RedeliveryGuard). Default 3; range [1, 1000].
 	MaxRedeliveries int
 	// FallbackPause is how long a message whose retry or poison copy the
 	// broker did not confirm waits before the fallback copy back to its queue
@@ -341,6 +344,18 @@ func New(cfg Config) (*Retry, error) {
 	})
 	if err != nil {
 		return nil, fmt.Errorf("amqpretry: connecting the retry publisher: %w", err)
+	}
+	if props, err := pub.serverProperties(); err == nil {
+		if v, _ := props["version"].(string); classicTimeoutIgnored(v, cfg.QueueType) {
+			fields := watermill.LogFields{"broker_version": v, "queue_type": cfg.QueueType}
+			if t, ok := explicitConsumerTimeout(cfg.Subscriber); ok {
+				fields["x_consumer_timeout"] = t
+				cfg.Logger.Error("Consumer timeout set on a classic queue, which RabbitMQ 4.3+ ignores", errors.New(
+					"RabbitMQ 4.3 applies consumer_timeout to quorum queues only: a hung handler holds its delivery until its connection closes; bound the handler (e.g. watermill middleware.Timeout) or use QueueType quorum"), fields)
+			} else {
+				cfg.Logger.Info("RabbitMQ 4.3+ applies no consumer timeout to classic queues: a hung handler holds its delivery until its connection closes; bound the handler yourself (e.g. watermill middleware.Timeout)", fields)
+			}
+		}
 	}
 	var sources []middleware.AttemptSource
 	if cfg.NativeDelayedRetry != nil {

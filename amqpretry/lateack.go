@@ -6,6 +6,7 @@ import (
 	"sync"
 	"weak"
 
+	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v2/pkg/amqp"
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/rabbitretry/rabbitretry/middleware"
@@ -103,4 +104,24 @@ func takeVerdict(msg *message.Message) (verdict, bool) {
 		return verdict{}, false
 	}
 	return v.(verdict), true
+}
+
+// classicTimeoutIgnored reports whether broker version v ignores consumer
+// timeouts on a queue of type queueType: RabbitMQ 4.3 evaluates
+// consumer_timeout (and x-consumer-timeout, the consumer-timeout policy)
+// for quorum queues only (4.3.0 release notes), so on a classic queue a
+// hung handler holds its delivery until its connection closes.
+func classicTimeoutIgnored(v, queueType string) bool {
+	major, minor, ok := parseMajorMinor(v)
+	return ok && queueType == QueueTypeClassic && (major > 4 || (major == 4 && minor >= 3))
+}
+
+// explicitConsumerTimeout returns the x-consumer-timeout cfg sets on the
+// queue or the consumer, if any.
+func explicitConsumerTimeout(cfg wamqp.Config) (any, bool) {
+	if v, ok := cfg.Queue.Arguments["x-consumer-timeout"]; ok {
+		return v, true
+	}
+	v, ok := cfg.Consume.Arguments["x-consumer-timeout"]
+	return v, ok
 }
