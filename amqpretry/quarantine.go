@@ -150,9 +150,12 @@ func (s *quarantineSubscriber) Subscribe(ctx context.Context, topic string) (<-c
 	out := make(chan *message.Message)
 	var wg sync.WaitGroup
 	// gate: a quarantine message runs alone in this subscription; an origin
-	// message waits for it, and it waits for the origin message in flight.
-	// So a crash while it runs is its own, and the ack of an origin delivery
-	// the guard just moved into the quarantine is sent before the copy runs.
+	// message waits for it, and it waits until the origin message in flight
+	// is settled by the router. So a crash while it runs is its own, and the
+	// ack of an origin delivery the guard just moved into the quarantine is
+	// almost always on the wire before the copy runs (watermill-amqp writes
+	// it right after the router's ack; a crash in between leaves a duplicate
+	// copy: at-least-once).
 	var gate sync.RWMutex
 	pass := func(in <-chan *message.Message, quarantined bool) {
 		defer wg.Done()
