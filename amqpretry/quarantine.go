@@ -151,11 +151,9 @@ func (s *quarantineSubscriber) Subscribe(ctx context.Context, topic string) (<-c
 	var wg sync.WaitGroup
 	// gate: a quarantine message runs alone in this subscription; an origin
 	// message waits for it, and it waits until the origin message in flight
-	// is settled by the router. So a crash while it runs is its own, and the
-	// ack of an origin delivery the guard just moved into the quarantine is
-	// almost always on the wire before the copy runs (watermill-amqp writes
-	// it right after the router's ack; a crash in between leaves a duplicate
-	// copy: at-least-once).
+	// is settled and its ack written. So a crash while it runs is its own,
+	// and the ack of an origin delivery the guard just moved into the
+	// quarantine is on the wire before the copy runs.
 	var gate sync.RWMutex
 	pass := func(in <-chan *message.Message, quarantined bool) {
 		defer wg.Done()
@@ -167,12 +165,21 @@ func (s *quarantineSubscriber) Subscribe(ctx context.Context, topic string) (<-c
 			if quarantined {
 				msg.Metadata.Set(middleware.DeliveryQuarantineKey, "true")
 			}
+			// watermill-amqp cancels the context it gave the message once it
+			// has written the ack or nack to the broker (its processMessage
+			// returned): waiting for it, not just for the router's ack,
+			// closes the window in which a crash could lose the ack.
+			settled := msg.Context().Done()
 			lock()
 			select {
 			case out <- msg:
 				select {
 				case <-msg.Acked():
 				case <-msg.Nacked():
+				case <-s.done:
+				}
+				select {
+				case <-settled:
 				case <-s.done:
 				}
 			case <-s.done:
