@@ -15,6 +15,7 @@ import (
 	"fmt"
 	"slices"
 	"time"
+	"weak"
 
 	"github.com/ThreeDotsLabs/watermill"
 	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v2/pkg/amqp"
@@ -156,10 +157,13 @@ type Config struct {
 	// API or logged as a rabbitmqctl command (see AdoptQueue). Default nil:
 	// the library declares Q with the arguments it needs.
 	AdoptQueue *AdoptQueue
-	// MaxRedeliveries is how many broker redeliveries (the redelivered flag:
-	// consumer crash, connection loss, consumer_timeout, a requeue) a message
-	// survives before it is poisoned with class "redelivery-limit" without
-	// running the handler again (see middleware.RedeliveryGuard). Default 3.
+	// MaxRedeliveries bounds the crashes a message may cause (runs ended by
+	// a broker redelivery: consumer crash, connection loss, consumer
+	// timeout, a requeue): the redelivery that brings its count to
+	// MaxRedeliveries, in the quarantine queue where it is attributable
+	// (see Naming.QuarantineQueue, Retry.NewSubscriber), poisons it with
+	// class "redelivery-limit" without running the handler again (see
+	// middleware.RedeliveryGuard). Default 3; range [1, 1000].
 	MaxRedeliveries int
 	// FallbackPause is how long a message whose retry or poison copy the
 	// broker did not confirm waits before the fallback copy back to its queue
@@ -331,6 +335,8 @@ type Retry struct {
 	customClose func() error
 	subscriber  wamqp.Config
 	queueName   func(ctx context.Context) string
+	late        *lateVerdicts
+	logger      watermill.LoggerAdapter
 }
 
 // New validates cfg, connects the retry publisher (publisher confirms) and
@@ -374,6 +380,18 @@ func New(cfg Config) (*Retry, error) {
 	})
 	if err != nil {
 		return nil, fmt.Errorf("amqpretry: connecting the retry publisher: %w", err)
+	}
+	if props, err := pub.serverProperties(); err == nil {
+		if v, _ := props["version"].(string); classicTimeoutIgnored(v, cfg.QueueType) {
+			fields := watermill.LogFields{"broker_version": v, "queue_type": cfg.QueueType}
+			if t, ok := explicitConsumerTimeout(cfg.Subscriber); ok {
+				fields["x_consumer_timeout"] = t
+				cfg.Logger.Error("Consumer timeout set on a classic queue, which RabbitMQ 4.3+ ignores", errors.New(
+					"RabbitMQ 4.3 applies consumer_timeout to quorum queues only: a hung handler holds its delivery until its connection closes; bound the handler (e.g. watermill middleware.Timeout) or use QueueType quorum"), fields)
+			} else {
+				cfg.Logger.Info("RabbitMQ 4.3+ applies no consumer timeout to classic queues: a hung handler holds its delivery until its connection closes; bound the handler yourself (e.g. watermill middleware.Timeout)", fields)
+			}
+		}
 	}
 	if cfg.NativeDelayedRetry != nil {
 		props, err := pub.serverProperties()
@@ -451,7 +469,7 @@ func New(cfg Config) (*Retry, error) {
 		sub.Queue.Durable = true
 	}
 	return &Retry{chain: chain, topology: topo, marshaler: marshaler, publisher: pub, delayer: delayer,
-		customClose: custom.Close, subscriber: sub, queueName: cfg.QueueName}, nil
+		customClose: custom.Close, subscriber: sub, queueName: cfg.QueueName, late: newLateVerdicts(), logger: cfg.Logger}, nil
 }
 
 // Middleware is the retry chain; pass it to (*message.Router).AddMiddleware
@@ -460,17 +478,52 @@ func New(cfg Config) (*Retry, error) {
 // It also tells the chain whether a message's delivery can still be acked
 // (its channel open, its consumer not cancelled by the broker): a failure
 // on a delivery the broker has already taken back is neither retried nor
-// poisoned (middleware.ActionNack), since the broker redelivers it.
+// poisoned (middleware.ActionNack), since the broker redelivers it. Such
+// deliveries are taken back on a consumer timeout ("Delivery
+// Acknowledgement Timeout": on RabbitMQ 4.x the consumer is cancelled and
+// every unacked delivery returned; a late ack is void), a closed channel
+// or a lost connection. Two consequences are handled here:
+//   - a delivery taken back before its handler started (it sat in the
+//     prefetch buffer) is not run: the router nacks it (void) and the
+//     broker's redelivery runs instead, so a slow neighbour does not make
+//     the other prefetched messages run twice;
+//   - a handler that finished after its delivery was taken back has its
+//     result remembered (the last 4096 such messages, in this process):
+//     when the broker redelivers that message here, the handler does not
+//     run again; the remembered result is settled instead (a success
+//     acked, a failure retried or poisoned as usual), and the redelivery
+//     is not counted as a crash. Another process runs it again
+//     (at-least-once).
 func (r *Retry) Middleware(h message.HandlerFunc) message.HandlerFunc {
-	inner := r.chain.Middleware(h)
+	inner := r.chain.Middleware(recordVerdict(h))
 	return func(msg *message.Message) ([]*message.Message, error) {
 		defer forgetDelivery(msg)
+		if !deliveryAlive(msg) {
+			return nil, errDeliveryGone
+		}
 		if r.delayer.deadLetterFirst && msg.Metadata.Get(middleware.XDeathKey) != "" {
 			if ctx := msg.Context(); foreignDeaths(msg, r.queueName(ctx)) {
 				msg.SetContext(context.WithValue(ctx, foreignDeathsKey{}, true))
 			}
 		}
-		return inner(msg)
+		key := lateKey(msg)
+		fields := watermill.LogFields{"message_uuid": msg.UUID, "attempt": msg.Metadata.Get(middleware.AttemptKey)}
+		if msg.Metadata.Get(middleware.DeliveryRedeliveredKey) != "" {
+			if err, ok := r.late.take(key); ok {
+				// Its redelivery is explained: the handler ran here and
+				// finished after the broker took the delivery back.
+				r.logger.Info("Redelivered message already ran here after its delivery was taken back (consumer timeout?); settling that result without running it again", fields)
+				delete(msg.Metadata, middleware.DeliveryRedeliveredKey)
+				replays.Store(weak.Make(msg), verdict{err: err})
+				defer replays.Delete(weak.Make(msg))
+			}
+		}
+		out, err := inner(msg)
+		if v, ran := takeVerdict(msg); ran && !deliveryAlive(msg) {
+			r.late.add(key, v.err)
+			r.logger.Info("Handler finished after the broker took its delivery back (consumer timeout?); its redelivery will settle this result without running again", fields)
+		}
+		return out, err
 	}
 }
 
@@ -493,8 +546,18 @@ func (r *Retry) SubscriberConfig() wamqp.Config { return r.subscriber }
 // (Watermill's default 30 s). Once Run's context has ended the subscriber
 // closes itself; Close it anyway (it returns the drain's result). It returns
 // watermill-amqp's error.
+//
+// Each subscription also consumes the originating queue's quarantine queue
+// (Naming.QuarantineQueue) with prefetch 1, on a second connection (its
+// connection_name, if set, gets ".quarantine" appended), and hands its
+// messages to the same handler: the RedeliveryGuard moves a redelivered
+// message there so that a crash is counted against the message that
+// crashed, not against the others the consumer held (see
+// middleware.RedeliveryGuard). A subscriber built from SubscriberConfig
+// alone does not consume the quarantine; the guard then counts every
+// redelivery in the originating queue, as before.
 func (r *Retry) NewSubscriber(logger watermill.LoggerAdapter, drainTimeout time.Duration) (*router.DrainingSubscriber, error) {
-	sub, err := wamqp.NewSubscriber(r.subscriber, logger)
+	sub, err := newQuarantineSubscriber(r.subscriber, r.topology, logger)
 	if err != nil {
 		return nil, err
 	}
@@ -513,8 +576,8 @@ func (r *Retry) Publisher() *ConfirmPublisher { return r.publisher }
 // QueueName returns the originating queue for a subscribe topic.
 func (r *Retry) QueueName(topic string) string { return r.subscriber.Queue.GenerateName(topic) }
 
-// DeleteQueues deletes originating queue queue together with its wait queues
-// and poison queue, with every message in them (queue.delete, unconditional;
+// DeleteQueues deletes originating queue queue together with its wait
+// queues, poison queue and quarantine queue, with every message in them (queue.delete, unconditional;
 // a missing queue is not an error). The shared exchanges stay. Meant for
 // demos, tests and decommissioning; it returns the first broker error.
 func (r *Retry) DeleteQueues(queue string) error {
@@ -523,7 +586,7 @@ func (r *Retry) DeleteQueues(queue string) error {
 		return err
 	}
 	defer ch.Close()
-	for _, q := range append([]string{queue, r.topology.PoisonQueue(queue)}, r.topology.WaitQueues(queue)...) {
+	for _, q := range append([]string{queue}, r.topology.sideQueues(queue)...) {
 		if _, err := ch.QueueDelete(q, false, false, false); err != nil {
 			return fmt.Errorf("amqpretry: deleting queue %q: %w", q, err)
 		}

@@ -197,8 +197,8 @@ func TestE2E_InspectAndTidyOrphans(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if len(rep.Orphans) != 0 || len(rep.Missing) != 4 {
-			t.Errorf("after DeleteQueuesAndOrphans: orphans %v, missing %v; want none, all 4\n%s", orphanNames(rep), rep.Missing, rep)
+		if len(rep.Orphans) != 0 || len(rep.Missing) != 5 {
+			t.Errorf("after DeleteQueuesAndOrphans: orphans %v, missing %v; want none, all 5 (Q, 2 wait queues, poison, quarantine)\n%s", orphanNames(rep), rep.Missing, rep)
 		}
 		if !strings.Contains(rep.String(), "missing") {
 			t.Errorf("table lacks the missing state:\n%s", rep)

@@ -31,6 +31,8 @@ const (
 	// configured (an earlier deploy's tier): its messages still come back
 	// to Q when its TTL expires, but nothing publishes into it any more.
 	RoleOrphanWait = "orphan-wait"
+	// RoleQuarantine is Q's quarantine queue (Naming.QuarantineQueue).
+	RoleQuarantine = "quarantine"
 )
 
 // QueueState is one queue of an originating queue's retry topology as the
@@ -38,7 +40,8 @@ const (
 type QueueState struct {
 	// Name is the queue name.
 	Name string
-	// Role is RoleOrigin, RoleWait, RolePoison or RoleOrphanWait.
+	// Role is RoleOrigin, RoleWait, RolePoison, RoleQuarantine or
+	// RoleOrphanWait.
 	Role string
 	// Tier is a wait queue's delay: its x-message-ttl argument (ms) when
 	// it exists, else the configured tier; 0 for the other roles.
@@ -52,7 +55,8 @@ type QueueState struct {
 	// it yet, or for a missing queue.
 	Messages int
 	// Expected is true for the queues the Topology declares (Q, its poison
-	// queue and its configured wait queues), false for orphans.
+	// queue, its quarantine queue and its configured wait queues), false
+	// for orphans.
 	Expected bool
 	// Arguments are the queue's x-arguments (JSON numbers are float64).
 	Arguments map[string]any
@@ -69,9 +73,9 @@ type TopologyReport struct {
 	Queue string
 	// Vhost is the virtual host inspected.
 	Vhost string
-	// Queues are Q, its wait queues in tier order, its poison queue, then
-	// its orphan wait queues by tier: every queue of the report, present or
-	// not.
+	// Queues are Q, its wait queues in tier order, its poison queue, its
+	// quarantine queue, then its orphan wait queues by tier: every queue of
+	// the report, present or not.
 	Queues []QueueState
 	// Missing names the expected queues the broker does not have (the
 	// subscriber declares them when it starts).
@@ -178,7 +182,7 @@ func argMillis(args map[string]any, key string) (time.Duration, bool) {
 // ("Management Plugin"; managementURL is its base URL with credentials,
 // e.g. "http://guest:guest@127.0.0.1:15672"): it lists every queue of the
 // vhost (GET /api/queues/{vhost}, paged) and keeps Q, its poison queue,
-// its wait queues for the configured tiers (WaitQueues) and its orphan
+// its quarantine queue, its wait queues for the configured tiers (WaitQueues) and its orphan
 // wait queues.
 //
 // An orphan wait queue is a queue that is none of those and either
@@ -240,13 +244,14 @@ func (t *Topology) Inspect(ctx context.Context, managementURL, vhost, queue stri
 		return s
 	}
 
-	known := map[string]bool{queue: true, t.PoisonQueue(queue): true}
+	known := map[string]bool{queue: true, t.PoisonQueue(queue): true, t.QuarantineQueue(queue): true}
 	rep.Queues = append(rep.Queues, state(queue, RoleOrigin, 0, true))
 	for i, wq := range t.WaitQueues(queue) {
 		known[wq] = true
 		rep.Queues = append(rep.Queues, state(wq, RoleWait, t.tiers[i], true))
 	}
 	rep.Queues = append(rep.Queues, state(t.PoisonQueue(queue), RolePoison, 0, true))
+	rep.Queues = append(rep.Queues, state(t.QuarantineQueue(queue), RoleQuarantine, 0, true))
 
 	prefix := queue + ".wait."
 	for _, lq := range listed {

@@ -51,6 +51,13 @@ type Naming struct {
 	WaitQueue func(queue string, tier time.Duration) string
 	// PoisonQueue names Q's poison queue. Default "<Q>.poison".
 	PoisonQueue func(queue string) string
+	// QuarantineQueue names Q's quarantine queue: where the RedeliveryGuard
+	// moves a message redelivered in Q (a crash or consumer timeout may
+	// have been any of the unacked deliveries), to run it with prefetch 1 so
+	// that a crash there is attributable (middleware.Quarantiner). It is
+	// bound to LoopBackExchange with its own name and consumed by the
+	// subscriber from Retry.NewSubscriber. Default "<Q>.quarantine".
+	QuarantineQueue func(queue string) string
 }
 
 func (n *Naming) setDefaults() {
@@ -68,6 +75,9 @@ func (n *Naming) setDefaults() {
 	}
 	if n.PoisonQueue == nil {
 		n.PoisonQueue = func(q string) string { return q + ".poison" }
+	}
+	if n.QuarantineQueue == nil {
+		n.QuarantineQueue = func(q string) string { return q + ".quarantine" }
 	}
 }
 
@@ -172,6 +182,9 @@ type Topology struct {
 	bindQueue      func(ch *amqp.Channel, queue string) error
 	deliveredQueue func(exchange, routingKey string) (queue string, ok bool)
 
+	// quarantines: the quarantine subscriptions of this process, per Q.
+	quarantines quarantines
+
 	mu       sync.Mutex
 	declared map[string]declaredQueue // originating queue -> how BuildTopology declared it
 }
@@ -249,13 +262,22 @@ func (t *Topology) WaitQueues(queue string) []string {
 // PoisonQueue returns Q's poison queue name.
 func (t *Topology) PoisonQueue(queue string) string { return t.naming.PoisonQueue(queue) }
 
+// QuarantineQueue returns Q's quarantine queue name (Naming.QuarantineQueue).
+func (t *Topology) QuarantineQueue(queue string) string { return t.naming.QuarantineQueue(queue) }
+
+// sideQueues are the queues DeclareRetry declares for Q: its wait queues,
+// poison queue and quarantine queue.
+func (t *Topology) sideQueues(queue string) []string {
+	return append(t.WaitQueues(queue), t.PoisonQueue(queue), t.QuarantineQueue(queue))
+}
+
 // CheckNames returns an error naming the first derived queue name longer
 // than 255 bytes, or an empty queue name.
 func (t *Topology) CheckNames(queue string) error {
 	if queue == "" {
 		return errors.New("amqpretry: empty originating queue name (server-named queues cannot be retried into)")
 	}
-	for _, n := range append(t.WaitQueues(queue), queue, t.PoisonQueue(queue)) {
+	for _, n := range append(t.sideQueues(queue), queue) {
 		if len(n) > maxQueueNameBytes {
 			return fmt.Errorf("amqpretry: queue name %.60q... is %d bytes, more than RabbitMQ's %d (shorten queue %.60q or set Naming)",
 				n, len(n), maxQueueNameBytes, queue)
@@ -321,6 +343,20 @@ func (t *Topology) retryArgs(queue string) amqp.Table {
 		for k, v := range t.native.args() {
 			args[k] = v
 		}
+	}
+	return args
+}
+
+// quarantineArgs: like Q's (quorum: what RabbitMQ removes, e.g. past its
+// delivery limit, is dead-lettered at-least-once into the poison queue; never
+// a delayed retry or a first-retry dead-letter target).
+func (t *Topology) quarantineArgs(queue string) amqp.Table {
+	args := t.sideQueueArgs()
+	if t.queueType == QueueTypeQuorum {
+		args["x-dead-letter-strategy"] = "at-least-once"
+		args["x-overflow"] = "reject-publish"
+		args["x-dead-letter-exchange"] = ""
+		args["x-dead-letter-routing-key"] = t.naming.PoisonQueue(queue)
 	}
 	return args
 }
@@ -441,7 +477,8 @@ func (t *Topology) queueExists(queue string) (bool, error) {
 }
 
 // DeclareRetry declares Q's side of the retry topology (loop-back binding,
-// wait exchange and queues, poison exchange and queue), not Q itself, then
+// wait exchange and queues, poison exchange and queue, quarantine queue
+// bound to the loop-back exchange), not Q itself, then
 // runs the Config.DelayerFactory's BindQueue hook for Q, if any (with a
 // DelayerFactory there are no tiers, so no wait queue is declared). All
 // exchanges and queues are durable: RabbitMQ 4.3 refuses non-durable shared
@@ -473,6 +510,13 @@ func (t *Topology) DeclareRetry(ch *amqp.Channel, queue string) error {
 	}
 	if err := ch.QueueBind(pq, pq, t.naming.PoisonExchange, false, nil); err != nil {
 		return declareError("binding", pq+" <- "+t.naming.PoisonExchange, err)
+	}
+	qq := t.naming.QuarantineQueue(queue)
+	if _, err := ch.QueueDeclare(qq, true, false, false, false, t.quarantineArgs(queue)); err != nil {
+		return declareError("queue", qq, err)
+	}
+	if err := ch.QueueBind(qq, qq, t.naming.LoopBackExchange, false, nil); err != nil {
+		return declareError("binding", qq+" <- "+t.naming.LoopBackExchange, err)
 	}
 	if t.bindQueue != nil {
 		if err := t.bindQueue(ch, queue); err != nil {

@@ -33,7 +33,7 @@ func TestCheckNames(t *testing.T) {
 	if err := topo.CheckNames(strings.Repeat("q", 250)); err == nil || !strings.Contains(err.Error(), "255") {
 		t.Errorf("queue whose wait queue name exceeds 255 bytes: err = %v", err)
 	}
-	if err := topo.CheckNames(strings.Repeat("q", 255-len(".wait.1s"))); err != nil {
+	if err := topo.CheckNames(strings.Repeat("q", 255-len(".quarantine")) /* the longest derived name */); err != nil {
 		t.Errorf("name of exactly 255 bytes rejected: %v", err)
 	}
 	if err := topo.CheckNames("orders.mailer v2"); err != nil {

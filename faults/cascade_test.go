@@ -185,10 +185,11 @@ func TestCascadeConsumerKilled(t *testing.T) {
 		t.Errorf("messages did not settle within 90 s")
 	}
 	// The second process got the killed one's unacked deliveries
-	// redelivered: the RedeliveryGuard counted each as an attempt and
-	// requeued it as a zero-delay copy through the loop-back exchange.
-	// (c2 has exited: its stderr is complete.)
-	guardCopies := strings.Count(c2.stderr.String(), "Redelivered message counted and requeued as a copy")
+	// redelivered: the RedeliveryGuard moved each, as a counted zero-delay
+	// copy through the loop-back exchange, to the quarantine queue (or
+	// requeued it in Q). (c2 has exited: its stderr is complete.)
+	guardCopies := strings.Count(c2.stderr.String(), "Redelivered message moved to the quarantine queue") +
+		strings.Count(c2.stderr.String(), "Redelivered message counted and requeued as a copy")
 	t.Logf("RedeliveryGuard zero-delay copies by the second consumer: %d", guardCopies)
 	if guardCopies == 0 {
 		t.Errorf("no zero-delay copy was made: the scenario did not exercise the loop-back path")

@@ -28,7 +28,13 @@ func dropSubscriberConnection(t *testing.T, e *env, rounds int) {
 // the broker sees the proxy's ports, not this process's).
 func closeSubscriberConnection(t *testing.T, e *env) {
 	t.Helper()
-	name := e.prefix + ".subscriber"
+	closeNamedConnection(t, e.prefix+".subscriber")
+}
+
+// closeNamedConnection closes, through rabbitmqctl, the one connection
+// named name (e.g. the quarantine subscription's, "<prefix>.subscriber.quarantine").
+func closeNamedConnection(t *testing.T, name string) {
+	t.Helper()
 	var pids []string
 	for _, c := range listConnections(t) {
 		if c.Name == name {

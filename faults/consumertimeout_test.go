@@ -3,6 +3,7 @@ package faults
 import (
 	"os"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -24,10 +25,12 @@ func brokerAtLeast4() bool {
 // queues: the broker cancels the consumer, without closing the channel, and
 // returns its unacked messages; "Delivery Acknowledgement Timeout"). The
 // late ack is void, so the slow message must not fork (no retry copy for a
-// delivery the broker took back), the consumer must keep consuming, and the
-// slow message, redelivered each time, ends in the poison queue (class
-// redelivery-limit) instead of running forever. The other messages are each
-// handled.
+// delivery the broker took back) and the consumer must keep consuming. The
+// handler's failure, which could not be settled, is remembered: its
+// redelivery is not run again but retried as that failure, so the slow
+// message runs once per attempt and ends in the poison queue (class
+// exhausted) after MaxAttempts runs, instead of running forever. The other
+// messages are each handled.
 func TestConsumerTimeoutSlowHandler(t *testing.T) {
 	requireDisruptive(t) // slow (~1 min); run with the fault suite
 	if !brokerAtLeast4() {
@@ -68,6 +71,9 @@ func TestConsumerTimeoutSlowHandler(t *testing.T) {
 	}
 	for _, d := range ds {
 		t.Logf("slow message poisoned with class %v after %d runs (attempts %v)", d.Headers[middleware.ErrorClassKey], slowRuns.Load(), l.attemptsOf(slowUUIDs[0]))
+	}
+	if r := int(slowRuns.Load()); r > e.cfg.MaxAttempts {
+		t.Errorf("slow message ran %d times, more than MaxAttempts %d", r, e.cfg.MaxAttempts)
 	}
 	if retries := e.depth(e.waitQueues()[0]); retries != 0 {
 		t.Errorf("%d retry copies waiting", retries)
@@ -114,4 +120,80 @@ func TestQuorumDeliveryLimitLandsInPoison(t *testing.T) {
 		t.Errorf("x-first-death-reason %q, want delivery_limit", r)
 	}
 	e.checkEmpty()
+}
+
+// A handler slower than the queue's consumer timeout that succeeds (issue
+// 18, item 3): quorum queue with x-consumer-timeout 2 s, a 4 s handler that
+// succeeds, 5 fast messages prefetched beside it. On RabbitMQ 4.x the broker
+// cancels the consumer and returns every unacked delivery; the late acks
+// are void. Must hold: no message whose handler succeeded is poisoned, the
+// slow one runs at most MaxAttempts times, and the fast ones are not re-run
+// for its sake.
+func TestConsumerTimeoutSlowSuccess(t *testing.T) {
+	if !brokerAtLeast4() {
+		t.Skip("per-queue consumer timeout (x-consumer-timeout) and its cancel-without-close are RabbitMQ 4.x behaviour")
+	}
+	e := newEnv(t, amqpretry.QueueTypeQuorum, func(_ *env, c *amqpretry.Config) {
+		c.Subscriber.Queue.Arguments = map[string]any{"x-consumer-timeout": int64(2000)}
+		c.Subscriber.Consume.Qos.PrefetchCount = 6
+	})
+	slowUUIDs, slowPs := newMessages(1, func(int) []byte { return []byte("slow") })
+	okUUIDs, okPs := newMessages(5, nil)
+	l := newLedger()
+	runs := map[string]int{}
+	var mu sync.Mutex
+	var inflight atomic.Int32
+	e.declare()
+	e.start(func(msg *message.Message) error {
+		inflight.Add(1)
+		defer inflight.Add(-1)
+		l.attempt(msg.UUID, middleware.Attempt(msg))
+		mu.Lock()
+		runs[msg.UUID]++
+		mu.Unlock()
+		if string(msg.Payload) == "slow" {
+			time.Sleep(4 * time.Second) // simulated slow work, past the 2 s consumer timeout
+		}
+		l.success(msg.UUID)
+		return nil
+	})
+	e.publish(slowPs...)
+	e.publish(okPs...)
+	all := append(append([]string{}, slowUUIDs...), okUUIDs...)
+	// Settled: everything handled or poisoned, no handler running (a slow
+	// run holds its message unacked, not ready), stable for the window.
+	settled := e.settle(len(all), func() int {
+		if inflight.Load() > 0 {
+			return 0
+		}
+		return l.handled()
+	}, 90*time.Second)
+	e.stop()
+	poisoned, _ := e.poisoned()
+	acc := account(t, all, l.successes(), poisoned)
+	if !settled {
+		t.Errorf("did not settle")
+	}
+	e.checkEmpty()
+	mu.Lock()
+	defer mu.Unlock()
+	t.Logf("slow message ran %d times (attempts %v); fast runs %v", runs[slowUUIDs[0]], l.attemptsOf(slowUUIDs[0]), runs)
+	for u, n := range poisoned {
+		if l.successes()[u] > 0 {
+			t.Errorf("%s succeeded and was poisoned %d times", u, n)
+		}
+	}
+	if r := runs[slowUUIDs[0]]; r > e.cfg.MaxAttempts {
+		t.Errorf("slow message ran %d times, more than MaxAttempts %d", r, e.cfg.MaxAttempts)
+	}
+	extra := 0
+	for _, u := range okUUIDs {
+		extra += runs[u] - 1
+	}
+	if extra != 0 {
+		t.Errorf("the fast messages ran %d extra times", extra)
+	}
+	if acc.Handled != len(all) {
+		t.Errorf("%d of %d handled", acc.Handled, len(all))
+	}
 }

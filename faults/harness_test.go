@@ -342,9 +342,12 @@ func newEnv(t *testing.T, queueType string, opts ...envOption) *env {
 	return e
 }
 
-func (e *env) waitQueues() []string   { return e.retry.Topology().WaitQueues(e.queue) }
-func (e *env) poisonQueue() string    { return e.retry.Topology().PoisonQueue(e.queue) }
-func (e *env) allQueues() []string    { return append(e.waitQueues(), e.queue, e.poisonQueue()) }
+func (e *env) waitQueues() []string    { return e.retry.Topology().WaitQueues(e.queue) }
+func (e *env) poisonQueue() string     { return e.retry.Topology().PoisonQueue(e.queue) }
+func (e *env) quarantineQueue() string { return e.retry.Topology().QuarantineQueue(e.queue) }
+func (e *env) allQueues() []string {
+	return append(e.waitQueues(), e.queue, e.poisonQueue(), e.quarantineQueue())
+}
 func (e *env) depth(q string) int     { return e.admin.depth(q) }
 func (e *env) poisonDepth() int       { return e.admin.depth(e.poisonQueue()) }
 func (e *env) maxTier() time.Duration { return slices.Max(e.retry.Topology().Tiers()) }
@@ -457,6 +460,9 @@ func (e *env) quiet() bool {
 			return false
 		}
 	}
+	if e.depth(e.quarantineQueue()) > 0 { // missing (-1) when nothing declared it
+		return false
+	}
 	return true
 }
 
@@ -497,6 +503,9 @@ func (e *env) checkEmpty() {
 		if d := e.depth(q); d != 0 {
 			e.t.Errorf("%d message(s) left in %s", d, q)
 		}
+	}
+	if d := e.depth(e.quarantineQueue()); d > 0 {
+		e.t.Errorf("%d message(s) left in %s", d, e.quarantineQueue())
 	}
 	if e.cfg.NativeDelayedRetry != nil {
 		// list_queues reports the queue's metrics, emitted every 5 s: a

@@ -177,14 +177,15 @@ func TestMessageExpiresInQueue(t *testing.T) {
 	})
 }
 
-// Item 6. A message that kills its consumer each time (here: the broker
-// closes the consumer's connection while the handler holds it, as a crash
-// or an OOM kill would) comes back redelivered; the RedeliveryGuard counts
-// each redelivery on a copy, and past MaxRedeliveries (3) the message is
-// poisoned (class redelivery-limit) instead of running as attempt 1 forever.
-// A failure on the dead delivery is not acted on (no retry copy forks it).
-// Prefetch 1, so the innocent messages wait in the broker, not in the dying
-// consumer's prefetch window (where each crash would count against them too).
+// Item 6. The connection is lost under a running handler (the broker
+// closes the consumer's connection while the handler holds the message),
+// three times in a row, and each time the handler then fails. The failure
+// cannot be settled on the dead delivery (no retry copy forks it); the
+// redelivery to this process settles the remembered failure instead of
+// running the handler again: the message runs once per attempt and ends in
+// the poison queue (class exhausted) after MaxAttempts runs, never as
+// attempt 1 forever. (A message that kills its process each time:
+// TestCrashLoop.) Prefetch 1.
 func TestCrashLoopEndsInPoison(t *testing.T) {
 	haveRabbitmqctl(t)
 	e := newEnv(t, "classic", func(_ *env, c *amqpretry.Config) { c.Subscriber.Consume.Qos.PrefetchCount = 1 })
@@ -198,9 +199,10 @@ func TestCrashLoopEndsInPoison(t *testing.T) {
 	e.start(func(msg *message.Message) error {
 		l.attempt(msg.UUID, middleware.Attempt(msg))
 		if string(msg.Payload) == "pill" {
-			runs.Add(1)
-			entered <- struct{}{}
-			<-release
+			if runs.Add(1) <= 3 {
+				entered <- struct{}{}
+				<-release
+			}
 			return errTransient
 		}
 		l.success(msg.UUID)
@@ -208,7 +210,7 @@ func TestCrashLoopEndsInPoison(t *testing.T) {
 	})
 	e.publish(pillPs...)
 	e.publish(okPs...)
-	for crash := 1; crash <= 4; crash++ {
+	for crash := 1; crash <= 3; crash++ {
 		select {
 		case <-entered:
 		case <-time.After(30 * time.Second):
@@ -235,11 +237,11 @@ func TestCrashLoopEndsInPoison(t *testing.T) {
 	if acc.Poisoned != 1 || poisoned[pillUUIDs[0]] != 1 {
 		t.Fatalf("pill poisoned %d times, %d poisoned in all", poisoned[pillUUIDs[0]], acc.Poisoned)
 	}
-	if c := ds[0].Headers[middleware.ErrorClassKey]; c != middleware.ClassRedeliveryLimit {
-		t.Errorf("pill poisoned with class %v, want %s", c, middleware.ClassRedeliveryLimit)
+	if c := ds[0].Headers[middleware.ErrorClassKey]; c != middleware.ClassExhausted {
+		t.Errorf("pill poisoned with class %v, want %s", c, middleware.ClassExhausted)
 	}
-	if r := runs.Load(); r != 4 {
-		t.Errorf("pill ran %d times, want 4 (first delivery + MaxRedeliveries)", r)
+	if r := int(runs.Load()); r != e.cfg.MaxAttempts {
+		t.Errorf("pill ran %d times, want MaxAttempts %d (one run per attempt)", r, e.cfg.MaxAttempts)
 	}
 	t.Logf("pill attempts %v; innocent messages handled %d", l.attemptsOf(pillUUIDs[0]), acc.Handled)
 }

@@ -102,12 +102,20 @@ const (
 	// from a header; never travels on the wire.
 	DeliveryRetryRouteKey = "rabbitretry-delivery-retry-route"
 
+	// DeliveryQuarantineKey is "true" when the current delivery came from
+	// its queue's quarantine queue (see Quarantiner): consumed with prefetch
+	// 1, so a redelivery there is attributable to the message itself. Set by
+	// the subscriber that consumes the quarantine (amqpretry's
+	// Retry.NewSubscriber), never taken from a header, and never travels on
+	// the wire. Read by the RedeliveryGuard.
+	DeliveryQuarantineKey = "rabbitretry-delivery-quarantine"
+
 	// RedeliveriesKey holds, as a decimal string, how many times the message
 	// came back redelivered (see DeliveryRedeliveredKey) since it was first
 	// consumed: the RedeliveryGuard writes it into the copy it makes of a
-	// redelivered message. A redelivery does not consume an attempt; past
-	// RedeliveryGuardConfig.MaxRedeliveries the message is poisoned (class
-	// ClassRedeliveryLimit).
+	// redelivered message. A redelivery does not consume an attempt; at
+	// RedeliveryGuardConfig.MaxRedeliveries, on a redelivery attributable to
+	// the message, it is poisoned (class ClassRedeliveryLimit).
 	RedeliveriesKey = "rabbitretry-redeliveries"
 
 	// RemainingDelayKey holds, as a decimal number of milliseconds, the part
@@ -182,7 +190,8 @@ const (
 //     poison message handling);
 //   - DeliveryExchangeKey, DeliveryRoutingKeyKey, DeliveryRedeliveredKey,
 //     DeliveryRetryPathKey and DeliveryRetryRouteKey, set from basic.deliver
-//     by the amqpretry Marshaler;
+//     by the amqpretry Marshaler, and DeliveryQuarantineKey, set by the
+//     quarantine's subscriber;
 //   - HeaderErrorKey, the description of this delivery's malformed headers.
 //
 // StripDeliveryMetadata deletes these keys; the amqpretry Marshaler drops
@@ -191,7 +200,7 @@ func IsDeliveryOnly(k string) bool {
 	switch k {
 	case XDeathKey, XDeliveryCountKey, XAcquiredCountKey,
 		DeliveryExchangeKey, DeliveryRoutingKeyKey, DeliveryRedeliveredKey, DeliveryRetryPathKey,
-		DeliveryRetryRouteKey, HeaderErrorKey:
+		DeliveryRetryRouteKey, DeliveryQuarantineKey, HeaderErrorKey:
 		return true
 	}
 	return strings.HasPrefix(k, XFirstDeathPrefix) || strings.HasPrefix(k, XLastDeathPrefix)

@@ -20,9 +20,14 @@ type RedeliveryGuardConfig struct {
 	// (amqpretry publishes it to the origin queue through the loop-back
 	// exchange, confirmed). Required.
 	Delayer Delayer
-	// MaxRedeliveries is how many times a message may come back redelivered
-	// before it is poisoned (class ClassRedeliveryLimit) without running the
-	// handler again. Default DefaultMaxRedeliveries (3); range [1, MaxAttemptsCap].
+	// MaxRedeliveries bounds the crashes (runs that ended in a redelivery:
+	// a consumer crash, a connection loss, a consumer timeout) a message may
+	// cause: the redelivery that brings its count (RedeliveriesKey) to
+	// MaxRedeliveries poisons it (class ClassRedeliveryLimit) without running
+	// the handler again, if that redelivery is attributable to the message
+	// (see Quarantiner). With a quarantine the message's first crash, outside
+	// it, is not attributable, so MaxRedeliveries 1 allows two crashes.
+	// Default DefaultMaxRedeliveries (3); range [1, MaxAttemptsCap].
 	MaxRedeliveries int
 	// QueueName names the originating queue (for logs). Default: the router's
 	// subscribe topic.
@@ -61,6 +66,28 @@ func (c RedeliveryGuardConfig) Validate() error {
 	return nil
 }
 
+// ErrNoQuarantine is returned (wrapped) by a Quarantiner that has no
+// quarantine for the message's queue in this process (nothing consumes it):
+// the RedeliveryGuard then counts the redelivery on a copy in the queue
+// itself.
+var ErrNoQuarantine = errors.New("no quarantine consumer for this queue")
+
+// Quarantiner is implemented by a Delayer that can move a redelivered
+// message to its queue's quarantine queue: a queue consumed by the same
+// handler with prefetch 1, so that a redelivery there names the message
+// that crashed (a crash returns every unacked delivery of the connection,
+// and RabbitMQ's x-delivery-count and x-acquired-count rise for each of
+// them: RabbitMQ quorum queue docs, "When is delivery count incremented?").
+// amqpretry's Delayer implements it when the subscriber comes from
+// Retry.NewSubscriber.
+type Quarantiner interface {
+	// Quarantine publishes msg (a copy, delivery metadata stripped) to the
+	// quarantine queue of the message's queue and returns once the broker
+	// confirmed it. An error wrapping ErrNoQuarantine means nothing
+	// consumes that quarantine in this process.
+	Quarantine(ctx context.Context, msg *message.Message) error
+}
+
 // RedeliveryGuard counts broker redeliveries, so that a message that kills
 // or stalls its consumer (a crash, an OOM kill, a handler running past the
 // broker's consumer_timeout) ends in the poison queue instead of coming back
@@ -91,8 +118,22 @@ func (c RedeliveryGuardConfig) Validate() error {
 // and with RedeliveriesCounted. The errors are the same as for a
 // redelivery's copy.
 //
-// Past MaxRedeliveries the guard returns a *ClassifiedError with
-// ActionPoison and class ClassRedeliveryLimit (the forwarder poisons it).
+// Crashes are counted against the message that crashed, not against its
+// neighbours: when the Delayer is a Quarantiner with a quarantine consumer,
+// a message redelivered in its own queue (where the crash may have been any
+// of the deliveries the consumer held) is moved, as a counted copy, to the
+// quarantine queue, consumed with prefetch 1: there it runs alone on its
+// channel, so a redelivery there is its own crash or consumer timeout. Only
+// such an attributable redelivery can poison it: the one that brings its
+// count to MaxRedeliveries returns a *ClassifiedError with ActionPoison and
+// class ClassRedeliveryLimit (the forwarder poisons it); an earlier one
+// puts it back into the quarantine with the count raised. A message that
+// runs in the quarantine and succeeds is acked; a failure takes the normal
+// retry path (back to its own queue through the Delayer). Without a
+// quarantine every redelivery counts. The library does not rely on the
+// broker's quorum delivery limit (default 20 on RabbitMQ 4.x, which can
+// discard a whole prefetch group): each move is a fresh message.
+//
 // ErrCannotDelay from the Delayer poisons it as ClassUndelayable. If the
 // copy cannot be held for any other reason (publisher closed, broker alarm),
 // it returns a *ScheduleError whose HandlerErr wraps ErrHandlerNotRun: the
@@ -148,23 +189,47 @@ func (g *RedeliveryGuard) onRedelivered(msg *message.Message) error {
 	fields := watermill.LogFields{
 		"message_uuid": msg.UUID, "queue": g.cfg.QueueName(ctx), "attempt": attempt, "redeliveries": n,
 	}
-	if n > g.cfg.MaxRedeliveries {
-		return &ClassifiedError{
-			Err: fmt.Errorf("redelivered %d times (more than MaxRedeliveries %d): it crashed, timed out or was returned by its consumer each time",
-				n, g.cfg.MaxRedeliveries),
-			Classification: Classification{Action: ActionPoison, Class: ClassRedeliveryLimit},
-		}
-	}
+	q, _ := g.cfg.Delayer.(Quarantiner)
+	quarantined := msg.Metadata.Get(DeliveryQuarantineKey) != ""
 	c := CloneMessage(msg)
 	StripDeliveryMetadata(c.Metadata)
 	c.Metadata.Set(AttemptKey, strconv.Itoa(attempt))
 	c.Metadata.Set(RedeliveriesKey, strconv.Itoa(n))
-	serr := g.cfg.Delayer.Schedule(ctx, c, 0)
-	if serr == nil {
-		g.cfg.Logger.Info("Redelivered message counted and requeued as a copy", fields)
-		return nil
+	if q != nil && !quarantined {
+		// Not attributable: the crash may have been a neighbour's. Move it
+		// to the quarantine, where it runs alone.
+		qerr := q.Quarantine(ctx, c)
+		switch {
+		case qerr == nil:
+			g.cfg.Logger.Info("Redelivered message moved to the quarantine queue", fields)
+			return nil
+		case errors.Is(qerr, ErrNoQuarantine):
+			q = nil // count it here, as without a quarantine
+		default:
+			return g.copyNotHeld(qerr, attempt, fields, "redelivered")
+		}
 	}
-	return g.copyNotHeld(serr, attempt, fields, "redelivered")
+	if n >= g.cfg.MaxRedeliveries {
+		return &ClassifiedError{
+			Err: fmt.Errorf("redelivered %d times (MaxRedeliveries %d): it crashed, timed out or was returned by its consumer each time",
+				n, g.cfg.MaxRedeliveries),
+			Classification: Classification{Action: ActionPoison, Class: ClassRedeliveryLimit},
+		}
+	}
+	var serr error
+	if q != nil {
+		serr = q.Quarantine(ctx, c) // attributable: counted, and it stays in the quarantine
+		if errors.Is(serr, ErrNoQuarantine) {
+			serr = g.cfg.Delayer.Schedule(ctx, c, 0)
+		}
+	} else {
+		serr = g.cfg.Delayer.Schedule(ctx, c, 0)
+	}
+	if serr != nil {
+		return g.copyNotHeld(serr, attempt, fields, "redelivered")
+	}
+	g.cfg.Logger.Info("Redelivered message counted and requeued as a copy", fields)
+	return nil
 }
 
 // onEarly sends a delivery that came back before its delay was over through
@@ -189,21 +254,19 @@ func (g *RedeliveryGuard) onEarly(msg *message.Message, d time.Duration) error {
 }
 
 // copyNotHeld turns the Delayer's refusal of the guard's copy into the
-// error the chain settles.
+// error the chain settles. ErrCannotDelay poisons the message
+// (ClassUndelayable). Otherwise the broker takes no copy (publisher down,
+// alarm, a queue refusing): the redelivery cannot be counted, so the message
+// is not run; it goes back to the broker (after the fallback's pause) until
+// a copy can be held. Running it uncounted would let a crash loop, or a
+// failing message whose poison copy is refused, run without limit.
 func (g *RedeliveryGuard) copyNotHeld(serr error, attempt int, fields watermill.LogFields, what string) error {
-	switch {
-	case errors.Is(serr, ErrCannotDelay):
+	if errors.Is(serr, ErrCannotDelay) {
 		return &ClassifiedError{
 			Err:            fmt.Errorf("%s, and no copy is possible: %w", what, serr),
 			Classification: Classification{Action: ActionPoison, Class: ClassUndelayable},
 		}
-	default:
-		// The broker takes no copy (publisher down, alarm, Q refusing): the
-		// redelivery cannot be counted, so the message is not run; it goes
-		// back to the broker (after the fallback's pause) until a copy can be
-		// held. Running it uncounted would let a crash loop, or a failing
-		// message whose poison copy is refused, run without limit.
-		g.cfg.Logger.Error("Copy of a message the guard did not run not held; returning it to the broker", serr, fields)
-		return &ScheduleError{Err: serr, HandlerErr: fmt.Errorf("%s: %w", what, ErrHandlerNotRun), Attempt: attempt}
 	}
+	g.cfg.Logger.Error("Copy of a message the guard did not run not held; returning it to the broker", serr, fields)
+	return &ScheduleError{Err: serr, HandlerErr: fmt.Errorf("%s: %w", what, ErrHandlerNotRun), Attempt: attempt}
 }

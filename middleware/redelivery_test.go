@@ -1,6 +1,7 @@
 package middleware_test
 
 import (
+	"context"
 	"errors"
 	"testing"
 
@@ -34,12 +35,12 @@ func TestRedeliveryGuardCountsOnACopy(t *testing.T) {
 	}
 	// Redelivered: not run; a copy with the count +1, same attempt, no
 	// delivery-only keys, delay 0.
-	for i, in := range []string{"", "1", "2", "garbage", "-4"} {
+	for i, in := range []string{"", "1", "garbage", "-4"} {
 		if _, err := g.Middleware(h)(redelivered(2, in)); err != nil {
 			t.Fatalf("redelivery %q: %v", in, err)
 		}
 		c := d.Calls()[i]
-		want := map[string]string{"": "1", "1": "2", "2": "3", "garbage": "1", "-4": "1"}[in]
+		want := map[string]string{"": "1", "1": "2", "garbage": "1", "-4": "1"}[in]
 		if got := c.msg.Metadata.Get(middleware.RedeliveriesKey); got != want || c.delay != 0 ||
 			c.msg.Metadata.Get(middleware.AttemptKey) != "2" ||
 			c.msg.Metadata.Get(middleware.DeliveryRedeliveredKey) != "" || c.msg.Metadata.Get(middleware.DeliveryExchangeKey) != "" {
@@ -49,13 +50,14 @@ func TestRedeliveryGuardCountsOnACopy(t *testing.T) {
 	if ran != 1 {
 		t.Fatalf("handler ran %d times, want 1 (redeliveries are not run)", ran)
 	}
-	// Past the limit: poisoned, not copied, not run.
-	_, err = g.Middleware(h)(redelivered(2, "3"))
+	// At the limit (the redelivery that brings the count to
+	// MaxRedeliveries): poisoned, not copied, not run.
+	_, err = g.Middleware(h)(redelivered(2, "2"))
 	var ce *middleware.ClassifiedError
 	if !errors.As(err, &ce) || ce.Action != middleware.ActionPoison || ce.Class != middleware.ClassRedeliveryLimit {
 		t.Fatalf("past the limit: %v", err)
 	}
-	if ran != 1 || len(d.Calls()) != 5 {
+	if ran != 1 || len(d.Calls()) != 4 {
 		t.Fatalf("past the limit: ran %d, copies %d", ran, len(d.Calls()))
 	}
 }
@@ -87,5 +89,68 @@ func TestRedeliveryGuardConfigValidate(t *testing.T) {
 		if _, err := middleware.NewRedeliveryGuard(cfg); err == nil {
 			t.Errorf("%+v: no error", cfg)
 		}
+	}
+}
+
+// quarantiningDelayer is a recordingDelayer that also implements
+// middleware.Quarantiner.
+type quarantiningDelayer struct {
+	recordingDelayer
+	quarantined []*message.Message
+	qerr        error
+}
+
+func (d *quarantiningDelayer) Quarantine(_ context.Context, msg *message.Message) error {
+	d.quarantined = append(d.quarantined, msg)
+	return d.qerr
+}
+
+// With a quarantine, a redelivery in the message's own queue is not
+// attributable: it moves the message to the quarantine (count +1, never
+// poisoned there); only a redelivery in the quarantine can poison it.
+func TestRedeliveryGuardQuarantine(t *testing.T) {
+	d := &quarantiningDelayer{}
+	g, err := middleware.NewRedeliveryGuard(middleware.RedeliveryGuardConfig{Delayer: d, MaxRedeliveries: 3})
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := func(*message.Message) ([]*message.Message, error) { t.Fatal("handler ran"); return nil, nil }
+	inQuarantine := func(r string) *message.Message {
+		m := redelivered(1, r)
+		m.Metadata.Set(middleware.DeliveryQuarantineKey, "true")
+		return m
+	}
+	// In Q, even far past the limit: moved, not poisoned.
+	for _, r := range []string{"", "7"} {
+		if _, err := g.Middleware(h)(redelivered(1, r)); err != nil {
+			t.Fatalf("redelivered in Q with %q: %v", r, err)
+		}
+	}
+	// In the quarantine, below the limit: counted, back into the quarantine.
+	if _, err := g.Middleware(h)(inQuarantine("1")); err != nil {
+		t.Fatal(err)
+	}
+	if len(d.quarantined) != 3 || len(d.Calls()) != 0 {
+		t.Fatalf("%d quarantined, %d scheduled", len(d.quarantined), len(d.Calls()))
+	}
+	for i, want := range []string{"1", "8", "2"} {
+		m := d.quarantined[i]
+		if got := m.Metadata.Get(middleware.RedeliveriesKey); got != want || m.Metadata.Get(middleware.DeliveryQuarantineKey) != "" {
+			t.Errorf("copy %d: redeliveries %q (want %s), metadata %v", i, got, want, m.Metadata)
+		}
+	}
+	// In the quarantine, at the limit: poisoned.
+	_, err = g.Middleware(h)(inQuarantine("2"))
+	var ce *middleware.ClassifiedError
+	if !errors.As(err, &ce) || ce.Class != middleware.ClassRedeliveryLimit {
+		t.Fatalf("at the limit in the quarantine: %v", err)
+	}
+	// No quarantine consumer in this process: counted in Q as before.
+	d.qerr = middleware.ErrNoQuarantine
+	if _, err := g.Middleware(h)(redelivered(1, "1")); err != nil || len(d.Calls()) != 1 {
+		t.Fatalf("no quarantine: err %v, %d scheduled", err, len(d.Calls()))
+	}
+	if _, err = g.Middleware(h)(redelivered(1, "2")); !errors.As(err, &ce) || ce.Class != middleware.ClassRedeliveryLimit {
+		t.Fatalf("no quarantine, at the limit: %v", err)
 	}
 }

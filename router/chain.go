@@ -8,7 +8,8 @@
 //	                       to the origin queue (confirmed), else nack with requeue
 //	    poison.Forwarder     poisons permanent and exhausted failures (confirmed, then ack)
 //	      RedeliveryGuard      a redelivered message is not run: a counted copy is
-//	                           requeued (confirmed, then ack); past the limit, poisoned
+//	                           requeued, or moved to the quarantine queue (confirmed,
+//	                           then ack); at the limit, poisoned
 //	        Republisher          past MaxAttempts: poisoned without running; otherwise
 //	                             schedules retries through the Delayer (confirmed, then ack)
 //	          Classifier           wraps the handler error with retry / poison / drop,
@@ -81,9 +82,12 @@ type Config struct {
 	// ErrorText renders errors into headers; use it to redact secrets.
 	// Default: err.Error() cut to 1 KiB.
 	ErrorText func(error) string
-	// MaxRedeliveries is how many broker redeliveries (crashes, consumer
-	// timeouts, returns) a message survives before it is poisoned with class
-	// middleware.ClassRedeliveryLimit. Default middleware.DefaultMaxRedeliveries.
+	// MaxRedeliveries bounds the broker redeliveries (crashes, consumer
+	// timeouts, returns) a message may cause: the one that brings its count
+	// to MaxRedeliveries poisons it with class
+	// middleware.ClassRedeliveryLimit (attributable ones only when the
+	// Delayer is a middleware.Quarantiner; see middleware.RedeliveryGuard).
+	// Default middleware.DefaultMaxRedeliveries.
 	MaxRedeliveries int
 	// RedeliveriesCounted: AttemptSources count every broker redelivery as
 	// an attempt (middleware.AcquiredCountSource), so the RedeliveryGuard

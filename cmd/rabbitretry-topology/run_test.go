@@ -117,7 +117,12 @@ func TestShowAndTidy(t *testing.T) {
 		if code != exitOK {
 			t.Fatalf("show: exit %d: %s", code, errOut)
 		}
-		return strings.Contains(out, q+".wait.30s  orphan-wait  30s   1")
+		for _, line := range strings.Split(out, "\n") { // column widths follow the longest name
+			if f := strings.Fields(line); len(f) >= 4 && f[0] == q+".wait.30s" && f[1] == "orphan-wait" && f[2] == "30s" && f[3] == "1" {
+				return true
+			}
+		}
+		return false
 	})
 	t.Logf("show:\n%s", out)
 	for _, want := range []string{

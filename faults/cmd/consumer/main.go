@@ -70,6 +70,9 @@ func run() error {
 		nativeMin   = flag.Duration("native-min", 0, "NativeDelayedRetry.Min (0: mode off; RabbitMQ 4.3+ quorum queues)")
 		nativeMax   = flag.Duration("native-max", 0, "NativeDelayedRetry.Max (0: Min)")
 		cascadePfx  = flag.String("cascade-prefix", "", "retry through the delay cascade with this cascade.Config.Prefix (cascade.DelayerFactory; -tiers is then ignored)")
+		prefetch    = flag.Int("prefetch", 16, "Qos.PrefetchCount of the subscriber")
+		crashOn     = flag.String("crash-payload", "", "the process SIGKILLs itself when it handles a message with this payload (faults.TestCrashLoop)")
+		maxRedeliv  = flag.Int("max-redeliveries", 0, "MaxRedeliveries (0: default)")
 	)
 	flag.Parse()
 	if *exchange == "" || *queue == "" || *prefix == "" || *out == "" {
@@ -102,7 +105,7 @@ func run() error {
 	subCfg := wamqp.NewDurableQueueConfig(*uri)
 	subCfg.Exchange = wamqp.ExchangeConfig{GenerateName: func(string) string { return *exchange }, Type: "direct", Durable: true}
 	subCfg.QueueBind = wamqp.QueueBindConfig{GenerateRoutingKey: func(string) string { return *routingKey }}
-	subCfg.Consume.Qos.PrefetchCount = 16
+	subCfg.Consume.Qos.PrefetchCount = *prefetch
 	var native *amqpretry.NativeDelayedRetry
 	if *nativeMin > 0 {
 		native = &amqpretry.NativeDelayedRetry{Min: *nativeMin, Max: *nativeMax}
@@ -121,7 +124,8 @@ func run() error {
 			b.InitialInterval, b.Multiplier, b.RandomizationFactor, b.MaxElapsedTime = *initial, 2, 0, 0
 			return b
 		},
-		Tiers: tiers,
+		Tiers:           tiers,
+		MaxRedeliveries: *maxRedeliv,
 		Naming: amqpretry.Naming{
 			LoopBackExchange: *prefix + ".loopback", WaitExchange: *prefix + ".wait", PoisonExchange: *prefix + ".poison",
 		},
@@ -141,6 +145,11 @@ func run() error {
 	}
 	r.AddMiddleware(retry.Middleware)
 	r.AddConsumerHandler("consumer", *queue, sub, func(msg *message.Message) error {
+		if *crashOn != "" && string(msg.Payload) == *crashOn {
+			fmt.Fprintln(os.Stderr, "CRASH", msg.UUID)
+			_ = syscall.Kill(os.Getpid(), syscall.SIGKILL) // a crash: no ack, no nack, no clean close
+			select {}
+		}
 		if *work > 0 {
 			time.Sleep(*work)
 		}

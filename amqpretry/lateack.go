@@ -1,0 +1,127 @@
+package amqpretry
+
+import (
+	"container/list"
+	"errors"
+	"sync"
+	"weak"
+
+	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v2/pkg/amqp"
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/rabbitretry/rabbitretry/middleware"
+)
+
+// errDeliveryGone is returned, without running the handler, for a message
+// whose delivery the broker already took back before the handler started.
+var errDeliveryGone = errors.New("amqpretry: the broker took this delivery back before it ran (channel closed or consumer cancelled, e.g. by a consumer timeout); it is redelivered")
+
+// lateVerdicts remembers the handler's result (nil or its error) for
+// messages whose handler finished after the broker had taken their delivery
+// back (its channel closed, or its consumer cancelled by a consumer
+// timeout: "Delivery Acknowledgement Timeout"), so the result could not be
+// settled. When the broker redelivers such a message to this process, the
+// remembered result is settled instead of running the handler again: a
+// success is acked, a failure retried or poisoned as usual, and the
+// redelivery is not counted as a crash. Bounded: the oldest entries are
+// forgotten first (a forgotten one just runs again: at-least-once).
+type lateVerdicts struct {
+	mu    sync.Mutex
+	max   int
+	order *list.List // of string keys, oldest first
+	keys  map[string]*list.Element
+	errs  map[string]error
+}
+
+const maxLateVerdicts = 4096
+
+func newLateVerdicts() *lateVerdicts {
+	return &lateVerdicts{max: maxLateVerdicts, order: list.New(), keys: map[string]*list.Element{}, errs: map[string]error{}}
+}
+
+// lateKey identifies one copy of a message: its UUID, attempt and
+// redelivery count as delivered, before the chain sets anything (a later
+// retry copy of the same message has another key; a redelivery of the same
+// delivery has the same).
+func lateKey(msg *message.Message) string {
+	return msg.UUID + "\x00" + msg.Metadata.Get(middleware.AttemptKey) + "\x00" + msg.Metadata.Get(middleware.RedeliveriesKey)
+}
+
+func (l *lateVerdicts) add(k string, err error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if _, ok := l.keys[k]; !ok {
+		l.keys[k] = l.order.PushBack(k)
+	}
+	l.errs[k] = err
+	for l.order.Len() > l.max {
+		oldest := l.order.Front()
+		l.order.Remove(oldest)
+		delete(l.keys, oldest.Value.(string))
+		delete(l.errs, oldest.Value.(string))
+	}
+}
+
+// take returns the remembered result of the message with key k, forgetting
+// it; ok is false when there is none.
+func (l *lateVerdicts) take(k string) (err error, ok bool) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	e, ok := l.keys[k]
+	if ok {
+		err = l.errs[k]
+		l.order.Remove(e)
+		delete(l.keys, k)
+		delete(l.errs, k)
+	}
+	return err, ok
+}
+
+// verdict is a handler's result.
+type verdict struct{ err error }
+
+// handlerRan holds, until the chain returns, the result of the messages
+// whose handler ran (not a middleware acting instead of it); replays holds
+// the remembered result to return instead of running the handler.
+var handlerRan, replays sync.Map // weak.Pointer[message.Message] -> verdict
+
+// recordVerdict wraps the user's handler: it returns a replayed result
+// without running h, or runs h and records its result.
+func recordVerdict(h message.HandlerFunc) message.HandlerFunc {
+	return func(msg *message.Message) ([]*message.Message, error) {
+		if v, ok := replays.LoadAndDelete(weak.Make(msg)); ok {
+			return nil, v.(verdict).err
+		}
+		out, err := h(msg)
+		handlerRan.Store(weak.Make(msg), verdict{err: err})
+		return out, err
+	}
+}
+
+func takeVerdict(msg *message.Message) (verdict, bool) {
+	v, ok := handlerRan.LoadAndDelete(weak.Make(msg))
+	if !ok {
+		return verdict{}, false
+	}
+	return v.(verdict), true
+}
+
+// classicTimeoutIgnored reports whether broker version v ignores consumer
+// timeouts on a queue of type queueType: RabbitMQ 4.3 evaluates
+// consumer_timeout (and x-consumer-timeout, the consumer-timeout policy)
+// for quorum queues only (4.3.0 release notes), so on a classic queue a
+// hung handler holds its delivery until its connection closes.
+func classicTimeoutIgnored(v, queueType string) bool {
+	major, minor, ok := parseMajorMinor(v)
+	return ok && queueType == QueueTypeClassic && (major > 4 || (major == 4 && minor >= 3))
+}
+
+// explicitConsumerTimeout returns the x-consumer-timeout cfg sets on the
+// queue or the consumer, if any.
+func explicitConsumerTimeout(cfg wamqp.Config) (any, bool) {
+	if v, ok := cfg.Queue.Arguments["x-consumer-timeout"]; ok {
+		return v, true
+	}
+	v, ok := cfg.Consume.Arguments["x-consumer-timeout"]
+	return v, ok
+}
