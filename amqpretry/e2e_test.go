@@ -465,7 +465,6 @@ func forgedRetryHeaders(t *testing.T, mode, qt string, opts ...envOption) {
 				middleware.FirstFailureKey: "2026-01-01T00:00:00Z", "x-acquired-count": int64(7), "x-delivery-count": int64(7)}},
 		}
 		uuids := map[string]string{}
-		var all []string
 		for _, c := range cases {
 			m := message.NewMessage(watermill.NewUUID(), []byte(c.name))
 			p, err := amqpretry.Marshaler{}.Marshal(m)
@@ -479,7 +478,6 @@ func forgedRetryHeaders(t *testing.T, mode, qt string, opts ...envOption) {
 				t.Fatal(err)
 			}
 			uuids[c.name] = m.UUID
-			all = append(all, m.UUID)
 		}
 		pq := e.retry.Topology().PoisonQueue(q)
 		waitFor(t, 30*time.Second, "all forged messages poisoned", func() bool { return e.depth(pq) == len(cases) })

@@ -363,7 +363,7 @@ func validUTF8(ss ...string) bool {
 func FuzzHeaderToString(f *testing.F) {
 	f.Add("s", int64(1), uint64(1), 1.5, []byte("b"), true, uint8(0), int32(0))
 	f.Add("", int64(math.MinInt64), uint64(math.MaxUint64), math.Inf(1), []byte{}, false, uint8(255), int32(math.MinInt32))
-	f.Add("\xff\x00\"\\", int64(-1), uint64(0), -0.0, []byte("\xff"), false, uint8(9), int32(-1))
+	f.Add("\xff\x00\"\\", int64(-1), uint64(0), math.Copysign(0, -1), []byte("\xff"), false, uint8(9), int32(-1))
 	f.Fuzz(func(t *testing.T, s string, i int64, u uint64, fl float64, b []byte, bo bool, scale uint8, dv int32) {
 		mustStr := func(v interface{}) string {
 			t.Helper()

@@ -21,16 +21,15 @@ import (
 // exactEnv is two topic exchanges (tenant A's and tenant B's), each with a
 // business queue bound "#", audited by a Consumer into PostgreSQL.
 type exactEnv struct {
-	t          *testing.T
-	uri        string
-	ch         *amqp.Channel
-	exA, exB   string
-	qA, qB     string
-	naming     audit.Naming
-	store      *pgstore.Store
-	cons       *audit.Consumer
-	resender   *audit.Resender
-	consConfig func(*audit.ConsumerConfig)
+	t        *testing.T
+	uri      string
+	ch       *amqp.Channel
+	exA, exB string
+	qA, qB   string
+	naming   audit.Naming
+	store    *pgstore.Store
+	cons     *audit.Consumer
+	resender *audit.Resender
 }
 
 func newExactEnv(t *testing.T, mod func(*audit.ConsumerConfig)) *exactEnv {

@@ -131,7 +131,7 @@ func TestWatermillRetryPoisonsOnShutdown(t *testing.T) {
 	}
 	r.AddMiddleware(poisonMW, wmw.Retry{MaxRetries: 5, InitialInterval: 10 * time.Second, Multiplier: 2}.Middleware)
 	var attempts atomic.Int32
-	r.AddNoPublisherHandler("svc", "orders", pubSub, func(msg *message.Message) error {
+	r.AddConsumerHandler("svc", "orders", pubSub, func(msg *message.Message) error {
 		attempts.Add(1)
 		return errTransient
 	})

@@ -73,11 +73,6 @@ func deliverViaRouter(t *testing.T, topic string, msg *message.Message, mw messa
 	return recv(t, results, 5*time.Second)
 }
 
-// call runs h wrapped in mw directly, without a router.
-func call(mw message.HandlerMiddleware, h message.HandlerFunc, msg *message.Message) ([]*message.Message, error) {
-	return mw(h)(msg)
-}
-
 func newMsg(payload string) *message.Message {
 	return message.NewMessage(watermill.NewUUID(), []byte(payload))
 }

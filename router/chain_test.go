@@ -660,7 +660,7 @@ func TestForeignCountsNeverDecideFirstRun(t *testing.T) {
 		if !slices.Equal(runs[uuid], []int{1, 2, 3}) {
 			t.Errorf("%s: runs at attempts %v, want [1 2 3]", name, runs[uuid])
 		}
-		if p := poisoned[uuid]; p == nil || p.Metadata.Get(poison.AttemptsKey) != strconv.Itoa(maxAttempts) {
+		if p := poisoned[uuid]; p == nil || p.Metadata.Get(middleware.PoisonAttemptsKey) != strconv.Itoa(maxAttempts) {
 			t.Errorf("%s: poison copy %v", name, p)
 		}
 	}

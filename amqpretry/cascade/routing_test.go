@@ -55,12 +55,11 @@ func TestTopicMatch(t *testing.T) {
 // binding keys and queue arguments: exchanges with their bindings, queues
 // with their TTL and dead-letter exchange.
 type sim struct {
-	cfg       Config
-	bindings  map[string][]simBinding // source exchange -> bindings
-	ttl       map[string]time.Duration
-	dlx       map[string]string
-	isLevelQ  map[string]bool
-	destNames []string
+	cfg      Config
+	bindings map[string][]simBinding // source exchange -> bindings
+	ttl      map[string]time.Duration
+	dlx      map[string]string
+	isLevelQ map[string]bool
 }
 
 type simBinding struct {

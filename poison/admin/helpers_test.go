@@ -12,8 +12,6 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 )
 
-const defaultTestAMQPURI = testkit.DefaultURI
-
 const loopBack = "rabbitretry.loopback"
 
 // fixture is the topology of one test, built with plain amqp091-go:
