@@ -13,7 +13,7 @@ import (
 	"time"
 )
 
-// buildConsumer builds faults/cmd/consumer into dir.
+// buildConsumer builds cmd/faults-consumer into dir.
 func buildConsumer(t *testing.T, dir string) string {
 	t.Helper()
 	goBin, err := exec.LookPath("go")
@@ -21,9 +21,9 @@ func buildConsumer(t *testing.T, dir string) string {
 		goBin = "/usr/local/go/bin/go"
 	}
 	bin := filepath.Join(dir, "consumer")
-	cmd := exec.Command(goBin, "build", "-o", bin, "./cmd/consumer")
+	cmd := exec.Command(goBin, "build", "-o", bin, "../cmd/faults-consumer")
 	if out, err := cmd.CombinedOutput(); err != nil {
-		t.Fatalf("go build ./cmd/consumer: %v\n%s", err, out)
+		t.Fatalf("go build ../cmd/faults-consumer: %v\n%s", err, out)
 	}
 	return bin
 }
@@ -36,7 +36,7 @@ type consumerProc struct {
 	done   chan error
 }
 
-// startConsumer starts faults/cmd/consumer on e's queue; extra are more
+// startConsumer starts cmd/faults-consumer on e's queue; extra are more
 // flags (e.g. -native-min).
 func startConsumer(t *testing.T, bin string, e *env, out string, extra ...string) *consumerProc {
 	t.Helper()

@@ -267,6 +267,10 @@ func (g *RedeliveryGuard) copyNotHeld(serr error, attempt int, fields watermill.
 			Classification: Classification{Action: ActionPoison, Class: ClassUndelayable},
 		}
 	}
-	g.cfg.Logger.Error("Copy of a message the guard did not run not held; returning it to the broker", serr, fields)
+	msg := "Copy of a redelivered message not held; returning it to the broker"
+	if what != "redelivered" {
+		msg = "Copy of a delivery " + what + " not held; returning it to the broker"
+	}
+	g.cfg.Logger.Error(msg, serr, fields)
 	return &ScheduleError{Err: serr, HandlerErr: fmt.Errorf("%s: %w", what, ErrHandlerNotRun), Attempt: attempt}
 }

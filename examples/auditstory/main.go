@@ -392,7 +392,10 @@ func run(ctx context.Context, cfg config) (sum summary, err error) {
 			return sum, err
 		}
 		logf("resend --to-queue %s --dry-run: would send %d", billingQ, dry.Sent)
-		rep, err := resender.Resend(ctx, f, audit.ResendOptions{Mode: audit.ResendToQueue, Queue: billingQ})
+		// More than ConfirmAbove (10) messages: the resend must say it means
+		// them all, and how many the dry run found (auditctl resend --yes).
+		rep, err := resender.Resend(ctx, f, audit.ResendOptions{Mode: audit.ResendToQueue, Queue: billingQ,
+			AllowAll: true, ExpectedCount: dry.Matched})
 		if err != nil {
 			return sum, err
 		}

@@ -1,4 +1,4 @@
-// Command consumer is the consumer process of the fault suite's kill test
+// Command faults-consumer is the consumer process of the fault suite's kill test
 // (faults.TestConsumerKilled): a rabbitretry consumer whose handler fails
 // transiently for a deterministic share of messages (by a hash of the UUID,
 // once or twice) and appends each successfully handled UUID to -out, one
@@ -8,7 +8,8 @@
 // (faults.TestCascadeConsumerKilled).
 //
 // It prints "READY" on stdout once consuming, and shuts down gracefully on
-// SIGTERM or SIGINT. The test kills it with SIGKILL mid-run.
+// SIGTERM or SIGINT. The test kills it with SIGKILL mid-run. It is a test
+// helper of the faults package, not a tool for users.
 package main
 
 import (
