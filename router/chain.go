@@ -3,11 +3,13 @@
 //
 // From the outside in:
 //
+//	[Tracing]            optional: one OpenTelemetry span per attempt
 //	AttemptCounter       sets the attempt number before anything reads it
 //	  fallback             settles what nothing further in could: pause, copy back
 //	                       to the origin queue (confirmed), else nack with requeue
 //	    poison.Forwarder     poisons permanent and exhausted failures (confirmed, then ack)
-//	      RedeliveryGuard      a redelivered message is not run: a counted copy is
+//	      RedeliveryGuard      a delivery back before its whole delay is held again;
+//	                           a redelivered message is not run: a counted copy is
 //	                           requeued, or moved to the quarantine queue (confirmed,
 //	                           then ack); at the limit, poisoned
 //	        Republisher          past MaxAttempts: poisoned without running; otherwise
