@@ -698,26 +698,7 @@ var ErrSameQueue = errors.New("cascade: redirecting a queue to itself")
 // 404 NOT_FOUND for a missing queue, which closes ch). If the unbind
 // fails, to is already bound: messages then reach both queues.
 func (c Config) Redirect(ch *amqp.Channel, from, to string) error {
-	c, err := c.resolved()
-	if err != nil {
-		return err
-	}
-	if err := c.checkQueue(from); err != nil {
-		return err
-	}
-	if err := c.checkQueue(to); err != nil {
-		return err
-	}
-	if from == to {
-		return fmt.Errorf("%w: %q", ErrSameQueue, from)
-	}
-	if err := ch.QueueBind(to, c.destinationPattern(from), c.DeliveryExchange(), false, nil); err != nil {
-		return declareError("binding", to, err)
-	}
-	if err := ch.QueueUnbind(from, c.destinationPattern(from), c.DeliveryExchange(), nil); err != nil {
-		return declareError("binding", from, err)
-	}
-	return nil
+	return c.moveBinding(ch, from, to, to, from)
 }
 
 // Unredirect undoes Redirect(from, to): it binds from again with its own
@@ -735,6 +716,13 @@ func (c Config) Redirect(ch *amqp.Channel, from, to string) error {
 // queue, which closes ch). If the unbind fails, from is already bound
 // again: messages then reach both queues until it is retried.
 func (c Config) Unredirect(ch *amqp.Channel, from, to string) error {
+	return c.moveBinding(ch, from, to, from, to)
+}
+
+// moveBinding checks from and to, then binds bind and unbinds unbind with
+// from's delivery pattern, in that order (Redirect: to then from;
+// Unredirect: from then to).
+func (c Config) moveBinding(ch *amqp.Channel, from, to, bind, unbind string) error {
 	c, err := c.resolved()
 	if err != nil {
 		return err
@@ -748,11 +736,11 @@ func (c Config) Unredirect(ch *amqp.Channel, from, to string) error {
 	if from == to {
 		return fmt.Errorf("%w: %q", ErrSameQueue, from)
 	}
-	if err := ch.QueueBind(from, c.destinationPattern(from), c.DeliveryExchange(), false, nil); err != nil {
-		return declareError("binding", from, err)
+	if err := ch.QueueBind(bind, c.destinationPattern(from), c.DeliveryExchange(), false, nil); err != nil {
+		return declareError("binding", bind, err)
 	}
-	if err := ch.QueueUnbind(to, c.destinationPattern(from), c.DeliveryExchange(), nil); err != nil {
-		return declareError("binding", to, err)
+	if err := ch.QueueUnbind(unbind, c.destinationPattern(from), c.DeliveryExchange(), nil); err != nil {
+		return declareError("binding", unbind, err)
 	}
 	return nil
 }
