@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/rabbitretry/rabbitretry/amqpretry"
+	"github.com/rabbitretry/rabbitretry/middleware"
 	"github.com/rabbitretry/rabbitretry/internal/testkit"
 )
 
@@ -111,8 +112,13 @@ func evolve(t *testing.T, e *env, n int, changes []settingsChange) {
 			t.Errorf("orphan wait queue %s still holds %d", wq, d)
 		}
 	}
-	poisoned, _ := e.poisoned()
+	poisoned, ds := e.poisoned()
 	acc := account(t, uuids, l.successes(), poisoned)
+	for _, d := range ds {
+		t.Logf("poisoned: class %v, attempts %v, error %v, runs %v", d.Headers[middleware.ErrorClassKey],
+			d.Headers[middleware.PoisonAttemptsKey], d.Headers[middleware.LastErrorKey], l.attemptsOf(d.MessageId))
+		t.Logf("DEBUG headers %v", d.Headers)
+	}
 	if !settled {
 		t.Errorf("messages did not settle within 2 min")
 	}
