@@ -227,7 +227,8 @@ func IsDeliveryOnly(k string) bool {
 //   - every IsDeliveryOnly key (the broker's x-death, x-delivery-count,
 //     x-acquired-count, x-first-death-*, x-last-death-*; the delivery's
 //     exchange, routing key, redelivered flag and retry path; HeaderErrorKey);
-//   - the chain's counters: AttemptKey, RedeliveriesKey and DelayKey, and
+//   - the chain's counters: AttemptKey, ProvenAttemptKey, RedeliveriesKey
+//     and DelayKey, and
 //     RemainingDelayKey (the part of a delay still owed);
 //   - the poison marks: PoisonAttemptsKey, PoisonedAtKey and Watermill's
 //     reason_poisoned, topic_poisoned, handler_poisoned and
@@ -241,7 +242,7 @@ func IsDeliveryOnly(k string) bool {
 // IsDeliveryOnly keys (StripDeliveryMetadata) and carry the counters on.
 func IsRetryState(k string) bool {
 	switch k {
-	case AttemptKey, RedeliveriesKey, DelayKey, RemainingDelayKey,
+	case AttemptKey, ProvenAttemptKey, RedeliveriesKey, DelayKey, RemainingDelayKey,
 		PoisonAttemptsKey, PoisonedAtKey,
 		wmw.ReasonForPoisonedKey, wmw.PoisonedTopicKey, wmw.PoisonedHandlerKey, wmw.PoisonedSubscriberKey:
 		return true
