@@ -18,6 +18,8 @@ const MaxAttemptsCap = 1000
 
 type attemptCtxKey struct{}
 
+type provenCtxKey struct{}
+
 // ContextWithAttempt returns ctx carrying attempt (1-based).
 func ContextWithAttempt(ctx context.Context, attempt int) context.Context {
 	return context.WithValue(ctx, attemptCtxKey{}, attempt)
@@ -49,6 +51,28 @@ func Attempt(msg *message.Message) int {
 	return clampAttempt(1 + prev)
 }
 
+// ProvenAttempt returns the attempt number of msg counting only evidence
+// proven by runs of the handler (see AttemptSource.Proven): the value the
+// AttemptCounter put in the message's context; without a counter in the
+// chain, the ProvenAttemptKey metadata of a copy of this queue's chain (its
+// AttemptKey when the copy has none); else 1. It is never above Attempt(msg).
+// The Republisher poisons a message past MaxAttempts without running it only
+// when this number is past MaxAttempts too.
+func ProvenAttempt(msg *message.Message) int {
+	if n, ok := msg.Context().Value(provenCtxKey{}).(int); ok {
+		return min(n, Attempt(msg))
+	}
+	if n, ok := AttemptFromContext(msg.Context()); ok {
+		return n // set by ContextWithAttempt alone: all of it proven
+	}
+	src := HeaderSource(nil)
+	prev, err := src.Proven(msg)
+	if err != nil {
+		return 1
+	}
+	return min(clampAttempt(1+prev), Attempt(msg))
+}
+
 func clampAttempt(n int64) int {
 	if n < 1 {
 		return 1
@@ -70,6 +94,32 @@ type AttemptSource struct {
 	// source for this message and records the error. A value too large for
 	// int64 must be returned as MaxAttemptsCap, not as an error.
 	Previous func(msg *message.Message) (int64, error)
+	// Proven returns the part of Previous that is proven by runs of the
+	// handler: failed attempts this queue's chain recorded after running it
+	// (its own attempt header, x-death "rejected"/"delivery_limit" entries,
+	// the native delayed retry's nacks). It is the place for evidence that
+	// may also count returns of the message that did not run the handler,
+	// such as RabbitMQ 4.3's x-acquired-count, which also rises when the
+	// RedeliveryGuard or the Pause hands a delivery back unprocessed (nack
+	// with requeue during a broker alarm, or at shutdown while held): such a
+	// source returns less than Previous here (NackCountSource returns 0).
+	// The counter sums it into the proven attempt number (ProvenAttempt);
+	// values above Previous read as Previous, errors count 0. nil: all of
+	// Previous is proven (the behaviour of sources written before this
+	// field existed).
+	Proven func(msg *message.Message) (int64, error)
+}
+
+// proven returns the proven part of s's count for msg, in [0, previous].
+func (s AttemptSource) proven(msg *message.Message, previous int64) int64 {
+	if s.Proven == nil {
+		return previous
+	}
+	n, err := s.Proven(msg)
+	if err != nil || n < 0 {
+		return 0
+	}
+	return min(n, previous)
 }
 
 // parseCount parses a non-negative decimal count. Out-of-range positive
@@ -125,25 +175,41 @@ func ownCopy(msg *message.Message, queue string) bool {
 // (ignored by the counter). Larger than MaxAttemptsCap (including values
 // that overflow int64): MaxAttemptsCap.
 //
+// Its Proven part is ProvenAttemptKey (the attempt number proven by runs,
+// written beside AttemptKey on the same copies) minus 1, or all of it on a
+// copy without that key.
+//
 // queue returns the consuming queue's name; nil means the router's
 // subscribe topic (message.SubscribeTopicFromCtx).
 func HeaderSource(queue func(msg *message.Message) string) AttemptSource {
 	if queue == nil {
 		queue = func(msg *message.Message) string { return message.SubscribeTopicFromCtx(msg.Context()) }
 	}
-	return AttemptSource{Name: "header", Previous: func(msg *message.Message) (int64, error) {
-		v, ok := msg.Metadata[AttemptKey]
+	previous := func(msg *message.Message, key string) (int64, bool, error) {
+		v, ok := msg.Metadata[key]
 		if !ok || !ownCopy(msg, queue(msg)) {
-			return 0, nil
+			return 0, false, nil
 		}
-		n, err := parseCount(AttemptKey, v)
+		n, err := parseCount(key, v)
 		if err != nil {
-			return 0, err
+			return 0, false, err
 		}
 		if n == 0 {
-			return 0, fmt.Errorf("%s=0 is not an attempt number (attempts start at 1)", AttemptKey)
+			return 0, false, fmt.Errorf("%s=0 is not an attempt number (attempts start at 1)", key)
 		}
-		return n - 1, nil
+		return n - 1, true, nil
+	}
+	return AttemptSource{Name: "header", Previous: func(msg *message.Message) (int64, error) {
+		n, _, err := previous(msg, AttemptKey)
+		return n, err
+	}, Proven: func(msg *message.Message) (int64, error) {
+		// ProvenAttemptKey, written with AttemptKey on every copy; a copy
+		// made before it existed has only AttemptKey, all of it proven.
+		if n, ok, err := previous(msg, ProvenAttemptKey); ok && err == nil {
+			return n, nil
+		}
+		n, _, err := previous(msg, AttemptKey)
+		return n, err
 	}}
 }
 
@@ -265,7 +331,15 @@ func NewAttemptCounter(cfg AttemptCounterConfig) (*AttemptCounter, error) {
 // Count returns the attempt number of msg in [1, MaxAttemptsCap], and a
 // description of malformed values it ignored ("" if none).
 func (c *AttemptCounter) Count(msg *message.Message) (int, string) {
-	var prev int64
+	n, _, bad := c.count(msg)
+	return n, bad
+}
+
+// count returns the attempt number, the proven attempt number (only the
+// Proven parts of the sources; never above the attempt number) and the
+// ignored malformed values.
+func (c *AttemptCounter) count(msg *message.Message) (int, int, string) {
+	var prev, proven int64
 	var bad string
 	for _, s := range c.sources {
 		n, err := s.Previous(msg)
@@ -276,18 +350,18 @@ func (c *AttemptCounter) Count(msg *message.Message) (int, string) {
 			bad += s.Name + ": " + err.Error()
 			continue
 		}
-		prev += n
-		if prev >= MaxAttemptsCap {
-			prev = MaxAttemptsCap
-		}
+		prev = min(prev+n, MaxAttemptsCap)
+		proven = min(proven+s.proven(msg, n), MaxAttemptsCap)
 	}
-	return clampAttempt(1 + prev), bad
+	return clampAttempt(1 + prev), clampAttempt(1 + proven), bad
 }
 
-// Middleware stores the attempt number and calls the handler.
+// Middleware stores the attempt number (AttemptKey, AttemptFromContext) and
+// the proven attempt number (ProvenAttemptKey, ProvenAttempt) and calls the
+// handler.
 func (c *AttemptCounter) Middleware(h message.HandlerFunc) message.HandlerFunc {
 	return func(msg *message.Message) ([]*message.Message, error) {
-		n, bad := c.Count(msg)
+		n, proven, bad := c.count(msg)
 		if bad != "" {
 			msg.Metadata.Set(HeaderErrorKey, bad)
 			c.logger.Info("Ignoring malformed attempt headers", watermill.LogFields{
@@ -295,7 +369,8 @@ func (c *AttemptCounter) Middleware(h message.HandlerFunc) message.HandlerFunc {
 			})
 		}
 		msg.Metadata.Set(AttemptKey, strconv.Itoa(n))
-		msg.SetContext(ContextWithAttempt(msg.Context(), n))
+		msg.Metadata.Set(ProvenAttemptKey, strconv.Itoa(proven))
+		msg.SetContext(context.WithValue(ContextWithAttempt(msg.Context(), n), provenCtxKey{}, proven))
 		return h(msg)
 	}
 }

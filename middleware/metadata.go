@@ -28,6 +28,16 @@ const (
 	// attempt+1 into the copy it schedules; the attempt counter reads it.
 	AttemptKey = "rabbitretry-attempt"
 
+	// ProvenAttemptKey holds the attempt number of the delivery counting only
+	// evidence proven by runs of the handler (AttemptSource.Proven), as a
+	// decimal string, never above AttemptKey: it is lower when the attempt
+	// number includes returns that may not have run the handler (RabbitMQ
+	// 4.3's x-acquired-count of a held message nacked at shutdown). The
+	// attempt counter writes it with AttemptKey; the library's copies carry
+	// it (the republisher writes proven+1 after a failed run). A copy
+	// without it counts all of AttemptKey as proven.
+	ProvenAttemptKey = "rabbitretry-proven-attempt"
+
 	// FirstFailureKey holds the time of the first failed attempt
 	// (RFC 3339 with nanoseconds, UTC). Written once, by the republisher.
 	FirstFailureKey = "rabbitretry-first-failure"
@@ -217,7 +227,8 @@ func IsDeliveryOnly(k string) bool {
 //   - every IsDeliveryOnly key (the broker's x-death, x-delivery-count,
 //     x-acquired-count, x-first-death-*, x-last-death-*; the delivery's
 //     exchange, routing key, redelivered flag and retry path; HeaderErrorKey);
-//   - the chain's counters: AttemptKey, RedeliveriesKey and DelayKey, and
+//   - the chain's counters: AttemptKey, ProvenAttemptKey, RedeliveriesKey
+//     and DelayKey, and
 //     RemainingDelayKey (the part of a delay still owed);
 //   - the poison marks: PoisonAttemptsKey, PoisonedAtKey and Watermill's
 //     reason_poisoned, topic_poisoned, handler_poisoned and
@@ -231,7 +242,7 @@ func IsDeliveryOnly(k string) bool {
 // IsDeliveryOnly keys (StripDeliveryMetadata) and carry the counters on.
 func IsRetryState(k string) bool {
 	switch k {
-	case AttemptKey, RedeliveriesKey, DelayKey, RemainingDelayKey,
+	case AttemptKey, ProvenAttemptKey, RedeliveriesKey, DelayKey, RemainingDelayKey,
 		PoisonAttemptsKey, PoisonedAtKey,
 		wmw.ReasonForPoisonedKey, wmw.PoisonedTopicKey, wmw.PoisonedHandlerKey, wmw.PoisonedSubscriberKey:
 		return true

@@ -17,7 +17,7 @@ func TestRetryStateVocabulary(t *testing.T) {
 		middleware.DeliveryRetryPathKey, middleware.HeaderErrorKey,
 	}
 	counters := []string{
-		middleware.AttemptKey, middleware.RedeliveriesKey, middleware.DelayKey, middleware.RemainingDelayKey,
+		middleware.AttemptKey, middleware.ProvenAttemptKey, middleware.RedeliveriesKey, middleware.DelayKey, middleware.RemainingDelayKey,
 		middleware.PoisonAttemptsKey, middleware.PoisonedAtKey,
 		"reason_poisoned", "topic_poisoned", "handler_poisoned", "subscriber_poisoned",
 	}

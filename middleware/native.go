@@ -35,6 +35,13 @@ var ErrNativeRetry = fmt.Errorf("%w (native delayed retry: the queue holds the n
 // (wait queue, fallback) are new messages: their count starts again at 0
 // and AttemptKey carries the attempts before them, so the two add up.
 //
+// Its count is proven (Proven nil): in the native mode every return is
+// charged as an attempt by design (a crash loop must end in the poison
+// queue after MaxAttempts, which an unproven count would not bound), and
+// the nacks are the native retries of failed runs. A message the Pause
+// held when the router stopped is also charged there (see
+// docs/attempts.md).
+//
 // Absent: 0. Non-numeric or negative: an error (the counter ignores it).
 // Above MaxAttemptsCap: MaxAttemptsCap.
 func AcquiredCountSource() AttemptSource {
@@ -69,6 +76,14 @@ func AcquiredCountSource() AttemptSource {
 // itself AcquiredCountSource, which also counts crashes, replaces it.) On
 // brokers without x-acquired-count (3.x) and on classic queues it counts 0.
 //
+// Its count is unproven (AttemptSource.Proven returns 0): a nack with
+// requeue also hands back a delivery whose handler did not run (the
+// RedeliveryGuard's or the Pause's copy refused during a broker alarm, a
+// message the Pause held when the router stopped), so the Republisher does
+// not poison a message without running it on this evidence alone: past
+// MaxAttempts only because of it, the message runs once more as its last
+// attempt (see Republisher.Middleware).
+//
 // Absent x-acquired-count: 0. Non-numeric or negative values: an error (the
 // counter ignores the source). Above MaxAttemptsCap: MaxAttemptsCap.
 func NackCountSource() AttemptSource {
@@ -91,5 +106,11 @@ func NackCountSource() AttemptSource {
 			}
 		}
 		return max(acquired-failures, 0), nil
+	}, Proven: func(*message.Message) (int64, error) {
+		// Outside the native mode a nack is not always a failed run: the
+		// RedeliveryGuard's or the Pause's refused copy (broker alarm) and a
+		// message the Pause held at shutdown are nacked with requeue
+		// without running the handler.
+		return 0, nil
 	}}
 }

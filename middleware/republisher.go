@@ -367,8 +367,12 @@ func (r *Republisher) Delay(n int, requested time.Duration) (time.Duration, bool
 }
 
 // Middleware is the delayed republisher. A message whose attempt number is
-// already above MaxAttempts is not handed to the handler: it returns an
-// *ExhaustedError at once (the poison forwarder poisons it). For each
+// already above MaxAttempts is not handed to the handler when its proven
+// attempt number (ProvenAttempt: runs recorded by the chain, not returns
+// that may not have run it) is above MaxAttempts too: it returns an
+// *ExhaustedError at once (the poison forwarder poisons it). Past
+// MaxAttempts only by unproven evidence (AttemptSource.Proven), it runs
+// once more as attempt MaxAttempts, and a failure exhausts it. For each
 // handler error:
 //   - not ActionRetry (see Classifier): returned unchanged;
 //   - attempt >= MaxAttempts, or the backoff stops: *ExhaustedError;
@@ -381,10 +385,15 @@ func (r *Republisher) Delay(n int, requested time.Duration) (time.Duration, bool
 func (r *Republisher) Middleware(h message.HandlerFunc) message.HandlerFunc {
 	return func(msg *message.Message) ([]*message.Message, error) {
 		if Attempt(msg) > r.cfg.MaxAttempts {
-			// Already past the last attempt (a poison publish that failed and
-			// was parked by the Fallback, or a forged header): straight to the
-			// poison queue, without running the handler again.
-			return nil, r.pastLastAttempt(msg)
+			if ProvenAttempt(msg) > r.cfg.MaxAttempts {
+				// Already past the last attempt by runs (a poison publish
+				// that failed and was parked by the Fallback): straight to
+				// the poison queue, without running the handler again.
+				return nil, r.pastLastAttempt(msg)
+			}
+			// Past it only by returns that may not have run the handler
+			// (NackCountSource): run once more, as the last attempt.
+			r.lastAttempt(msg)
 		}
 		out, err := h(msg)
 		if err == nil {
@@ -392,6 +401,21 @@ func (r *Republisher) Middleware(h message.HandlerFunc) message.HandlerFunc {
 		}
 		return nil, r.onFailure(msg, err)
 	}
+}
+
+// lastAttempt makes msg's attempt number MaxAttempts (context and
+// AttemptKey), so that a failure exhausts it.
+//
+//go:noinline
+func (r *Republisher) lastAttempt(msg *message.Message) {
+	m := r.cfg.MaxAttempts
+	r.cfg.Logger.Info("Attempt number past MaxAttempts only by returns that may not have run the handler; running it as the last attempt", watermill.LogFields{
+		"message_uuid": msg.UUID, "queue": r.cfg.QueueName(msg.Context()), "counted_attempt": Attempt(msg),
+		"proven_attempt": ProvenAttempt(msg), "attempt": m,
+	})
+	msg.Metadata.Set(AttemptKey, strconv.Itoa(m))
+	msg.Metadata.Set(ProvenAttemptKey, strconv.Itoa(min(ProvenAttempt(msg), m)))
+	msg.SetContext(context.WithValue(ContextWithAttempt(msg.Context(), m), provenCtxKey{}, min(ProvenAttempt(msg), m)))
 }
 
 //go:noinline
@@ -531,6 +555,7 @@ func (r *Republisher) copyForRetry(ctx context.Context, msg *message.Message, at
 	RecordFailure(c.Metadata, r.cfg.Now(), r.cfg.ErrorText(err), cl.Class, r.cfg.QueueName(ctx))
 	StripDeliveryMetadata(c.Metadata)
 	c.Metadata.Set(AttemptKey, strconv.Itoa(attempt+1))
+	c.Metadata.Set(ProvenAttemptKey, strconv.Itoa(min(ProvenAttempt(msg), attempt)+1))
 	c.Metadata.Set(DelayKey, strconv.FormatInt(delay.Milliseconds(), 10))
 	return c
 }

@@ -109,6 +109,7 @@ func TestRepublisherSchedulesCopy(t *testing.T) {
 	want := map[string]string{
 		"user-key":                       "user-value",
 		middleware.AttemptKey:            "3",
+		middleware.ProvenAttemptKey:      "3",
 		middleware.FirstFailureKey:       earlier,
 		middleware.LastFailureKey:        fixedNow.Format(time.RFC3339Nano),
 		middleware.ErrorClassKey:         middleware.ClassTransient,

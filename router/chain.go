@@ -76,7 +76,10 @@ type Config struct {
 	// deliveries back through a retry route (middleware.XDeathSource), and
 	// the broker's count of returns: middleware.NackCountSource, or
 	// middleware.AcquiredCountSource with RedeliveriesCounted. Counts a
-	// producer or another queue's chain wrote never count.
+	// producer or another queue's chain wrote never count. NackCountSource
+	// is unproven (middleware.AttemptSource.Proven): a message past
+	// MaxAttempts only by its nacks runs once more as the last attempt
+	// instead of being poisoned without running.
 	AttemptSources []middleware.AttemptSource
 	// QueueName names the originating queue of a message. Default: the
 	// router's subscribe topic.

@@ -85,7 +85,7 @@ func (f *fallback) onFailure(msg *message.Message, err error) error {
 	ctx := msg.Context()
 	start := time.Now()
 	attempt := middleware.Attempt(msg)
-	var next int
+	var next, proven int
 	var handlerErr error
 	var asked time.Duration // the handler's RetryAfter, if any
 	var se *middleware.ScheduleError
@@ -93,9 +93,11 @@ func (f *fallback) onFailure(msg *message.Message, err error) error {
 	switch {
 	case errors.As(err, &se) && se.HandlerRan():
 		next, handlerErr = se.Attempt+1, se.HandlerErr
+		proven = min(middleware.ProvenAttempt(msg), se.Attempt) + 1 // this run failed
 		asked, _ = middleware.RetryAfterFrom(se.HandlerErr)
 	case errors.As(err, &pe):
 		next, handlerErr = max(attempt, f.maxAttempts+1), pe.HandlerErr
+		proven = next // to be poisoned: never run again
 	default:
 		// Nothing a copy would fix (e.g. the RedeliveryGuard's own copy of a
 		// redelivered message was refused): pause, then requeue.
@@ -109,6 +111,7 @@ func (f *fallback) onFailure(msg *message.Message, err error) error {
 	middleware.RecordFailure(c.Metadata, time.Now(), f.errorText(handlerErr), poison.ErrorClass(handlerErr), f.queueName(ctx))
 	middleware.StripDeliveryMetadata(c.Metadata)
 	c.Metadata.Set(middleware.AttemptKey, strconv.Itoa(next))
+	c.Metadata.Set(middleware.ProvenAttemptKey, strconv.Itoa(proven))
 	if remaining := asked - time.Since(start); remaining > 0 {
 		// The handler asked for a delay (RetryAfter) and the copy below goes
 		// straight back to the queue: never let it run earlier than asked.
