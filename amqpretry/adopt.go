@@ -1,14 +1,11 @@
 package amqpretry
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
 	"net/http"
-	"net/url"
 	"regexp"
 	"sort"
 	"strings"
@@ -17,6 +14,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	amqp "github.com/rabbitmq/amqp091-go"
 
+	"github.com/rabbitretry/rabbitretry/internal/mgmt"
 	"github.com/rabbitretry/rabbitretry/internal/redact"
 )
 
@@ -130,90 +128,37 @@ type mgmtQueue struct {
 	EffectivePolicyDefinition map[string]any `json:"effective_policy_definition"`
 }
 
+// mgmtClient adds the requests the library sends to the management API
+// client of internal/mgmt.
 type mgmtClient struct {
-	base   *url.URL
-	client *http.Client
+	*mgmt.Client
 }
 
 // newMgmtClient parses cfg.ManagementURL; field names it in the error.
 func newMgmtClient(cfg *AdoptQueue, field string) (*mgmtClient, error) {
-	u, err := url.Parse(strings.TrimSuffix(cfg.ManagementURL, "/"))
-	if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
-		shown := "(unparsable)"
-		if err == nil {
-			shown = u.Redacted()
-		}
-		return nil, fmt.Errorf("amqpretry.Config.%s %q is not an http(s) URL", field, shown)
-	}
-	c := cfg.HTTPClient
-	if c == nil {
-		c = &http.Client{Timeout: 10 * time.Second}
-	}
-	return &mgmtClient{base: u, client: c}, nil
-}
-
-func (m *mgmtClient) do(ctx context.Context, method, path string, body any, out any) (int, error) {
-	base := *m.base
-	base.User = nil
-	// path is already escaped (a vhost "/" is "%2F"): parse the joined
-	// string so it is sent as written.
-	u, err := url.Parse(base.String() + path)
-	if err != nil {
-		return 0, err
-	}
-	var rd io.Reader
-	if body != nil {
-		b, err := json.Marshal(body)
-		if err != nil {
-			return 0, err
-		}
-		rd = bytes.NewReader(b)
-	}
-	req, err := http.NewRequestWithContext(ctx, method, u.String(), rd)
-	if err != nil {
-		return 0, err
-	}
-	if m.base.User != nil {
-		pw, _ := m.base.User.Password()
-		req.SetBasicAuth(m.base.User.Username(), pw)
-	}
-	req.Header.Set("Content-Type", "application/json")
-	resp, err := m.client.Do(req)
-	if err != nil {
-		return 0, fmt.Errorf("amqpretry: management API %s %s: %w", method, u.Path, err)
-	}
-	defer resp.Body.Close()
-	b, _ := io.ReadAll(io.LimitReader(resp.Body, 1<<20))
-	if resp.StatusCode >= 300 {
-		if resp.StatusCode == http.StatusNotFound {
-			return resp.StatusCode, nil
-		}
-		return resp.StatusCode, fmt.Errorf("amqpretry: management API %s %s: %s: %s", method, u.Path, resp.Status, strings.TrimSpace(string(b)))
-	}
-	if out != nil {
-		if err := json.Unmarshal(b, out); err != nil {
-			return resp.StatusCode, fmt.Errorf("amqpretry: management API %s %s: %w", method, u.Path, err)
-		}
-	}
-	return resp.StatusCode, nil
-}
-
-func (m *mgmtClient) queue(ctx context.Context, vhost, q string) (*mgmtQueue, error) {
-	var mq mgmtQueue
-	code, err := m.do(ctx, http.MethodGet, "/api/queues/"+url.PathEscape(vhost)+"/"+url.PathEscape(q), nil, &mq)
+	c, err := mgmt.New(cfg.ManagementURL, mgmt.Options{Field: "amqpretry.Config." + field, HTTPClient: cfg.HTTPClient, ErrPrefix: "amqpretry"})
 	if err != nil {
 		return nil, err
 	}
-	if code == http.StatusNotFound {
-		return nil, nil
+	return &mgmtClient{c}, nil
+}
+
+// queue reads GET /api/queues/{vhost}/{name}; nil, nil: no such queue.
+func (m *mgmtClient) queue(ctx context.Context, vhost, q string) (*mgmtQueue, error) {
+	var mq mgmtQueue
+	if err := m.Do(ctx, http.MethodGet, mgmt.Path("queues", vhost, q), nil, &mq); err != nil {
+		if mgmt.IsNotFound(err) {
+			return nil, nil
+		}
+		return nil, err
 	}
 	return &mq, nil
 }
 
 func (m *mgmtClient) putPolicy(ctx context.Context, vhost string, p Policy) error {
 	body := map[string]any{"pattern": p.Pattern, "apply-to": p.ApplyTo, "priority": p.Priority, "definition": p.Definition}
-	code, err := m.do(ctx, http.MethodPut, "/api/policies/"+url.PathEscape(vhost)+"/"+url.PathEscape(p.Name), body, nil)
-	if err == nil && code == http.StatusNotFound {
+	err := m.Do(ctx, http.MethodPut, mgmt.Path("policies", vhost, p.Name), body, nil)
+	if mgmt.IsNotFound(err) {
 		err = fmt.Errorf("amqpretry: management API: vhost %q not found", vhost)
 	}
 	return err

@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
-	"net/url"
 	"slices"
 	"strings"
 	"text/tabwriter"
@@ -14,6 +13,7 @@ import (
 
 	amqp "github.com/rabbitmq/amqp091-go"
 
+	"github.com/rabbitretry/rabbitretry/internal/mgmt"
 	"github.com/rabbitretry/rabbitretry/middleware"
 
 	"github.com/rabbitretry/rabbitretry/internal/redact"
@@ -129,18 +129,14 @@ type mgmtQueuePage struct {
 // queues (the API's maximum is 500).
 const inspectPageSize = 500
 
-// newInspectClient is newMgmtClient for Inspect: its error never shows the
-// URL's password.
+// newInspectClient is newMgmtClient for Inspect (30 s per request): its
+// error never shows the URL's password.
 func newInspectClient(managementURL string) (*mgmtClient, error) {
-	u, err := url.Parse(strings.TrimSuffix(managementURL, "/"))
-	if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
-		shown := "(unparseable)"
-		if err == nil {
-			shown = u.Redacted()
-		}
-		return nil, fmt.Errorf("amqpretry: management URL %s is not an http(s) URL", shown)
+	c, err := mgmt.New(managementURL, mgmt.Options{Field: "amqpretry: management URL", Timeout: 30 * time.Second, ErrPrefix: "amqpretry"})
+	if err != nil {
+		return nil, err
 	}
-	return &mgmtClient{base: u, client: &http.Client{Timeout: 30 * time.Second}}, nil
+	return &mgmtClient{c}, nil
 }
 
 // listQueues pages through GET /api/queues/{vhost}.
@@ -148,14 +144,13 @@ func (m *mgmtClient) listQueues(ctx context.Context, vhost string) ([]mgmtListed
 	var all []mgmtListedQueue
 	for page := 1; ; page++ {
 		var p mgmtQueuePage
-		path := fmt.Sprintf("/api/queues/%s?columns=name,messages,arguments,policy,type&page=%d&page_size=%d",
-			url.PathEscape(vhost), page, inspectPageSize)
-		code, err := m.do(ctx, http.MethodGet, path, nil, &p)
-		if err != nil {
+		path := fmt.Sprintf("%s?columns=name,messages,arguments,policy,type&page=%d&page_size=%d",
+			mgmt.Path("queues", vhost), page, inspectPageSize)
+		if err := m.Do(ctx, http.MethodGet, path, nil, &p); err != nil {
+			if mgmt.IsNotFound(err) {
+				return nil, fmt.Errorf("amqpretry: management API: vhost %q not found", vhost)
+			}
 			return nil, err
-		}
-		if code == http.StatusNotFound {
-			return nil, fmt.Errorf("amqpretry: management API: vhost %q not found", vhost)
 		}
 		all = append(all, p.Items...)
 		if page >= p.PageCount || len(p.Items) == 0 {

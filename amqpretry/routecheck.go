@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
-	"net/url"
 	"regexp"
 	"sort"
 	"strings"
@@ -15,6 +14,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	amqp "github.com/rabbitmq/amqp091-go"
 
+	"github.com/rabbitretry/rabbitretry/internal/mgmt"
 	"github.com/rabbitretry/rabbitretry/middleware"
 )
 
@@ -130,7 +130,7 @@ func (r *routeChecker) check(ctx context.Context, q string) string {
 	if r.mgmt == nil {
 		return ""
 	}
-	policies, err := r.mgmt.policies(ctx, "/api/policies/"+url.PathEscape(r.vhost))
+	policies, err := r.mgmt.policies(ctx, mgmt.Path("policies", r.vhost))
 	if err != nil {
 		return "reading policies: " + err.Error()
 	}
@@ -161,7 +161,7 @@ func (r *routeChecker) check(ctx context.Context, q string) string {
 		}
 	}
 	if wq != "" {
-		ops, err := r.mgmt.policies(ctx, "/api/operator-policies/"+url.PathEscape(r.vhost))
+		ops, err := r.mgmt.policies(ctx, mgmt.Path("operator-policies", r.vhost))
 		if err != nil {
 			return "reading operator policies: " + err.Error()
 		}
@@ -206,12 +206,11 @@ type namedPolicy struct {
 
 func (m *mgmtClient) policies(ctx context.Context, path string) ([]namedPolicy, error) {
 	var ps []namedPolicy
-	code, err := m.do(ctx, http.MethodGet, path, nil, &ps)
-	if err != nil {
+	if err := m.Do(ctx, http.MethodGet, path, nil, &ps); err != nil {
+		if mgmt.IsNotFound(err) {
+			return nil, nil
+		}
 		return nil, err
-	}
-	if code == http.StatusNotFound {
-		return nil, nil
 	}
 	return ps, nil
 }

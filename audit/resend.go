@@ -21,6 +21,7 @@ import (
 	"github.com/rabbitretry/rabbitretry/amqpretry"
 	"github.com/rabbitretry/rabbitretry/middleware"
 
+	"github.com/rabbitretry/rabbitretry/internal/mgmt"
 	"github.com/rabbitretry/rabbitretry/internal/redact"
 )
 
@@ -617,8 +618,7 @@ func (r *Resender) checkRoutes(ctx context.Context, rep *ResendReport, pubs []am
 			continue
 		}
 		other, toAudit, err := rc.reachesOtherQueue(ctx, res.Exchange, res.RoutingKey, pubs[i].Headers)
-		var nf *mgmtNotFound
-		if errors.As(err, &nf) {
+		if mgmt.IsNotFound(err) {
 			unknown[res.Exchange] = true // the publish loop tells missing from another broker's API
 			continue
 		}

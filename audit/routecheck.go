@@ -2,16 +2,15 @@ package audit
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
 	"net/http"
 	"net/url"
 	"strings"
-	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/rabbitretry/rabbitretry/internal/mgmt"
 )
 
 // ErrRoutedOnlyToAudit is the error of a ResendToExchange result whose
@@ -43,11 +42,9 @@ type exchangeRoutes struct {
 // all-with-x, any-with-x), follows exchange-to-exchange bindings, and
 // counts a binding of any other exchange type (a plugin's) as routing.
 type routeChecker struct {
-	base       *url.URL // without user info
-	user, pass string
+	mgmt       *mgmt.Client
 	vhost      string
 	auditQueue string
-	client     *http.Client
 	cache      map[string]exchangeRoutes
 }
 
@@ -67,62 +64,25 @@ func managementURL(amqpURI string) (string, error) {
 }
 
 func newRouteChecker(mgmtURL, vhost, auditQueue string) (*routeChecker, error) {
-	u, err := url.Parse(mgmtURL)
-	if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
-		return nil, errors.New("audit: ResenderConfig.ManagementURL is not an http(s) URL")
-	}
-	c := &routeChecker{vhost: vhost, auditQueue: auditQueue, client: &http.Client{Timeout: 10 * time.Second}, cache: map[string]exchangeRoutes{}}
-	if u.User != nil {
-		c.user = u.User.Username()
-		c.pass, _ = u.User.Password()
-	}
-	u.User = nil
-	c.base = u
-	return c, nil
-}
-
-func (c *routeChecker) get(ctx context.Context, path string, out any) error {
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, strings.TrimSuffix(c.base.String(), "/")+"/api/"+path, nil)
+	m, err := mgmt.New(mgmtURL, mgmt.Options{Field: "audit: ResenderConfig.ManagementURL"})
 	if err != nil {
-		return err
+		return nil, err
 	}
-	if c.user != "" {
-		req.SetBasicAuth(c.user, c.pass)
-	}
-	resp, err := c.client.Do(req)
-	if err != nil {
-		return fmt.Errorf("management API at %s: %w", c.base.Host, errors.Unwrap(err))
-	}
-	defer resp.Body.Close()
-	if resp.StatusCode == http.StatusNotFound {
-		return &mgmtNotFound{path: path}
-	}
-	if resp.StatusCode != http.StatusOK {
-		return fmt.Errorf("management API at %s: GET /api/%s: %s", c.base.Host, path, resp.Status)
-	}
-	return json.NewDecoder(io.LimitReader(resp.Body, 64<<20)).Decode(out)
-}
-
-// mgmtNotFound: the management API answered 404 (no such exchange).
-type mgmtNotFound struct{ path string }
-
-func (e *mgmtNotFound) Error() string {
-	return "management API: GET /api/" + e.path + ": 404 Not Found"
+	return &routeChecker{mgmt: m, vhost: vhost, auditQueue: auditQueue, cache: map[string]exchangeRoutes{}}, nil
 }
 
 func (c *routeChecker) routes(ctx context.Context, exchange string) (exchangeRoutes, error) {
 	if r, ok := c.cache[exchange]; ok {
 		return r, nil
 	}
-	vh, ex := url.PathEscape(c.vhost), url.PathEscape(exchange)
 	var info struct {
 		Type string `json:"type"`
 	}
-	if err := c.get(ctx, "exchanges/"+vh+"/"+ex, &info); err != nil {
+	if err := c.mgmt.Do(ctx, http.MethodGet, mgmt.Path("exchanges", c.vhost, exchange), nil, &info); err != nil {
 		return exchangeRoutes{}, err
 	}
 	var bs []mgmtBinding
-	if err := c.get(ctx, "exchanges/"+vh+"/"+ex+"/bindings/source", &bs); err != nil {
+	if err := c.mgmt.Do(ctx, http.MethodGet, mgmt.Path("exchanges", c.vhost, exchange, "bindings", "source"), nil, &bs); err != nil {
 		return exchangeRoutes{}, err
 	}
 	r := exchangeRoutes{typ: info.Type, bindings: bs}

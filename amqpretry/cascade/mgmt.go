@@ -1,18 +1,16 @@
 package cascade
 
 import (
-	"bytes"
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
 	"net/http"
 	"net/url"
 	"regexp"
 	"sort"
 	"strings"
-	"time"
+
+	"github.com/rabbitretry/rabbitretry/internal/mgmt"
 )
 
 // levelStat is what the management API reports about a level queue.
@@ -46,19 +44,11 @@ func (s levelStat) lengthLimit() string {
 // managementClient is a Config's management API client, or nil when
 // ManagementURL is empty. The URL's password is sent as basic auth and
 // never shown in errors.
-func (c *Config) managementClient() (*url.URL, error) {
+func (c *Config) managementClient() (*mgmt.Client, error) {
 	if c.ManagementURL == "" {
 		return nil, nil
 	}
-	u, err := url.Parse(strings.TrimSuffix(c.ManagementURL, "/"))
-	if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
-		shown := "(unparseable)"
-		if err == nil {
-			shown = u.Redacted()
-		}
-		return nil, fmt.Errorf("cascade.Config.ManagementURL %s is not an http(s) URL", shown)
-	}
-	return u, nil
+	return mgmt.New(c.ManagementURL, mgmt.Options{Field: "cascade.Config.ManagementURL", ErrPrefix: "cascade"})
 }
 
 // levelStats reads every level queue of the cascade from the management API
@@ -75,7 +65,7 @@ func (c *Config) levelStats(ctx context.Context) (map[string]levelStat, error) {
 	var page struct {
 		Items []levelStat `json:"items"`
 	}
-	if err := c.management(ctx, http.MethodGet, "/api/queues/"+url.PathEscape(c.vhost())+"?"+q.Encode(), nil, &page); err != nil {
+	if err := c.management(ctx, http.MethodGet, mgmt.Path("queues", c.vhost())+"?"+q.Encode(), nil, &page); err != nil {
 		return nil, err
 	}
 	out := make(map[string]levelStat, len(page.Items))
@@ -108,7 +98,7 @@ const nudgePolicyPriority = 1 << 20
 // except that for the moment it applies it replaces any other policy on
 // the level queues (only the highest-priority policy applies).
 func (c *Config) nudgeDeadLetterWorkers(ctx context.Context) error {
-	path := "/api/policies/" + url.PathEscape(c.vhost()) + "/" + url.PathEscape(c.Prefix+".dead-letter-retry")
+	path := mgmt.Path("policies", c.vhost(), c.Prefix+".dead-letter-retry")
 	body := map[string]any{"pattern": c.levelQueuePattern(), "apply-to": "queues", "priority": nudgePolicyPriority,
 		"definition": map[string]any{"dead-letter-strategy": "at-least-once"}}
 	if err := c.management(ctx, http.MethodPut, path, body, nil); err != nil {
@@ -117,62 +107,17 @@ func (c *Config) nudgeDeadLetterWorkers(ctx context.Context) error {
 	return c.management(ctx, http.MethodDelete, path, nil, nil)
 }
 
-// management sends one request to the management API (Config.ManagementURL;
-// basic auth from its user info, never shown) and decodes the JSON answer
-// into out (if not nil). path is already escaped.
+// management sends one request to the management API (Config.ManagementURL,
+// see internal/mgmt's Client.Do). path is already escaped.
 func (c *Config) management(ctx context.Context, method, path string, body, out any) error {
-	base, err := c.managementClient()
+	m, err := c.managementClient()
 	if err != nil {
 		return err
 	}
-	if base == nil {
+	if m == nil {
 		return errors.New("cascade: Config.ManagementURL is not set")
 	}
-	target := *base
-	target.User = nil
-	shown := method + " " + target.String() + strings.SplitN(path, "?", 2)[0]
-	var rd io.Reader
-	if body != nil {
-		b, err := json.Marshal(body)
-		if err != nil {
-			return err
-		}
-		rd = bytes.NewReader(b)
-	}
-	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
-	defer cancel()
-	req, err := http.NewRequestWithContext(ctx, method, target.String()+path, rd)
-	if err != nil {
-		return fmt.Errorf("cascade: management API %s: %w", shown, err)
-	}
-	if base.User != nil {
-		pw, _ := base.User.Password()
-		req.SetBasicAuth(base.User.Username(), pw)
-	}
-	req.Header.Set("Content-Type", "application/json")
-	resp, err := http.DefaultClient.Do(req)
-	if err != nil {
-		return fmt.Errorf("cascade: management API %s: %w", shown, unwrapURLError(err))
-	}
-	defer resp.Body.Close()
-	b, _ := io.ReadAll(io.LimitReader(resp.Body, 4<<20))
-	if resp.StatusCode >= 300 {
-		return fmt.Errorf("cascade: management API %s: %s: %s", shown, resp.Status, strings.TrimSpace(string(b)))
-	}
-	if out != nil {
-		if err := json.Unmarshal(b, out); err != nil {
-			return fmt.Errorf("cascade: management API %s: %w", shown, err)
-		}
-	}
-	return nil
-}
-
-// unwrapURLError drops *url.Error's URL (it could carry credentials).
-func unwrapURLError(err error) error {
-	if ue, ok := err.(*url.Error); ok {
-		return ue.Err
-	}
-	return err
+	return m.Do(ctx, method, path, body, out)
 }
 
 func (c *Config) vhost() string {
