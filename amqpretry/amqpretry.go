@@ -87,6 +87,18 @@ type Config struct {
 	// of charging attempts: see router.Config.Pause and middleware.Pause.
 	// Default nil (off).
 	Pause *middleware.PauseConfig
+	// CrashQuarantine makes Retry.NewSubscriber also consume each queue's
+	// quarantine queue (Naming.QuarantineQueue) with prefetch 1, so that a
+	// crash is counted against the message that crashed, not against the
+	// neighbours the consumer held: the RedeliveryGuard moves a redelivered
+	// message there, where it runs alone. Known limit, why it is opt-in: a
+	// graceful stop that returns a quarantined message it had not started
+	// counts as one of its redeliveries, so deploys in quick succession can
+	// poison a quarantined message that never crashed. Default false: every
+	// redelivery counts in the originating queue (with prefetch N, a crash
+	// counts against up to N messages; use prefetch 1 where crashes are
+	// likely).
+	CrashQuarantine bool
 	// Tracing, when set, traces every attempt with OpenTelemetry: see
 	// router.Config.Tracing and middleware.Tracing. Default nil (off).
 	Tracing *middleware.TracingConfig
@@ -160,8 +172,8 @@ type Config struct {
 	// MaxRedeliveries bounds the crashes a message may cause (runs ended by
 	// a broker redelivery: consumer crash, connection loss, consumer
 	// timeout, a requeue): the redelivery that brings its count to
-	// MaxRedeliveries, in the quarantine queue where it is attributable
-	// (see Naming.QuarantineQueue, Retry.NewSubscriber), poisons it with
+	// MaxRedeliveries (with CrashQuarantine: in the quarantine queue, where
+	// it is attributable), poisons it with
 	// class "redelivery-limit" without running the handler again (see
 	// middleware.RedeliveryGuard). Default 3; range [1, 1000].
 	MaxRedeliveries int
@@ -334,9 +346,11 @@ type Retry struct {
 	// customClose: the DelayerFactory's CustomDelayer.Close, if any.
 	customClose func() error
 	subscriber  wamqp.Config
-	queueName   func(ctx context.Context) string
-	late        *lateVerdicts
-	logger      watermill.LoggerAdapter
+	// crashQuarantine: Config.CrashQuarantine.
+	crashQuarantine bool
+	queueName       func(ctx context.Context) string
+	late            *lateVerdicts
+	logger          watermill.LoggerAdapter
 }
 
 // New validates cfg, connects the retry publisher (publisher confirms) and
@@ -468,7 +482,7 @@ func New(cfg Config) (*Retry, error) {
 	if cfg.QueueType == QueueTypeQuorum {
 		sub.Queue.Durable = true
 	}
-	return &Retry{chain: chain, topology: topo, marshaler: marshaler, publisher: pub, delayer: delayer,
+	return &Retry{crashQuarantine: cfg.CrashQuarantine, chain: chain, topology: topo, marshaler: marshaler, publisher: pub, delayer: delayer,
 		customClose: custom.Close, subscriber: sub, queueName: cfg.QueueName, late: newLateVerdicts(), logger: cfg.Logger}, nil
 }
 
@@ -547,7 +561,8 @@ func (r *Retry) SubscriberConfig() wamqp.Config { return r.subscriber }
 // closes itself; Close it anyway (it returns the drain's result). It returns
 // watermill-amqp's error.
 //
-// Each subscription also consumes the originating queue's quarantine queue
+// With Config.CrashQuarantine, each subscription also consumes the
+// originating queue's quarantine queue
 // (Naming.QuarantineQueue) with prefetch 1, on a second connection (its
 // connection_name, if set, gets ".quarantine" appended), and hands its
 // messages to the same handler: the RedeliveryGuard moves a redelivered
@@ -557,6 +572,13 @@ func (r *Retry) SubscriberConfig() wamqp.Config { return r.subscriber }
 // alone does not consume the quarantine; the guard then counts every
 // redelivery in the originating queue, as before.
 func (r *Retry) NewSubscriber(logger watermill.LoggerAdapter, drainTimeout time.Duration) (*router.DrainingSubscriber, error) {
+	if !r.crashQuarantine {
+		sub, err := wamqp.NewSubscriber(r.subscriber, logger)
+		if err != nil {
+			return nil, err
+		}
+		return router.NewDrainingSubscriber(sub, drainTimeout), nil
+	}
 	sub, err := newQuarantineSubscriber(r.subscriber, r.topology, logger)
 	if err != nil {
 		return nil, err

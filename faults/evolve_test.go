@@ -8,8 +8,8 @@ import (
 	"time"
 
 	"github.com/rabbitretry/rabbitretry/amqpretry"
-	"github.com/rabbitretry/rabbitretry/middleware"
 	"github.com/rabbitretry/rabbitretry/internal/testkit"
+	"github.com/rabbitretry/rabbitretry/middleware"
 )
 
 // settingsChange is one deploy: a change to the config of the next run.

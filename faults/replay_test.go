@@ -3,6 +3,8 @@ package faults
 import (
 	"context"
 	"errors"
+	"fmt"
+	"path/filepath"
 	"slices"
 	"sort"
 	"sync"
@@ -20,23 +22,21 @@ import (
 // Issue 18 item 4. A message poisoned under each class (exhausted,
 // permanent, redelivery-limit, and one that arrived with malformed retry
 // headers) is replayed from the poison queue (poisonctl replay's
-// admin.Replay) and gets a fresh set of attempts: MaxAttempts runs, and
-// MaxRedeliveries redeliveries, as a new message would. Before, the replayed
-// copy kept rabbitretry-redeliveries, so the message poisoned by the
-// RedeliveryGuard was poisoned again at its first redelivery, without
-// running.
+// admin.Replay) and gets a fresh set of attempts: MaxAttempts runs, and no
+// redelivery count, as a new message would. Before, the replayed copy kept
+// rabbitretry-redeliveries, so the message poisoned by the RedeliveryGuard
+// was poisoned again at its first redelivery, without running.
 //
-// A crash is the broker closing the consumer's connection while the handler
-// holds the message (see TestCrashLoopEndsInPoison); prefetch 1 so that only
-// the crashing message is in flight.
+// The redelivery-limit one is poisoned by real crashes: the consumer
+// process (cmd/faults-consumer) SIGKILLs itself on it (see TestCrashLoop).
 func TestReplayStartsFreshAttempts(t *testing.T) {
-	haveRabbitmqctl(t)
+	bin := buildConsumer(t, t.TempDir())
 	for _, qt := range []string{"classic", "quorum"} {
-		t.Run(qt, func(t *testing.T) { testReplayStartsFreshAttempts(t, qt) })
+		t.Run(qt, func(t *testing.T) { testReplayStartsFreshAttempts(t, bin, qt) })
 	}
 }
 
-func testReplayStartsFreshAttempts(t *testing.T, queueType string) {
+func testReplayStartsFreshAttempts(t *testing.T, bin, queueType string) {
 	const maxAttempts = 3
 	e := newEnv(t, queueType, func(_ *env, c *amqpretry.Config) {
 		c.Subscriber.Consume.Qos.PrefetchCount = 1
@@ -51,23 +51,43 @@ func testReplayStartsFreshAttempts(t *testing.T, queueType string) {
 	ps[3].Headers[middleware.AttemptKey] = "not a number"
 	ps[3].Headers[middleware.RedeliveriesKey] = "-7"
 
+	// Phase 1a: the pill crashes its consumer process until the guard
+	// poisons it (class redelivery-limit).
+	e.declare()
+	e.publish(ps[2])
+	dir := t.TempDir()
+	for crashes := 0; e.poisonDepth() < 1; crashes++ {
+		if crashes > 4 {
+			t.Fatalf("the pill is not poisoned after %d crashes", crashes)
+		}
+		c := startCrashingConsumer(t, bin, e, filepath.Join(dir, fmt.Sprintf("out-%d", crashes)), "-prefetch", "1",
+			"-fail-percent", "0", "-crash-payload", "pill", "-max-redeliveries", "1", "-max-attempts", fmt.Sprint(maxAttempts))
+		exited := false
+		waitFor(t, 60*time.Second, "a crash or the poisoning", func() bool {
+			select {
+			case <-c.done:
+				exited = true
+				return true
+			default:
+				return e.poisonDepth() == 1
+			}
+		})
+		if !exited {
+			_ = c.cmd.Process.Kill()
+			<-c.done
+		}
+	}
+
 	var (
 		replayed atomic.Bool // phase 2: after the replay
-		crash    atomic.Bool // the pill's next run crashes
 		mu       sync.Mutex
 		after    = map[string][]int{} // attempts seen after the replay
+		redeliv  = map[string]int{}   // redelivery counts seen after the replay
 	)
 	l := newLedger()
-	entered := make(chan struct{}, 1)
-	release := make(chan struct{})
-	e.declare()
+	// Phase 1b: the others end in the poison queue, each under its class.
 	e.start(func(msg *message.Message) error {
 		kind := string(msg.Payload)
-		if kind == "pill" && crash.Load() {
-			entered <- struct{}{}
-			<-release
-			return errTransient
-		}
 		if !replayed.Load() {
 			if kind == "permanent" {
 				return middleware.Permanent(errors.New("order rejected"))
@@ -77,6 +97,7 @@ func testReplayStartsFreshAttempts(t *testing.T, queueType string) {
 		a := middleware.Attempt(msg)
 		mu.Lock()
 		after[msg.UUID] = append(after[msg.UUID], a)
+		redeliv[msg.UUID] = max(redeliv[msg.UUID], middleware.Redeliveries(msg))
 		mu.Unlock()
 		if a < maxAttempts {
 			return errTransient
@@ -84,29 +105,7 @@ func testReplayStartsFreshAttempts(t *testing.T, queueType string) {
 		l.success(msg.UUID)
 		return nil
 	})
-	crashPill := func(stopCrashing bool) {
-		t.Helper()
-		select {
-		case <-entered:
-		case <-time.After(30 * time.Second):
-			t.Fatal("the pill did not reach the handler")
-		}
-		if stopCrashing {
-			crash.Store(false)
-		}
-		consuming := len(e.logs.find("info", "Starting consuming from AMQP channel"))
-		closeSubscriberConnection(t, e)
-		release <- struct{}{}
-		waitFor(t, 30*time.Second, "the subscriber to reconnect", func() bool {
-			return len(e.logs.find("info", "Starting consuming from AMQP channel")) > consuming
-		})
-	}
-
-	// Phase 1: every message ends in the poison queue, each under its class.
-	crash.Store(true)
-	e.publish(ps...)
-	crashPill(false) // first delivery: the guard counts the redelivery (1 = MaxRedeliveries)
-	crashPill(true)  // the guard's copy: its redelivery is over the limit
+	e.publish(ps[0], ps[1], ps[3])
 	waitFor(t, 30*time.Second, "all four messages poisoned", func() bool { return e.poisonDepth() == len(kinds) })
 	adm, err := padmin.New(padmin.Config{URI: e.uri, LoopBackExchange: e.naming.LoopBackExchange})
 	if err != nil {
@@ -129,15 +128,14 @@ func testReplayStartsFreshAttempts(t *testing.T, queueType string) {
 		t.Fatalf("poisoned classes %v, want %v", classes, want)
 	}
 
-	// Phase 2: replay all; each runs MaxAttempts times and succeeds, the
-	// pill after one more crash (a fresh redelivery allowance).
+	// Phase 2: replay all; each runs MaxAttempts times and succeeds, with
+	// no redelivery count (the pill's would poison it at its next
+	// redelivery, MaxRedeliveries 1).
 	replayed.Store(true)
-	crash.Store(true)
 	res, err := adm.Replay(ctx, e.poisonQueue(), padmin.Filter{}, padmin.ReplayOptions{})
 	if err != nil || res.Replayed != len(kinds) {
 		t.Fatalf("replay: %+v, %v", res, err)
 	}
-	crashPill(true)
 	settled := e.settle(len(kinds), l.handled, 60*time.Second)
 	e.stop()
 	poisoned, ds := e.poisoned()
@@ -153,6 +151,9 @@ func testReplayStartsFreshAttempts(t *testing.T, queueType string) {
 	for i, u := range uuids {
 		if got := after[u]; !slices.Equal(got, []int{1, 2, 3}) {
 			t.Errorf("%s: attempts after the replay %v, want [1 2 3]", kinds[i], got)
+		}
+		if redeliv[u] != 0 {
+			t.Errorf("%s: redelivery count %d after the replay, want 0", kinds[i], redeliv[u])
 		}
 	}
 	if acc.Handled != len(kinds) || acc.Poisoned != 0 || acc.Duplicates != 0 {

@@ -74,6 +74,7 @@ func run() error {
 		prefetch    = flag.Int("prefetch", 16, "Qos.PrefetchCount of the subscriber")
 		crashOn     = flag.String("crash-payload", "", "the process SIGKILLs itself when it handles a message with this payload (faults.TestCrashLoop)")
 		maxRedeliv  = flag.Int("max-redeliveries", 0, "MaxRedeliveries (0: default)")
+		quarantine  = flag.Bool("crash-quarantine", false, "amqpretry.Config.CrashQuarantine")
 	)
 	flag.Parse()
 	if *exchange == "" || *queue == "" || *prefix == "" || *out == "" {
@@ -127,6 +128,7 @@ func run() error {
 		},
 		Tiers:           tiers,
 		MaxRedeliveries: *maxRedeliv,
+		CrashQuarantine: *quarantine,
 		Naming: amqpretry.Naming{
 			LoopBackExchange: *prefix + ".loopback", WaitExchange: *prefix + ".wait", PoisonExchange: *prefix + ".poison",
 		},
