@@ -9,6 +9,7 @@ import (
 	"sort"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -73,7 +74,9 @@ func testReplayStartsFreshAttempts(t *testing.T, bin, queueType string) {
 			}
 		})
 		if !exited {
-			_ = c.cmd.Process.Kill()
+			// Poisoned: stop it gracefully (SIGTERM), so the pill's delivery
+			// is acked and not redelivered to the next consumer.
+			_ = c.cmd.Process.Signal(syscall.SIGTERM)
 			<-c.done
 		}
 	}
