@@ -69,6 +69,7 @@ func deletePolicyAtCleanup(t *testing.T, base, q string) {
 // policy: applied through the management API when the broker has one
 // (RABBITRETRY_MGMT_URI), else logged as a rabbitmqctl command.
 func TestAdoptExistingQueue(t *testing.T) {
+	requireLong(t)
 	mgmt := testkit.MgmtURI()
 	forEachQueueType(t, func(t *testing.T, qt string) {
 		e := newEnv(t, qt, func(_ *env, c *amqpretry.Config) {

@@ -147,6 +147,7 @@ func TestCascadeBrokerRestartMidStorm(t *testing.T) {
 // cascade's retry copies are both in play; a second process takes over.
 // The success files and the poison queue account for every message.
 func TestCascadeConsumerKilled(t *testing.T) {
+	requireLong(t)
 	e, ccfg := cascadeEnv(t)
 	bin := buildConsumer(t, t.TempDir())
 	dir := t.TempDir()

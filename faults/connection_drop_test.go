@@ -58,6 +58,7 @@ func closeNamedConnection(t *testing.T, name string) {
 // Phantom deliveries (see TestRetryCopyExceedsFrameMax) would be acked by
 // this handler and only logged; none are expected.
 func TestSubscriberConnectionDrop(t *testing.T) {
+	requireLong(t)
 	haveRabbitmqctl(t)
 	e := newEnv(t, "classic")
 	_, l := runStorm(t, e, storm{pause: 150 * time.Millisecond, work: 4 * time.Millisecond, allowPhantoms: true}, func(*ledger) {

@@ -144,6 +144,7 @@ func renamed(e *env, tag string) amqpretry.Naming {
 // and the retries in a removed tier's wait queue still come back to Q
 // (through the default exchange).
 func TestSettingsChangeAcrossDeploys(t *testing.T) {
+	requireLong(t)
 	changes := []settingsChange{
 		{"tiers 1s,2s,4s -> 500ms,1s,2s", func(_ *env, c *amqpretry.Config) {
 			c.Tiers = []time.Duration{500 * time.Millisecond, time.Second, 2 * time.Second}
@@ -170,6 +171,7 @@ func TestSettingsChangeAcrossDeploys(t *testing.T) {
 // library's policy, which a deploy updates on the live queue: changing the
 // first tier, or Min and Max, is a restart too.
 func TestSettingsChangeAcrossDeploysByPolicy(t *testing.T) {
+	requireLong(t)
 	mgmt := testkit.HaveMgmt(t)
 	t.Run("DeadLetterFirstRetry", func(t *testing.T) {
 		e := newEnv(t, amqpretry.QueueTypeQuorum, func(_ *env, c *amqpretry.Config) {

@@ -69,6 +69,17 @@ func requireDisruptive(t *testing.T) {
 	}
 }
 
+// requireLong skips the long fault tests (10 s to over a minute each on a
+// 2-core machine) unless RABBITRETRY_FAULTS=1, so `make test` stays within
+// a few minutes; `make test-brokers` (and so CI) runs every one of them on
+// each broker.
+func requireLong(t *testing.T) {
+	t.Helper()
+	if os.Getenv("RABBITRETRY_FAULTS") != "1" {
+		t.Skip("long fault test: run it with RABBITRETRY_FAULTS=1 (make test-brokers runs it on every broker)")
+	}
+}
+
 // poll is waitFor without the failure: it reports whether cond held in time.
 func poll(timeout time.Duration, cond func() bool) bool {
 	deadline := time.Now().Add(timeout)

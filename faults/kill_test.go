@@ -124,6 +124,7 @@ func successes(t *testing.T, files ...string) map[string]int {
 // process takes over. The union of the success files and the poison queue
 // accounts for every published message.
 func TestConsumerKilled(t *testing.T) {
+	requireLong(t)
 	consumerKilled(t, newEnv(t, "classic"))
 }
 

@@ -67,6 +67,7 @@ func finishRun(t *testing.T, e *env, uuids []string, l *ledger, timeout time.Dur
 // publishes the copy straight back to Q (confirmed), counted as the next
 // attempt; nothing relies on dead-lettering.
 func TestWaitQueuesRefuseRetries(t *testing.T) {
+	requireLong(t)
 	forEachQueueType(t, func(t *testing.T, qt string) {
 		e := newEnv(t, qt, func(_ *env, c *amqpretry.Config) { c.FallbackPause = 20 * time.Millisecond })
 		// A quorum queue with reject-publish still takes a publish while it is
@@ -99,6 +100,7 @@ func TestWaitQueuesRefuseRetries(t *testing.T) {
 // queues dead-letter through the default exchange (which cannot be
 // deleted), so every waiting retry still comes back to Q.
 func TestLoopBackExchangeDeleted(t *testing.T) {
+	requireLong(t)
 	forEachQueueType(t, func(t *testing.T, qt string) {
 		e := newEnv(t, qt, func(_ *env, c *amqpretry.Config) {
 			c.Tiers = []time.Duration{2 * time.Second}
@@ -187,6 +189,7 @@ func TestMessageExpiresInQueue(t *testing.T) {
 // attempt 1 forever. (A message that kills its process each time:
 // TestCrashLoop.) Prefetch 1.
 func TestCrashLoopEndsInPoison(t *testing.T) {
+	requireLong(t)
 	haveRabbitmqctl(t)
 	e := newEnv(t, "classic", func(_ *env, c *amqpretry.Config) { c.Subscriber.Consume.Qos.PrefetchCount = 1 })
 	pillUUIDs, pillPs := newMessages(1, func(int) []byte { return []byte("pill") })
@@ -252,6 +255,7 @@ func TestCrashLoopEndsInPoison(t *testing.T) {
 // last attempt, after a pause, and is never handed to the handler again;
 // once the poison queue accepts, each lands there once.
 func TestPoisonQueueRefuses(t *testing.T) {
+	requireLong(t)
 	e := newEnv(t, "classic", func(_ *env, c *amqpretry.Config) {
 		c.MaxAttempts = 3
 		c.FallbackPause = 100 * time.Millisecond

@@ -31,6 +31,7 @@ import (
 // The redelivery-limit one is poisoned by real crashes: the consumer
 // process (cmd/faults-consumer) SIGKILLs itself on it (see TestCrashLoop).
 func TestReplayStartsFreshAttempts(t *testing.T) {
+	requireLong(t)
 	bin := buildConsumer(t, t.TempDir())
 	for _, qt := range []string{"classic", "quorum"} {
 		t.Run(qt, func(t *testing.T) { testReplayStartsFreshAttempts(t, bin, qt) })

@@ -101,6 +101,7 @@ func runStorm(t *testing.T, e *env, cfg storm, inject func(l *ledger)) (accounti
 // publish fails anyway the message is nacked with requeue (never acked),
 // after the fallback pause, and comes back. The failure is logged.
 func TestRepublishFails(t *testing.T) {
+	requireLong(t)
 	t.Run("DeleteWaitQueue", func(t *testing.T) {
 		e := newEnv(t, "classic")
 		runStorm(t, e, storm{pause: 500 * time.Millisecond}, func(l *ledger) {

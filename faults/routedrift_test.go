@@ -132,6 +132,7 @@ func (l *timedLedger) earliestGap() (time.Duration, int) {
 // (cached 2 s) and takes the publish path while it is not the library's:
 // lost 0, no retry earlier than the first tier, a logged error.
 func TestAdoptPolicyDrift(t *testing.T) {
+	requireLong(t)
 	mgmt := testkit.HaveMgmt(t)
 	type mode struct {
 		name   string
@@ -206,6 +207,7 @@ func TestAdoptPolicyDrift(t *testing.T) {
 // fallback): every message is back and handled within the publish path's
 // time, lost 0.
 func TestDeadLetterFirstWaitQueueRefuses(t *testing.T) {
+	requireLong(t)
 	for _, refusal := range []string{"capped", "deleted"} {
 		t.Run(refusal, func(t *testing.T) {
 			mgmt := ""
@@ -260,6 +262,7 @@ func TestDeadLetterFirstWaitQueueRefuses(t *testing.T) {
 // pause brought the message back up to 0.5 s early. Now no second attempt
 // runs earlier than 1.5 s after the first failed.
 func TestFallbackNeverEarlierThanRetryAfter(t *testing.T) {
+	requireLong(t)
 	mgmt := testkit.HaveMgmt(t)
 	forEachQueueType(t, func(t *testing.T, qt string) {
 		e := newEnv(t, qt, func(_ *env, c *amqpretry.Config) {

@@ -25,6 +25,7 @@ import (
 // Retry + PoisonQueue poison a message whose retry sleep is cut short by the
 // same shutdown.
 func TestGracefulShutdown(t *testing.T) {
+	requireLong(t)
 	e := newEnv(t, "classic", func(_ *env, c *amqpretry.Config) {
 		c.Tiers = []time.Duration{3 * time.Second}
 		c.Backoff = exactBackoff(3 * time.Second)

@@ -22,6 +22,7 @@ import (
 // subscription from the router's context), and a Close could wait the full
 // CloseTimeout with nothing in flight.
 func TestStopTheWatermillWay(t *testing.T) {
+	requireLong(t)
 	for _, how := range []string{"context", "close", "context+close"} {
 		t.Run(how+"/idle", func(t *testing.T) { testStop(t, how, 0) })
 		t.Run(how+"/storm", func(t *testing.T) { testStop(t, how, 100) })
