@@ -3,6 +3,8 @@ package router
 import (
 	"context"
 	"errors"
+	"fmt"
+	"strings"
 	"sync"
 	"time"
 
@@ -251,4 +253,14 @@ func (s *DrainingSubscriber) SubscribeInitialize(topic string) error {
 		return si.SubscribeInitialize(topic)
 	}
 	return nil
+}
+
+// String names the subscriber in Watermill's router logs
+// (subscriber_name): the inner subscriber's type, e.g. "amqp.Subscriber
+// (draining)", instead of this wrapper's.
+func (s *DrainingSubscriber) String() string {
+	if n, ok := s.inner.(fmt.Stringer); ok {
+		return n.String() + " (draining)"
+	}
+	return strings.TrimLeft(fmt.Sprintf("%T", s.inner), "*") + " (draining)"
 }

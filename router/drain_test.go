@@ -103,3 +103,13 @@ func TestDrainingSubscriberHandlerStop(t *testing.T) {
 	}
 	recv(t, sub.Draining(), 5*time.Second)
 }
+
+// Watermill's router logs the subscriber by its String (subscriber_name):
+// the inner subscriber's type, not the wrapper's.
+func TestDrainingSubscriberName(t *testing.T) {
+	pubsub := gochannel.NewGoChannel(gochannel.Config{}, watermill.NopLogger{})
+	sub := router.NewDrainingSubscriber(pubsub, time.Second)
+	if got, want := sub.String(), "gochannel.GoChannel (draining)"; got != want {
+		t.Errorf("String() = %q, want %q", got, want)
+	}
+}
