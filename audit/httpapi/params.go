@@ -1,0 +1,152 @@
+package httpapi
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net/url"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/rabbitretry/rabbitretry/audit"
+)
+
+// invalidFilterText is an ErrInvalidFilter error's text from "invalid
+// filter: " on (without the store's prefixes).
+func invalidFilterText(err error) string {
+	msg := err.Error()
+	if i := strings.Index(msg, "invalid filter: "); i >= 0 {
+		return msg[i:]
+	}
+	return msg
+}
+
+// validateFilter checks the fields a store would refuse, for a 400.
+func validateFilter(f audit.Filter) error {
+	if f.Limit < 0 || f.Limit > MaxLimit {
+		return fmt.Errorf("limit %d: want 0..%d", f.Limit, MaxLimit)
+	}
+	if !f.From.IsZero() && !f.To.IsZero() && !f.From.Before(f.To) {
+		return errors.New("from must be before to")
+	}
+	for _, o := range []audit.Outcome{f.Outcome, f.LastOutcome} {
+		if _, err := ParseOutcome(string(o)); err != nil {
+			return err
+		}
+	}
+	if err := f.Validate(); err != nil {
+		return errors.New(invalidFilterText(err))
+	}
+	return nil
+}
+
+// Outcomes lists the known attempt outcomes (the values of outcome= and
+// last_outcome=).
+var Outcomes = []audit.Outcome{
+	audit.OutcomeSuccess, audit.OutcomeRetry, audit.OutcomePoisoned,
+	audit.OutcomeDropped, audit.OutcomeNacked, audit.OutcomeRequeued,
+}
+
+// ParseOutcome returns s as an audit.Outcome if it is one of Outcomes (""
+// is allowed: no filter).
+func ParseOutcome(s string) (audit.Outcome, error) {
+	if s == "" {
+		return "", nil
+	}
+	for _, o := range Outcomes {
+		if string(o) == s {
+			return o, nil
+		}
+	}
+	names := make([]string, len(Outcomes))
+	for i, o := range Outcomes {
+		names[i] = string(o)
+	}
+	return "", fmt.Errorf("outcome %q: want one of %s", s, strings.Join(names, ", "))
+}
+
+// ParseHeaderMatch parses "key=value" for audit.Filter.Headers: the value
+// is parsed as JSON if it is valid JSON (5, true, null, "5", {"a":1}),
+// else taken as a string (acme). The key must not be empty.
+func ParseHeaderMatch(kv string) (string, any, error) {
+	k, v, ok := strings.Cut(kv, "=")
+	if !ok || k == "" {
+		return "", nil, fmt.Errorf("header %q: want key=value", kv)
+	}
+	var j any
+	if err := json.Unmarshal([]byte(v), &j); err == nil {
+		return k, j, nil
+	}
+	return k, v, nil
+}
+
+// filterParams are the query parameters ParseFilter accepts.
+var filterParams = map[string]bool{
+	"message_id": true, "correlation_id": true, "from": true, "to": true,
+	"queue": true, "exchange": true, "routing_key": true, "outcome": true,
+	"last_outcome": true, "error_class": true, "error_contains": true,
+	"header": true, "limit": true, "after": true,
+}
+
+// ParseFilter builds an audit.Filter from the query parameters listed in
+// the package documentation. Errors name the parameter: an unknown one, a
+// repeated single-valued one, a time that is not RFC 3339, from not before
+// to, an unknown outcome, a bad header match, limit outside 1..MaxLimit.
+func ParseFilter(q url.Values) (audit.Filter, error) {
+	var f audit.Filter
+	for k, vs := range q {
+		if !filterParams[k] {
+			return f, fmt.Errorf("unknown parameter %q", k)
+		}
+		if k != "header" && len(vs) > 1 {
+			return f, fmt.Errorf("parameter %q given %d times", k, len(vs))
+		}
+	}
+	f.MessageID = q.Get("message_id")
+	f.CorrelationID = q.Get("correlation_id")
+	f.Queue = q.Get("queue")
+	f.Exchange = q.Get("exchange")
+	f.RoutingKey = q.Get("routing_key")
+	f.ErrorClass = q.Get("error_class")
+	f.ErrorContains = q.Get("error_contains")
+	f.After = q.Get("after")
+	var err error
+	for _, p := range []struct {
+		name string
+		dst  *time.Time
+	}{{"from", &f.From}, {"to", &f.To}} {
+		if s := q.Get(p.name); s != "" {
+			if *p.dst, err = time.Parse(time.RFC3339Nano, s); err != nil {
+				return f, fmt.Errorf("%s %q: want an RFC 3339 time such as 2026-11-24T09:00:00Z", p.name, s)
+			}
+		}
+	}
+	if f.Outcome, err = ParseOutcome(q.Get("outcome")); err != nil {
+		return f, err
+	}
+	if f.LastOutcome, err = ParseOutcome(q.Get("last_outcome")); err != nil {
+		return f, fmt.Errorf("last_%w", err)
+	}
+	for _, kv := range q["header"] {
+		k, v, err := ParseHeaderMatch(kv)
+		if err != nil {
+			return f, err
+		}
+		if f.Headers == nil {
+			f.Headers = map[string]any{}
+		}
+		f.Headers[k] = v
+	}
+	if s := q.Get("limit"); s != "" {
+		n, err := strconv.Atoi(s)
+		if err != nil || n < 1 || n > MaxLimit {
+			return f, fmt.Errorf("limit %q: want 1..%d", s, MaxLimit)
+		}
+		f.Limit = n
+	}
+	if err := validateFilter(f); err != nil {
+		return f, err
+	}
+	return f, nil
+}
