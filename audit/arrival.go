@@ -50,7 +50,7 @@ func (c *Consumer) trusted(userID string) bool {
 // arrival converts a delivery of the arrivals queue and gives it its
 // per-publish ID (publishIDs).
 func (c *Consumer) arrival(d amqp.Delivery) Arrival {
-	a := ArrivalFromDelivery(d, c.cfg.UUIDHeader, c.cfg.BodyLimit, time.Now())
+	a := arrivalFromDelivery(d, c.cfg.UUIDHeader, c.cfg.BodyLimit, time.Now())
 	if c.log != nil {
 		a.ID = newArrivalID(a.contentID) // a redelivery's is resolved before its write (claimRedelivered)
 	} else {
@@ -59,15 +59,15 @@ func (c *Consumer) arrival(d amqp.Delivery) Arrival {
 	return a
 }
 
-// TimestampErrorProperty is the Arrival.Properties key noting an AMQP
+// timestampErrorProperty is the Arrival.Properties key noting an AMQP
 // timestamp outside years 1-9999 (its value in seconds); PublishedAt is
 // then zero (stored as absent), never a wrong date.
-const TimestampErrorProperty = "rabbitretry-timestamp-error"
+const timestampErrorProperty = "rabbitretry-timestamp-error"
 
-// ArrivalFromDelivery converts a delivery of the arrivals queue into an
+// arrivalFromDelivery converts a delivery of the arrivals queue into an
 // Arrival, arrived at now: the message id is the uuidHeader header (else
 // the message-id property); PublishedAt the timestamp property, unless it
-// is outside years 1-9999 (then zero, and TimestampErrorProperty says
+// is outside years 1-9999 (then zero, and timestampErrorProperty says
 // why); headers become JSON values
 // (amqpretry.HeadersToJSON; a header that cannot be converted is recorded
 // under middleware.HeaderErrorKey, "rabbitretry-header-error"), without the queue's x-delivery-count
@@ -76,7 +76,7 @@ const TimestampErrorProperty = "rabbitretry-timestamp-error"
 // over exchange, routing key, message id, timestamp, headers (canonical
 // JSON: keys sorted) and the whole body: the same for a redelivery and for
 // an identical publish; the Consumer replaces ID with a per-publish one.
-func ArrivalFromDelivery(d amqp.Delivery, uuidHeader string, bodyLimit int, now time.Time) Arrival {
+func arrivalFromDelivery(d amqp.Delivery, uuidHeader string, bodyLimit int, now time.Time) Arrival {
 	a := Arrival{
 		CorrelationID: d.CorrelationId, Exchange: d.Exchange, RoutingKey: d.RoutingKey,
 		ArrivedAt: now.UTC(), BodySize: len(d.Body),
@@ -131,7 +131,7 @@ func ArrivalFromDelivery(d amqp.Delivery, uuidHeader string, bodyLimit int, now 
 	set("type", d.Type)
 	set("user-id", d.UserId)
 	set("app-id", d.AppId)
-	set(TimestampErrorProperty, tsNote)
+	set(timestampErrorProperty, tsNote)
 	if len(props) > 0 {
 		a.Properties = props
 	}

@@ -182,7 +182,7 @@ func (c *Consumer) dial() (*amqp.Connection, error) {
 
 // Declare connects, checks that every audited exchange exists
 // (exchange.declare passive), declares the arrivals queue with its bindings
-// and the attempts queue and audit exchange (DeclareAttempts), then
+// and the attempts queue and audit exchange (declareAttemptTopology), then
 // disconnects. Run does the same on each (re)connect; call Declare first
 // when messages must be audited from the moment they are published. It
 // returns ErrExchangeMissing (wrapped), the broker's 406 for a queue that

@@ -16,12 +16,12 @@ import (
 const (
 	// DefaultBatchSize is the default number of records per Store.Write.
 	DefaultBatchSize = 500
-	// DefaultWriters is the default number of Store.Write calls in flight.
-	DefaultWriters = 4
-	// DefaultBatchWait is the default longest wait for a batch to fill.
-	DefaultBatchWait = 200 * time.Millisecond
-	// DefaultBodyLimit is the default number of body bytes kept per arrival.
-	DefaultBodyLimit = 256 << 10
+	// defaultWriters is the default number of Store.Write calls in flight.
+	defaultWriters = 4
+	// defaultBatchWait is the default longest wait for a batch to fill.
+	defaultBatchWait = 200 * time.Millisecond
+	// defaultBodyLimit is the default number of body bytes kept per arrival.
+	defaultBodyLimit = 256 << 10
 	// DefaultUUIDHeader is watermill-amqp's header of the message UUID.
 	DefaultUUIDHeader = "_watermill_message_uuid"
 )
@@ -138,13 +138,13 @@ func (c *ConsumerConfig) setDefaults() {
 		c.BatchSize = DefaultBatchSize
 	}
 	if c.Writers == 0 {
-		c.Writers = DefaultWriters
+		c.Writers = defaultWriters
 	}
 	if c.BatchWait == 0 {
-		c.BatchWait = DefaultBatchWait
+		c.BatchWait = defaultBatchWait
 	}
 	if c.BodyLimit == 0 {
-		c.BodyLimit = DefaultBodyLimit
+		c.BodyLimit = defaultBodyLimit
 	}
 	if c.QueueType == "" {
 		c.QueueType = QueueTypeQuorum

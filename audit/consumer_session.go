@@ -285,7 +285,7 @@ func (c *Consumer) session(ctx context.Context, quarantine *bool) (err error) {
 			if !ok {
 				return lost("attempts")
 			}
-			a, err := UnmarshalAttempt(d.Body)
+			a, err := unmarshalAttempt(d.Body)
 			if err == nil && (a.ID == "" || a.MessageID == "") {
 				err = errors.New("record without id or message_id")
 			}

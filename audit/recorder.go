@@ -68,7 +68,7 @@ type Recorder struct {
 var _ middleware.Observer = (*Recorder)(nil)
 
 // NewRecorder validates cfg, connects (unless cfg.Publisher is set),
-// declares the audit exchange and attempts queue (DeclareAttempts) and
+// declares the audit exchange and attempts queue (declareAttemptTopology) and
 // starts the background publisher. It returns Validate's error, or the
 // connection or declaration error.
 func NewRecorder(cfg RecorderConfig) (*Recorder, error) {
@@ -120,7 +120,7 @@ func (r *Recorder) start() {
 }
 
 func (r *Recorder) declare() error {
-	return DeclareAttempts(r.pub, r.cfg.Naming, r.cfg.QueueType)
+	return declareAttemptTopology(r.pub, r.cfg.Naming, r.cfg.QueueType)
 }
 
 type stateKey struct{}
@@ -306,7 +306,7 @@ func (r *Recorder) record(a Attempt) {
 
 func (r *Recorder) reject(a Attempt) {
 	r.rejected.Add(1)
-	r.cfg.Logger.Error("Attempt record made after Close; not published", ErrRecorderClosed, watermill.LogFields{
+	r.cfg.Logger.Error("Attempt record made after Close; not published", errRecorderClosed, watermill.LogFields{
 		"message_uuid": a.MessageID, "attempt": a.Attempt, "outcome": string(a.Outcome),
 	})
 }

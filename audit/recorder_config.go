@@ -19,17 +19,17 @@ import (
 
 // Recorder defaults.
 const (
-	// DefaultBuffer is the default number of attempt records held in memory
+	// defaultBuffer is the default number of attempt records held in memory
 	// waiting for the background publisher.
-	DefaultBuffer = 10_000
-	// DefaultPublishBatch is the default number of records published back
+	defaultBuffer = 10_000
+	// defaultPublishBatch is the default number of records published back
 	// to back (pipelined) before waiting for their confirms.
-	DefaultPublishBatch = 256
+	defaultPublishBatch = 256
 )
 
-// ErrRecorderClosed is counted (Stats.Rejected) and logged for a record
+// errRecorderClosed is counted (Stats.Rejected) and logged for a record
 // made after Close: it is not published.
-var ErrRecorderClosed = errors.New("audit: recorder closed")
+var errRecorderClosed = errors.New("audit: recorder closed")
 
 // RecorderConfig configures a Recorder. Zero values take the defaults
 // documented per field.
@@ -56,7 +56,7 @@ type RecorderConfig struct {
 	// without URI: the user that Publisher connects as.
 	UserID string
 	// Naming names the audit exchange and attempts queue; the Consumer must
-	// use the same. Default: DefaultExchange, DefaultAttemptsQueue.
+	// use the same. Default: defaultExchange, defaultAttemptsQueue.
 	Naming Naming
 	// QueueType of the attempts queue: QueueTypeQuorum (default) or
 	// QueueTypeClassic.
@@ -64,10 +64,10 @@ type RecorderConfig struct {
 	// Buffer is how many records may wait in memory for the publisher.
 	// When it is full, the recording call (the Middleware, after the chain
 	// returned) BLOCKS until there is room: backpressure on the consumer,
-	// never a dropped record. Default DefaultBuffer (10,000); must be >= 1.
+	// never a dropped record. Default defaultBuffer (10,000); must be >= 1.
 	Buffer int
 	// PublishBatch is how many records are written back to back before
-	// their confirms are awaited. Default DefaultPublishBatch (256); range
+	// their confirms are awaited. Default defaultPublishBatch (256); range
 	// 1..512.
 	PublishBatch int
 	// Publishers is the number of goroutines publishing batches
@@ -112,10 +112,10 @@ func (c *RecorderConfig) setDefaults() {
 		c.QueueType = QueueTypeQuorum
 	}
 	if c.Buffer == 0 {
-		c.Buffer = DefaultBuffer
+		c.Buffer = defaultBuffer
 	}
 	if c.PublishBatch == 0 {
-		c.PublishBatch = DefaultPublishBatch
+		c.PublishBatch = defaultPublishBatch
 	}
 	if c.Publishers == 0 {
 		c.Publishers = 2

@@ -22,9 +22,9 @@ const DefaultLoopBackExchange = "rabbitretry.loopback"
 // resend, RFC 3339 in UTC.
 const ResentKey = "rabbitretry-resent"
 
-// DefaultResenderConnectionName is the client-provided connection name
+// defaultResenderConnectionName is the client-provided connection name
 // (RabbitMQ "Connections" guide) of the Resender's publisher connection.
-const DefaultResenderConnectionName = "rabbitretry-audit-resend"
+const defaultResenderConnectionName = "rabbitretry-audit-resend"
 
 // Resend limits.
 const (
@@ -33,10 +33,10 @@ const (
 	DefaultResendLimit = 1000
 	// MaxResendLimit is the largest ResendOptions.Limit.
 	MaxResendLimit = 100000
-	// DefaultResendConfirmAbove is the default
+	// defaultResendConfirmAbove is the default
 	// ResenderConfig.ConfirmAbove: a filter that selects more messages
 	// than this needs ResendOptions.AllowAll.
-	DefaultResendConfirmAbove = 10
+	defaultResendConfirmAbove = 10
 )
 
 // resendPageSize is the Search page size Resend reads with.
@@ -114,7 +114,7 @@ type ResenderConfig struct {
 	// 30 s, amqpretry.PublisherConfig.ConfirmTimeout).
 	ConfirmTimeout time.Duration
 	// ConnectionName is the client-provided connection name. Default
-	// DefaultResenderConnectionName.
+	// defaultResenderConnectionName.
 	ConnectionName string
 	// ManagementURL is the RabbitMQ management HTTP API ("Management
 	// Plugin"), e.g. "http://user:password@host:15672/", that a
@@ -135,20 +135,20 @@ type ResenderConfig struct {
 	// without the management plugin. Default false.
 	SkipRouteCheck bool
 	// ArrivalsQueue is the audit's arrivals queue, whose binding does not
-	// count as a route. Default DefaultArrivalsQueue (the Consumer's
+	// count as a route. Default defaultArrivalsQueue (the Consumer's
 	// Naming.ArrivalsQueue).
 	ArrivalsQueue string
 	// Logger gets connection events. Default watermill.NopLogger{}.
 	Logger watermill.LoggerAdapter
 	// ConfirmAbove is how many messages a filter may select before a
 	// resend needs ResendOptions.AllowAll (ErrBroadResend). Default
-	// DefaultResendConfirmAbove (10); at most MaxResendLimit.
+	// defaultResendConfirmAbove (10); at most MaxResendLimit.
 	ConfirmAbove int
 }
 
 func (c *ResenderConfig) setDefaults() {
 	if c.ConfirmAbove == 0 {
-		c.ConfirmAbove = DefaultResendConfirmAbove
+		c.ConfirmAbove = defaultResendConfirmAbove
 	}
 	if c.LoopBackExchange == "" {
 		c.LoopBackExchange = DefaultLoopBackExchange
@@ -157,10 +157,10 @@ func (c *ResenderConfig) setDefaults() {
 		c.UUIDHeaderKey = wamqp.DefaultMessageUUIDHeaderKey
 	}
 	if c.ConnectionName == "" {
-		c.ConnectionName = DefaultResenderConnectionName
+		c.ConnectionName = defaultResenderConnectionName
 	}
 	if c.ArrivalsQueue == "" {
-		c.ArrivalsQueue = DefaultArrivalsQueue
+		c.ArrivalsQueue = defaultArrivalsQueue
 	}
 	if c.ManagementURL == "" && !c.SkipRouteCheck {
 		c.ManagementURL, _ = managementURL(c.URI)
@@ -183,7 +183,7 @@ func (c ResenderConfig) Validate() error {
 	case c.ConfirmTimeout < 0:
 		return fmt.Errorf("audit: ResenderConfig.ConfirmTimeout %v is negative", c.ConfirmTimeout)
 	case c.ConfirmAbove < 0 || c.ConfirmAbove > MaxResendLimit:
-		return fmt.Errorf("audit: ResenderConfig.ConfirmAbove %d: want 0 (default %d) to %d", c.ConfirmAbove, DefaultResendConfirmAbove, MaxResendLimit)
+		return fmt.Errorf("audit: ResenderConfig.ConfirmAbove %d: want 0 (default %d) to %d", c.ConfirmAbove, defaultResendConfirmAbove, MaxResendLimit)
 	case len(c.LoopBackExchange) > 255:
 		return errors.New("audit: ResenderConfig.LoopBackExchange is longer than 255 bytes")
 	}

@@ -66,10 +66,10 @@ import (
 
 // Search limits, as pgstore's.
 const (
-	// DefaultLimit is the page size of GET /v1/messages without limit=.
-	DefaultLimit = 100
-	// MaxLimit is the largest limit= (and filter.limit of a resend).
-	MaxLimit = 10000
+	// defaultLimit is the page size of GET /v1/messages without limit=.
+	defaultLimit = 100
+	// maxLimit is the largest limit= (and filter.limit of a resend).
+	maxLimit = 10000
 )
 
 // DefaultResendTimeout bounds one POST /v1/resend.
@@ -234,7 +234,7 @@ type eachStore interface {
 // after it aborts the response (the client sees it cut, never a page that
 // looks complete) and is logged.
 func (a *api) search(w http.ResponseWriter, r *http.Request) {
-	f, err := ParseFilter(r.URL.Query())
+	f, err := parseFilter(r.URL.Query())
 	if err != nil {
 		writeError(w, http.StatusBadRequest, err.Error())
 		return

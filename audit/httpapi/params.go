@@ -24,8 +24,8 @@ func invalidFilterText(err error) string {
 
 // validateFilter checks the fields a store would refuse, for a 400.
 func validateFilter(f audit.Filter) error {
-	if f.Limit < 0 || f.Limit > MaxLimit {
-		return fmt.Errorf("limit %d: want 0..%d", f.Limit, MaxLimit)
+	if f.Limit < 0 || f.Limit > maxLimit {
+		return fmt.Errorf("limit %d: want 0..%d", f.Limit, maxLimit)
 	}
 	if !f.From.IsZero() && !f.To.IsZero() && !f.From.Before(f.To) {
 		return errors.New("from must be before to")
@@ -41,26 +41,26 @@ func validateFilter(f audit.Filter) error {
 	return nil
 }
 
-// Outcomes lists the known attempt outcomes (the values of outcome= and
+// knownOutcomes lists the known attempt outcomes (the values of outcome= and
 // last_outcome=).
-var Outcomes = []audit.Outcome{
+var knownOutcomes = []audit.Outcome{
 	audit.OutcomeSuccess, audit.OutcomeRetry, audit.OutcomePoisoned,
 	audit.OutcomeDropped, audit.OutcomeNacked, audit.OutcomeRequeued,
 }
 
-// ParseOutcome returns s as an audit.Outcome if it is one of Outcomes (""
+// ParseOutcome returns s as an audit.Outcome if it is one of knownOutcomes (""
 // is allowed: no filter).
 func ParseOutcome(s string) (audit.Outcome, error) {
 	if s == "" {
 		return "", nil
 	}
-	for _, o := range Outcomes {
+	for _, o := range knownOutcomes {
 		if string(o) == s {
 			return o, nil
 		}
 	}
-	names := make([]string, len(Outcomes))
-	for i, o := range Outcomes {
+	names := make([]string, len(knownOutcomes))
+	for i, o := range knownOutcomes {
 		names[i] = string(o)
 	}
 	return "", fmt.Errorf("outcome %q: want one of %s", s, strings.Join(names, ", "))
@@ -81,7 +81,7 @@ func ParseHeaderMatch(kv string) (string, any, error) {
 	return k, v, nil
 }
 
-// filterParams are the query parameters ParseFilter accepts.
+// filterParams are the query parameters parseFilter accepts.
 var filterParams = map[string]bool{
 	"message_id": true, "correlation_id": true, "from": true, "to": true,
 	"queue": true, "exchange": true, "routing_key": true, "outcome": true,
@@ -89,11 +89,11 @@ var filterParams = map[string]bool{
 	"header": true, "limit": true, "after": true,
 }
 
-// ParseFilter builds an audit.Filter from the query parameters listed in
+// parseFilter builds an audit.Filter from the query parameters listed in
 // the package documentation. Errors name the parameter: an unknown one, a
 // repeated single-valued one, a time that is not RFC 3339, from not before
-// to, an unknown outcome, a bad header match, limit outside 1..MaxLimit.
-func ParseFilter(q url.Values) (audit.Filter, error) {
+// to, an unknown outcome, a bad header match, limit outside 1..maxLimit.
+func parseFilter(q url.Values) (audit.Filter, error) {
 	var f audit.Filter
 	for k, vs := range q {
 		if !filterParams[k] {
@@ -140,8 +140,8 @@ func ParseFilter(q url.Values) (audit.Filter, error) {
 	}
 	if s := q.Get("limit"); s != "" {
 		n, err := strconv.Atoi(s)
-		if err != nil || n < 1 || n > MaxLimit {
-			return f, fmt.Errorf("limit %q: want 1..%d", s, MaxLimit)
+		if err != nil || n < 1 || n > maxLimit {
+			return f, fmt.Errorf("limit %q: want 1..%d", s, maxLimit)
 		}
 		f.Limit = n
 	}

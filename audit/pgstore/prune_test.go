@@ -73,14 +73,14 @@ func TestPrune(t *testing.T) {
 		t.Fatalf("straddle after Prune: %+v", msg)
 	}
 	// Search still finds the straddling message, now timed by its
-	// remaining attempt (cutoff+1h: the newest), and Cursor agrees with
+	// remaining attempt (cutoff+1h: the newest), and cursorOf agrees with
 	// SearchPage's cursor for it.
 	page, next, err := s.SearchPage(ctx, audit.Filter{Limit: 1})
 	if err != nil || len(page) != 1 || page[0].MessageID != "straddle" {
 		t.Fatalf("newest message after Prune = %v, %v; want straddle", ids(page), err)
 	}
-	if c, err := Cursor(page[0]); err != nil || c != next {
-		t.Fatalf("Cursor(straddle) = %q, %v; SearchPage's cursor %q", c, err, next)
+	if c, err := cursorOf(page[0]); err != nil || c != next {
+		t.Fatalf("cursorOf(straddle) = %q, %v; SearchPage's cursor %q", c, err, next)
 	}
 	if got, err := s.Search(ctx, audit.Filter{To: cutoff}); err != nil || len(got) != 0 {
 		t.Fatalf("messages timed before the cutoff after Prune: %v, %v", ids(got), err)

@@ -1,0 +1,14 @@
+package audit
+
+// Names unexported from the public API that the external tests
+// (package audit_test) still reach.
+var (
+	UnmarshalAttempt    = unmarshalAttempt
+	ArrivalFromDelivery = arrivalFromDelivery
+)
+
+const (
+	DefaultResendConfirmAbove = defaultResendConfirmAbove
+	SetAsideRoutingKey        = setAsideRoutingKey
+	TimestampErrorProperty    = timestampErrorProperty
+)
