@@ -333,8 +333,8 @@ type DeliveryLog interface {
 	DeliveriesNotAcked(ctx context.Context, session string, arrivalIDs []string) error
 }
 
-// MarshalAttempt and unmarshalAttempt are the wire form of an Attempt
-// record on the audit exchange (JSON, content-type application/json).
+// MarshalAttempt encodes an Attempt as the Recorder publishes it on the
+// audit exchange (JSON, content-type application/json).
 func MarshalAttempt(a Attempt) ([]byte, error) { return json.Marshal(a) }
 
 // unmarshalAttempt decodes MarshalAttempt's output.

@@ -75,7 +75,7 @@ type ConsumerConfig struct {
 	// QueueTypeClassic.
 	QueueType string
 	// Naming names the audit exchange and queues; the Recorder must use the
-	// same. Default Default*.
+	// same. Default: the default names (see Naming).
 	Naming Naming
 	// UUIDHeader is the header holding the Watermill message UUID (the
 	// Marshaler's). Default DefaultUUIDHeader; without it, the AMQP

@@ -56,7 +56,8 @@ type RecorderConfig struct {
 	// without URI: the user that Publisher connects as.
 	UserID string
 	// Naming names the audit exchange and attempts queue; the Consumer must
-	// use the same. Default: defaultExchange, defaultAttemptsQueue.
+	// use the same. Default: "rabbitretry.audit",
+	// "rabbitretry.audit.attempts".
 	Naming Naming
 	// QueueType of the attempts queue: QueueTypeQuorum (default) or
 	// QueueTypeClassic.
@@ -64,10 +65,10 @@ type RecorderConfig struct {
 	// Buffer is how many records may wait in memory for the publisher.
 	// When it is full, the recording call (the Middleware, after the chain
 	// returned) BLOCKS until there is room: backpressure on the consumer,
-	// never a dropped record. Default defaultBuffer (10,000); must be >= 1.
+	// never a dropped record. Default 10,000; must be >= 1.
 	Buffer int
 	// PublishBatch is how many records are written back to back before
-	// their confirms are awaited. Default defaultPublishBatch (256); range
+	// their confirms are awaited. Default 256; range
 	// 1..512.
 	PublishBatch int
 	// Publishers is the number of goroutines publishing batches

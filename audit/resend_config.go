@@ -114,7 +114,7 @@ type ResenderConfig struct {
 	// 30 s, amqpretry.PublisherConfig.ConfirmTimeout).
 	ConfirmTimeout time.Duration
 	// ConnectionName is the client-provided connection name. Default
-	// defaultResenderConnectionName.
+	// "rabbitretry-audit-resend".
 	ConnectionName string
 	// ManagementURL is the RabbitMQ management HTTP API ("Management
 	// Plugin"), e.g. "http://user:password@host:15672/", that a
@@ -135,14 +135,14 @@ type ResenderConfig struct {
 	// without the management plugin. Default false.
 	SkipRouteCheck bool
 	// ArrivalsQueue is the audit's arrivals queue, whose binding does not
-	// count as a route. Default defaultArrivalsQueue (the Consumer's
+	// count as a route. Default "rabbitretry.audit.arrivals" (the Consumer's
 	// Naming.ArrivalsQueue).
 	ArrivalsQueue string
 	// Logger gets connection events. Default watermill.NopLogger{}.
 	Logger watermill.LoggerAdapter
 	// ConfirmAbove is how many messages a filter may select before a
 	// resend needs ResendOptions.AllowAll (ErrBroadResend). Default
-	// defaultResendConfirmAbove (10); at most MaxResendLimit.
+	// 10; at most MaxResendLimit.
 	ConfirmAbove int
 }
 

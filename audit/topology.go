@@ -19,12 +19,6 @@ const (
 	// defaultArrivalsQueue receives one copy of every message published to
 	// an audited business exchange (bound by the Consumer).
 	defaultArrivalsQueue = "rabbitretry.audit.arrivals"
-	// defaultSetAsideQueue holds the messages of the audit queues that
-	// could not be delivered: a quorum audit queue dead-letters a message
-	// past its delivery limit (DeliveryLimit) to the audit exchange with
-	// setAsideRoutingKey, which routes it here. Nothing consumes it: an
-	// operator inspects it (and may move its messages back).
-	defaultSetAsideQueue = "rabbitretry.audit.set-aside"
 	// AttemptRoutingKey is the routing key of attempt records.
 	AttemptRoutingKey = "attempt"
 	// setAsideRoutingKey is the dead-letter routing key of the audit
@@ -56,19 +50,24 @@ const (
 )
 
 // Naming names the audit exchange and queues. Zero fields take the
-// Default* names. Recorder and Consumer must use the same Naming.
+// default names below. Recorder and Consumer must use the same Naming.
 type Naming struct {
 	// Exchange is the audit exchange (direct, durable). Default
-	// defaultExchange.
+	// "rabbitretry.audit".
 	Exchange string
 	// AttemptsQueue is the queue of attempt records. Default
-	// defaultAttemptsQueue.
+	// "rabbitretry.audit.attempts".
 	AttemptsQueue string
-	// ArrivalsQueue is the queue of arrivals. Default defaultArrivalsQueue.
+	// ArrivalsQueue is the queue of arrivals. Default
+	// "rabbitretry.audit.arrivals".
 	ArrivalsQueue string
-	// SetAsideQueue receives what the audit queues dead-letter. Default:
-	// Exchange + ".set-aside" (defaultSetAsideQueue with the default
-	// Exchange).
+	// SetAsideQueue holds the messages of the audit queues that could not
+	// be delivered: a quorum audit queue dead-letters a message past its
+	// delivery limit (DeliveryLimit) to the audit exchange with the
+	// routing key "set-aside", which routes it here. Nothing consumes it:
+	// an operator inspects it (and may move its messages back). Default:
+	// Exchange + ".set-aside" ("rabbitretry.audit.set-aside" with
+	// the default Exchange).
 	SetAsideQueue string
 }
 

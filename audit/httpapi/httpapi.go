@@ -64,13 +64,9 @@ import (
 	"github.com/rabbitretry/rabbitretry/audit"
 )
 
-// Search limits, as pgstore's.
-const (
-	// defaultLimit is the page size of GET /v1/messages without limit=.
-	defaultLimit = 100
-	// maxLimit is the largest limit= (and filter.limit of a resend).
-	maxLimit = 10000
-)
+// maxLimit is the largest limit= (and filter.limit of a resend), as
+// pgstore's; without limit= a page has 100 messages (pgstore's default).
+const maxLimit = 10000
 
 // DefaultResendTimeout bounds one POST /v1/resend.
 const DefaultResendTimeout = 5 * time.Minute
