@@ -161,9 +161,6 @@ func (c *Consumer) Stats() ConsumerStats {
 	}
 }
 
-// ErrExchangeMissing is returned (wrapped, naming the exchange) by Declare
-// and Run when an audited business exchange does not exist.
-var ErrExchangeMissing = errors.New("audit: business exchange does not exist")
 
 func (c *Consumer) dial() (*amqp.Connection, error) {
 	cfg := amqp.Config{Dial: amqp.DefaultDial(10 * time.Second), Heartbeat: 10 * time.Second}
@@ -180,12 +177,18 @@ func (c *Consumer) dial() (*amqp.Connection, error) {
 	return conn, redact.Error(err, c.cfg.URI)
 }
 
+// ErrExchangeNotFound is returned (wrapped, naming the exchange) when an
+// exchange does not exist on the broker: by Consumer.Declare and
+// Consumer.Run for an audited business exchange, and by Resender.Resend
+// for the loop-back exchange of a ResendToQueue (nothing was published).
+var ErrExchangeNotFound = errors.New("audit: exchange not found")
+
 // Declare connects, checks that every audited exchange exists
 // (exchange.declare passive), declares the arrivals queue with its bindings
 // and the attempts queue and audit exchange (declareAttemptTopology), then
 // disconnects. Run does the same on each (re)connect; call Declare first
 // when messages must be audited from the moment they are published. It
-// returns ErrExchangeMissing (wrapped), the broker's 406 for a queue that
+// returns ErrExchangeNotFound (wrapped, naming the exchange), the broker's 406 for a queue that
 // exists with another type, or the connection error.
 func (c *Consumer) Declare() error {
 	conn, err := c.dial()
@@ -205,7 +208,7 @@ func (c *Consumer) declare(conn *amqp.Connection) error {
 		err = ch.ExchangeDeclarePassive(b.Exchange, amqp.ExchangeTopic, true, false, false, false, nil)
 		var ae *amqp.Error
 		if errors.As(err, &ae) && ae.Code == amqp.NotFound {
-			return fmt.Errorf("%w: %q (declare it, or fix ConsumerConfig.Exchanges)", ErrExchangeMissing, b.Exchange)
+			return fmt.Errorf("%w: %q (declare it, or fix ConsumerConfig.Exchanges)", ErrExchangeNotFound, b.Exchange)
 		} else if err != nil {
 			return fmt.Errorf("audit: checking exchange %q: %w", b.Exchange, err)
 		}
@@ -274,7 +277,7 @@ func (c *Consumer) connClosed(e *amqp.Error) error {
 // after a lost connection or channel (the batches in memory, committed or
 // not, are dropped unacked; the broker redelivers them). It returns at once, with the error, for what
 // reconnecting cannot fix: a missing business exchange
-// (ErrExchangeMissing) or an audit queue that exists with other arguments.
+// (ErrExchangeNotFound) or an audit queue that exists with other arguments.
 func (c *Consumer) Run(ctx context.Context) error {
 	var bo backoff.BackOff
 	quarantine := false

@@ -133,7 +133,7 @@ func expBackoff(initial, maxInterval time.Duration) func() backoff.BackOff {
 }
 
 func (c *ConsumerConfig) setDefaults() {
-	c.Naming = c.Naming.WithDefaults()
+	c.Naming = c.Naming.withDefaults()
 	if c.BatchSize == 0 {
 		c.BatchSize = DefaultBatchSize
 	}

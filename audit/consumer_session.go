@@ -59,7 +59,7 @@ func (c *Consumer) session(ctx context.Context, quarantine *bool) (err error) {
 	}()
 	if err := c.declare(conn); err != nil {
 		var ae *amqp.Error
-		if errors.Is(err, ErrExchangeMissing) || (errors.As(err, &ae) && ae.Code == amqp.PreconditionFailed) {
+		if errors.Is(err, ErrExchangeNotFound) || (errors.As(err, &ae) && ae.Code == amqp.PreconditionFailed) {
 			return errFatal{err}
 		}
 		return err

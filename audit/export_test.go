@@ -12,3 +12,6 @@ const (
 	SetAsideRoutingKey        = setAsideRoutingKey
 	TimestampErrorProperty    = timestampErrorProperty
 )
+
+// WithDefaults is withDefaults for the external tests.
+func (n Naming) WithDefaults() Naming { return n.withDefaults() }

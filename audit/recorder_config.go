@@ -103,7 +103,7 @@ type RecorderConfig struct {
 }
 
 func (c *RecorderConfig) setDefaults() {
-	c.Naming = c.Naming.WithDefaults()
+	c.Naming = c.Naming.withDefaults()
 	if c.UserID == "" && c.URI != "" {
 		if u, err := amqp.ParseURI(c.URI); err == nil {
 			c.UserID = u.Username

@@ -87,9 +87,6 @@ var (
 	// from the messages matched (the store changed since the dry run the
 	// count came from). Nothing was sent.
 	ErrCountMismatch = errors.New("audit: resend: the matched count is not the expected count")
-	// ErrExchangeNotFound: the loop-back exchange (ResendToQueue) does not
-	// exist on the broker; nothing was published.
-	ErrExchangeNotFound = errors.New("audit: resend: exchange not found")
 	// ErrResenderClosed: the Resender was closed.
 	ErrResenderClosed = errors.New("audit: resender closed")
 )

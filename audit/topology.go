@@ -71,8 +71,8 @@ type Naming struct {
 	SetAsideQueue string
 }
 
-// WithDefaults returns n with empty fields set to the default names.
-func (n Naming) WithDefaults() Naming {
+// withDefaults returns n with empty fields set to the default names.
+func (n Naming) withDefaults() Naming {
 	if n.Exchange == "" {
 		n.Exchange = defaultExchange
 	}
@@ -151,7 +151,7 @@ type channelOpener interface {
 // broker's 406, wrapped with the queue's name. Each declaration uses its
 // own channel from open, closed afterwards.
 func declareAttemptTopology(open channelOpener, n Naming, queueType string) error {
-	_, err := declareAttempts(open, n.WithDefaults(), queueType)
+	_, err := declareAttempts(open, n.withDefaults(), queueType)
 	return err
 }
 
@@ -251,7 +251,7 @@ func declareQueue(open channelOpener, q, queueType string, n Naming) (legacy boo
 // the audit exchange; missing ones are not an error. Meant for tests and
 // decommissioning.
 func DeleteTopology(ch *amqp.Channel, n Naming) error {
-	n = n.WithDefaults()
+	n = n.withDefaults()
 	var errs []error
 	for _, q := range []string{n.AttemptsQueue, n.ArrivalsQueue, n.SetAsideQueue} {
 		if _, err := ch.QueueDelete(q, false, false, false); err != nil {

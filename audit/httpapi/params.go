@@ -1,7 +1,6 @@
 package httpapi
 
 import (
-	"encoding/json"
 	"errors"
 	"fmt"
 	"net/url"
@@ -10,6 +9,7 @@ import (
 	"time"
 
 	"github.com/rabbitretry/rabbitretry/audit"
+	"github.com/rabbitretry/rabbitretry/internal/auditparse"
 )
 
 // invalidFilterText is an ErrInvalidFilter error's text from "invalid
@@ -31,7 +31,7 @@ func validateFilter(f audit.Filter) error {
 		return errors.New("from must be before to")
 	}
 	for _, o := range []audit.Outcome{f.Outcome, f.LastOutcome} {
-		if _, err := ParseOutcome(string(o)); err != nil {
+		if _, err := auditparse.Outcome(string(o)); err != nil {
 			return err
 		}
 	}
@@ -39,46 +39,6 @@ func validateFilter(f audit.Filter) error {
 		return errors.New(invalidFilterText(err))
 	}
 	return nil
-}
-
-// knownOutcomes lists the known attempt outcomes (the values of outcome= and
-// last_outcome=).
-var knownOutcomes = []audit.Outcome{
-	audit.OutcomeSuccess, audit.OutcomeRetry, audit.OutcomePoisoned,
-	audit.OutcomeDropped, audit.OutcomeNacked, audit.OutcomeRequeued,
-}
-
-// ParseOutcome returns s as an audit.Outcome if it is one of knownOutcomes (""
-// is allowed: no filter).
-func ParseOutcome(s string) (audit.Outcome, error) {
-	if s == "" {
-		return "", nil
-	}
-	for _, o := range knownOutcomes {
-		if string(o) == s {
-			return o, nil
-		}
-	}
-	names := make([]string, len(knownOutcomes))
-	for i, o := range knownOutcomes {
-		names[i] = string(o)
-	}
-	return "", fmt.Errorf("outcome %q: want one of %s", s, strings.Join(names, ", "))
-}
-
-// ParseHeaderMatch parses "key=value" for audit.Filter.Headers: the value
-// is parsed as JSON if it is valid JSON (5, true, null, "5", {"a":1}),
-// else taken as a string (acme). The key must not be empty.
-func ParseHeaderMatch(kv string) (string, any, error) {
-	k, v, ok := strings.Cut(kv, "=")
-	if !ok || k == "" {
-		return "", nil, fmt.Errorf("header %q: want key=value", kv)
-	}
-	var j any
-	if err := json.Unmarshal([]byte(v), &j); err == nil {
-		return k, j, nil
-	}
-	return k, v, nil
 }
 
 // filterParams are the query parameters parseFilter accepts.
@@ -122,14 +82,14 @@ func parseFilter(q url.Values) (audit.Filter, error) {
 			}
 		}
 	}
-	if f.Outcome, err = ParseOutcome(q.Get("outcome")); err != nil {
+	if f.Outcome, err = auditparse.Outcome(q.Get("outcome")); err != nil {
 		return f, err
 	}
-	if f.LastOutcome, err = ParseOutcome(q.Get("last_outcome")); err != nil {
+	if f.LastOutcome, err = auditparse.Outcome(q.Get("last_outcome")); err != nil {
 		return f, fmt.Errorf("last_%w", err)
 	}
 	for _, kv := range q["header"] {
-		k, v, err := ParseHeaderMatch(kv)
+		k, v, err := auditparse.HeaderMatch(kv)
 		if err != nil {
 			return f, err
 		}

@@ -12,9 +12,9 @@ import (
 	"github.com/rabbitretry/rabbitretry/audit"
 )
 
-// ResendRequest is the body of POST /v1/resend; the fields are
+// resendRequest is the body of POST /v1/resend; the fields are
 // audit.ResendOptions's.
-type ResendRequest struct {
+type resendRequest struct {
 	// Filter selects the messages (audit.Filter's JSON: message_id,
 	// headers, from/to as RFC 3339, ...); filter.limit is ignored.
 	Filter audit.Filter `json:"filter"`
@@ -37,9 +37,9 @@ type ResendRequest struct {
 	ExpectedCount int `json:"expected_count,omitempty"`
 }
 
-// ResendErrorResponse is the body of a resend that stopped part-way (500):
+// resendErrorResponse is the body of a resend that stopped part-way (500):
 // the error and what was done until then.
-type ResendErrorResponse struct {
+type resendErrorResponse struct {
 	Error  string             `json:"error"`
 	Report audit.ResendReport `json:"report"`
 }
@@ -48,7 +48,7 @@ func (a *api) resend(w http.ResponseWriter, r *http.Request) {
 	if !a.authorized(w, r) {
 		return
 	}
-	var req ResendRequest
+	var req resendRequest
 	dec := json.NewDecoder(http.MaxBytesReader(w, r.Body, maxBodyBytes))
 	dec.DisallowUnknownFields()
 	if err := dec.Decode(&req); err != nil {
@@ -100,7 +100,7 @@ func (a *api) resend(w http.ResponseWriter, r *http.Request) {
 		case errors.Is(err, audit.ErrCountMismatch):
 			code = http.StatusConflict
 		}
-		writeJSON(w, code, ResendErrorResponse{Error: err.Error(), Report: rep})
+		writeJSON(w, code, resendErrorResponse{Error: err.Error(), Report: rep})
 		return
 	}
 	a.cfg.Logger.Info("audit API: resend", fields)

@@ -55,7 +55,7 @@ func cmdPrune(e *env) int {
 	defer st.Close()
 	before := e.now.Add(-e.o.olderThan)
 	start := time.Now()
-	res, err := st.PruneDetail(e.ctx, before, e.o.batch)
+	res, err := st.Prune(e.ctx, before, e.o.batch)
 	if err != nil {
 		fmt.Fprintf(e.stderr, "deleted before the error: %d arrivals, %d attempts\n", res.Arrivals, res.Attempts)
 		return fail(e.stderr, err)

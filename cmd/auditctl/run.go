@@ -16,6 +16,7 @@ import (
 	"github.com/rabbitretry/rabbitretry/audit"
 	"github.com/rabbitretry/rabbitretry/audit/httpapi"
 	"github.com/rabbitretry/rabbitretry/audit/pgstore"
+	"github.com/rabbitretry/rabbitretry/internal/auditparse"
 	"github.com/rabbitretry/rabbitretry/internal/cliflags"
 
 	"github.com/rabbitretry/rabbitretry/internal/redact"
@@ -314,14 +315,14 @@ func (o *options) filter(now time.Time, cmd string) (audit.Filter, error) {
 	if !f.From.IsZero() && !f.To.IsZero() && !f.From.Before(f.To) {
 		return f, errors.New("--from must be before --to")
 	}
-	if f.Outcome, err = httpapi.ParseOutcome(o.outcome); err != nil {
+	if f.Outcome, err = auditparse.Outcome(o.outcome); err != nil {
 		return f, fmt.Errorf("--%v", err)
 	}
-	if f.LastOutcome, err = httpapi.ParseOutcome(o.lastOutcome); err != nil {
+	if f.LastOutcome, err = auditparse.Outcome(o.lastOutcome); err != nil {
 		return f, fmt.Errorf("--last-%v", err)
 	}
 	for _, kv := range o.headers {
-		k, v, err := httpapi.ParseHeaderMatch(kv)
+		k, v, err := auditparse.HeaderMatch(kv)
 		if err != nil {
 			return f, fmt.Errorf("--%v", err)
 		}
