@@ -33,6 +33,13 @@ type batch struct {
 // that message is held when it closes the connection again) and goes back
 // to the configured prefetch and batch size, clearing *quarantine, once
 // (Writers+1)×BatchSize deliveries went through.
+//
+// Cyclomatic complexity ~42, kept on purpose: after set-up, writers and
+// acker moved to methods, what is left is the one select loop over the six
+// event sources of a session (ctx, connection close, a writer's error, the
+// batch timer, the two delivery channels) and the closures add, flush,
+// delivered and lost that share its batch, timer and quarantine state;
+// splitting them further would spread that state over several types.
 func (c *Consumer) session(ctx context.Context, quarantine *bool) (err error) {
 	// Last, once the writers and the acker are done: what is still unacked
 	// is redelivered (publishIDs).
@@ -57,46 +64,15 @@ func (c *Consumer) session(ctx context.Context, quarantine *bool) (err error) {
 			}
 		}
 	}()
-	if err := c.declare(conn); err != nil {
-		var ae *amqp.Error
-		if errors.Is(err, ErrExchangeNotFound) || (errors.As(err, &ae) && ae.Code == amqp.PreconditionFailed) {
-			return errFatal{err}
-		}
-		return err
-	}
-	token := randomToken()
-	if c.log != nil {
-		if err := c.holdSession(conn, token); err != nil {
-			var ae *amqp.Error
-			if errors.As(err, &ae) && ae.Code == amqp.AccessRefused {
-				return errFatal{fmt.Errorf("audit: declaring the session queue %q (the user needs configure permission on it): %w", c.sessionQueue(token), err)}
-			}
-			return fmt.Errorf("audit: declaring the session queue: %w", err)
-		}
-	}
-	open := func(queue string) (*amqp.Channel, <-chan amqp.Delivery, error) {
-		ch, err := conn.Channel()
-		if err != nil {
-			return nil, nil, err
-		}
-		prefetch := (c.cfg.Writers + 1) * c.cfg.BatchSize
-		if *quarantine {
-			prefetch = 1
-		}
-		if err := ch.Qos(prefetch, 0, false); err != nil {
-			return nil, nil, err
-		}
-		d, err := ch.Consume(queue, "", false, false, false, false, nil)
-		if err != nil {
-			return nil, nil, fmt.Errorf("audit: consuming %q: %w", queue, err)
-		}
-		return ch, d, nil
-	}
-	arrCh, arrD, err := open(c.cfg.Naming.ArrivalsQueue)
+	token, err := c.setUp(conn)
 	if err != nil {
 		return err
 	}
-	attCh, attD, err := open(c.cfg.Naming.AttemptsQueue)
+	arrCh, arrD, err := c.consume(conn, c.cfg.Naming.ArrivalsQueue, *quarantine)
+	if err != nil {
+		return err
+	}
+	attCh, attD, err := c.consume(conn, c.cfg.Naming.AttemptsQueue, *quarantine)
 	if err != nil {
 		return err
 	}
@@ -156,15 +132,7 @@ func (c *Consumer) session(ctx context.Context, quarantine *bool) (err error) {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			for b := range batches {
-				if b.records > 0 {
-					if err := c.store(wctx, conn, token, &b); err != nil {
-						fail(err)
-						return
-					}
-				}
-				close(b.committed)
-			}
+			c.writeBatches(wctx, conn, token, batches, fail)
 		}()
 	}
 	// With a DeliveryLog, the acker marks a batch's rows Acking right
@@ -175,31 +143,7 @@ func (c *Consumer) session(ctx context.Context, quarantine *bool) (err error) {
 	wg.Add(1)
 	go func() {
 		defer wg.Done()
-		for b := range toAck {
-			select {
-			case <-b.committed:
-			case <-wctx.Done():
-				return
-			}
-			ids := c.ackingIDs(b)
-			if ids != nil {
-				marked = false
-				if err := c.markAcking(wctx, conn, token, ids); err != nil {
-					fail(err)
-					return
-				}
-			}
-			if arrAcked, err := c.ack(arrCh, attCh, b); err != nil {
-				if ids != nil && !arrAcked { // not sent: its redeliveries may claim the rows
-					c.storeCall("Clearing the acking mark of unacked-delivery rows", len(ids), func(ctx context.Context) error {
-						return c.log.DeliveriesNotAcked(ctx, token, ids)
-					})
-				}
-				fail(err)
-				return
-			}
-			marked = marked || ids != nil
-		}
+		c.ackBatches(wctx, conn, token, arrCh, attCh, toAck, fail, &marked)
 	}()
 	defer func() {
 		wcancel()
@@ -269,15 +213,7 @@ func (c *Consumer) session(ctx context.Context, quarantine *bool) (err error) {
 			if !ok {
 				return lost("arrivals")
 			}
-			a := c.arrival(d)
-			b.arrivals = append(b.arrivals, a)
-			if c.log != nil {
-				b.fps = append(b.fps, fingerprint(c.cfg.Naming.ArrivalsQueue, a.contentID))
-				b.redelivered = append(b.redelivered, d.Redelivered)
-				b.resolved = append(b.resolved, !d.Redelivered)
-				b.claimed = append(b.claimed, false)
-			}
-			b.arrTag, b.records, b.pending = d.DeliveryTag, b.records+1, b.pending+1
+			c.takeArrival(d, &b)
 			if err := add(); err != nil {
 				return err
 			}
@@ -285,30 +221,140 @@ func (c *Consumer) session(ctx context.Context, quarantine *bool) (err error) {
 			if !ok {
 				return lost("attempts")
 			}
-			a, err := unmarshalAttempt(d.Body)
-			if err == nil && (a.ID == "" || a.MessageID == "") {
-				err = errors.New("record without id or message_id")
-			}
-			a.RecordedBy = d.UserId // broker-validated, never the body's
-			b.attTag, b.pending = d.DeliveryTag, b.pending+1
-			if err == nil && !c.trusted(d.UserId) {
-				c.untrusted.Add(1)
-				c.cfg.Logger.Error("Attempt record from an untrusted user; acking it, not stored", errUntrusted, watermill.LogFields{
-					"message_id": d.MessageId, "user_id": d.UserId, "record_message_id": a.MessageID,
-				})
-			} else if err != nil {
-				c.malformed.Add(1)
-				c.cfg.Logger.Error("Malformed attempt record; acking it", err, watermill.LogFields{
-					"message_id": d.MessageId, "body": truncate(string(d.Body), 200),
-				})
-			} else {
-				b.attempts = append(b.attempts, a)
-				b.records++
-			}
+			c.takeAttempt(d, &b)
 			if err := add(); err != nil {
 				return err
 			}
 		}
+	}
+}
+
+// setUp declares the topology and, with a DeliveryLog, the session queue
+// holding this session's token; errors that another try cannot fix are
+// errFatal.
+func (c *Consumer) setUp(conn *amqp.Connection) (token string, err error) {
+	if err := c.declare(conn); err != nil {
+		var ae *amqp.Error
+		if errors.Is(err, ErrExchangeNotFound) || (errors.As(err, &ae) && ae.Code == amqp.PreconditionFailed) {
+			return "", errFatal{err}
+		}
+		return "", err
+	}
+	token = randomToken()
+	if c.log != nil {
+		if err := c.holdSession(conn, token); err != nil {
+			var ae *amqp.Error
+			if errors.As(err, &ae) && ae.Code == amqp.AccessRefused {
+				return "", errFatal{fmt.Errorf("audit: declaring the session queue %q (the user needs configure permission on it): %w", c.sessionQueue(token), err)}
+			}
+			return "", fmt.Errorf("audit: declaring the session queue: %w", err)
+		}
+	}
+	return token, nil
+}
+
+// consume opens a channel consuming queue with the session's prefetch:
+// (Writers+1)×BatchSize, or 1 in quarantine.
+func (c *Consumer) consume(conn *amqp.Connection, queue string, quarantine bool) (*amqp.Channel, <-chan amqp.Delivery, error) {
+	ch, err := conn.Channel()
+	if err != nil {
+		return nil, nil, err
+	}
+	prefetch := (c.cfg.Writers + 1) * c.cfg.BatchSize
+	if quarantine {
+		prefetch = 1
+	}
+	if err := ch.Qos(prefetch, 0, false); err != nil {
+		return nil, nil, err
+	}
+	d, err := ch.Consume(queue, "", false, false, false, false, nil)
+	if err != nil {
+		return nil, nil, fmt.Errorf("audit: consuming %q: %w", queue, err)
+	}
+	return ch, d, nil
+}
+
+// writeBatches is one writer: it stores each batch with records and closes
+// its committed channel; on an error it reports it with fail and stops.
+func (c *Consumer) writeBatches(ctx context.Context, conn *amqp.Connection, token string, batches <-chan batch, fail func(error)) {
+	for b := range batches {
+		if b.records > 0 {
+			if err := c.store(ctx, conn, token, &b); err != nil {
+				fail(err)
+				return
+			}
+		}
+		close(b.committed)
+	}
+}
+
+// ackBatches is the acker: it waits for each batch's commit in fill order,
+// marks its DeliveryLog rows Acking (marked says the last marked rows' ack
+// was sent), then acks it; on an error it reports it with fail and stops.
+func (c *Consumer) ackBatches(ctx context.Context, conn *amqp.Connection, token string, arrCh, attCh *amqp.Channel, toAck <-chan batch, fail func(error), marked *bool) {
+	for b := range toAck {
+		select {
+		case <-b.committed:
+		case <-ctx.Done():
+			return
+		}
+		ids := c.ackingIDs(b)
+		if ids != nil {
+			*marked = false
+			if err := c.markAcking(ctx, conn, token, ids); err != nil {
+				fail(err)
+				return
+			}
+		}
+		if arrAcked, err := c.ack(arrCh, attCh, b); err != nil {
+			if ids != nil && !arrAcked { // not sent: its redeliveries may claim the rows
+				c.storeCall("Clearing the acking mark of unacked-delivery rows", len(ids), func(ctx context.Context) error {
+					return c.log.DeliveriesNotAcked(ctx, token, ids)
+				})
+			}
+			fail(err)
+			return
+		}
+		*marked = *marked || ids != nil
+	}
+}
+
+// takeArrival adds an arrivals-queue delivery to b.
+func (c *Consumer) takeArrival(d amqp.Delivery, b *batch) {
+	a := c.arrival(d)
+	b.arrivals = append(b.arrivals, a)
+	if c.log != nil {
+		b.fps = append(b.fps, fingerprint(c.cfg.Naming.ArrivalsQueue, a.contentID))
+		b.redelivered = append(b.redelivered, d.Redelivered)
+		b.resolved = append(b.resolved, !d.Redelivered)
+		b.claimed = append(b.claimed, false)
+	}
+	b.arrTag, b.records, b.pending = d.DeliveryTag, b.records+1, b.pending+1
+}
+
+// takeAttempt adds an attempts-queue delivery to b: as a record if it
+// decodes and comes from a trusted user, else only to be acked (counted
+// and logged as untrusted or malformed).
+func (c *Consumer) takeAttempt(d amqp.Delivery, b *batch) {
+	a, err := unmarshalAttempt(d.Body)
+	if err == nil && (a.ID == "" || a.MessageID == "") {
+		err = errors.New("record without id or message_id")
+	}
+	a.RecordedBy = d.UserId // broker-validated, never the body's
+	b.attTag, b.pending = d.DeliveryTag, b.pending+1
+	if err == nil && !c.trusted(d.UserId) {
+		c.untrusted.Add(1)
+		c.cfg.Logger.Error("Attempt record from an untrusted user; acking it, not stored", errUntrusted, watermill.LogFields{
+			"message_id": d.MessageId, "user_id": d.UserId, "record_message_id": a.MessageID,
+		})
+	} else if err != nil {
+		c.malformed.Add(1)
+		c.cfg.Logger.Error("Malformed attempt record; acking it", err, watermill.LogFields{
+			"message_id": d.MessageId, "body": truncate(string(d.Body), 200),
+		})
+	} else {
+		b.attempts = append(b.attempts, a)
+		b.records++
 	}
 }
 

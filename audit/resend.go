@@ -140,6 +140,12 @@ type pager interface {
 // after the batch in flight: its messages that failed so are reported
 // failed and may or may not have been delivered, the ones not tried
 // StatusUnsent; ctx.Err() (checked between batches); ErrResenderClosed.
+//
+// Cyclomatic complexity ~39, kept on purpose: the checks run in the order
+// the errors above list them (options, empty filter, breadth, expected
+// count, exchange, route check), each returning the partial report, and
+// the publish loop stops by batch; each step already calls a helper
+// (checkBreadth, collect, plan, checkRoutes, stopped).
 func (r *Resender) Resend(ctx context.Context, f Filter, opts ResendOptions) (ResendReport, error) {
 	rep := ResendReport{Mode: opts.Mode, DryRun: opts.DryRun, Results: []ResendResult{}}
 	if err := opts.Validate(); err != nil {

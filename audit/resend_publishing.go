@@ -132,7 +132,16 @@ func (r *Resender) publishing(m Message, mode ResendMode, now time.Time) (amqp.P
 	if p.CorrelationId == "" {
 		p.CorrelationId = a.Properties["correlation-id"]
 	}
-	for k, v := range a.Properties {
+	if err := setProperties(&p, a.Properties); err != nil {
+		return amqp.Publishing{}, err
+	}
+	return p, nil
+}
+
+// setProperties sets p's AMQP properties from an arrival's Properties (by
+// their AMQP names); a message-id property counts only when p has none.
+func setProperties(p *amqp.Publishing, props map[string]string) error {
+	for k, v := range props {
 		switch k {
 		case "content-type":
 			p.ContentType = v
@@ -153,7 +162,7 @@ func (r *Resender) publishing(m Message, mode ResendMode, now time.Time) (amqp.P
 		case "delivery-mode", "priority":
 			n, err := strconv.ParseUint(v, 10, 8)
 			if err != nil {
-				return amqp.Publishing{}, fmt.Errorf("property %s %q is not a number 0..255", k, v)
+				return fmt.Errorf("property %s %q is not a number 0..255", k, v)
 			}
 			if k == "priority" {
 				p.Priority = uint8(n)
@@ -162,7 +171,7 @@ func (r *Resender) publishing(m Message, mode ResendMode, now time.Time) (amqp.P
 			}
 		}
 	}
-	return p, nil
+	return nil
 }
 
 // amqpValue converts a header value from its JSON form to an AMQP field.

@@ -140,6 +140,12 @@ func (c *Consumer) sessionState(conn *amqp.Connection, token string) sessionStat
 // claimRedelivered gives each redelivered arrival of b not yet resolved
 // the ID of the stored arrival it redelivers (b.claimed), if a row of an
 // ended session has it; see the comment at the top of this file.
+//
+// Cyclomatic complexity ~39, kept on purpose: it is the claim protocol's
+// decision table in one place (per candidate row: live, unknown, acking or
+// claimable session; per arrival: claimed, re-read, wait for a live
+// session, flag maybe_duplicate, or first delivery), and the switch at the
+// end reads against the cases listed at the top of this file.
 func (c *Consumer) claimRedelivered(ctx context.Context, conn *amqp.Connection, token string, b *batch) error {
 	var fps []string
 	seen := map[string]bool{}

@@ -170,32 +170,44 @@ func tstz(t time.Time) pgtype.Timestamptz {
 	return pgtype.Timestamptz{Time: t, Valid: true}
 }
 
-func buildWriteBatch(q queries, arrivals []audit.Arrival, attempts []audit.Attempt) (*pgx.Batch, error) {
+// checkRecords refuses records Write cannot store: an empty ID, text
+// PostgreSQL cannot hold, a time outside PostgreSQL's range.
+func checkRecords(arrivals []audit.Arrival, attempts []audit.Attempt) error {
 	for i := range arrivals {
 		a := &arrivals[i]
 		if a.ID == "" {
-			return nil, fmt.Errorf("pgstore: Write: arrivals[%d].ID is empty", i)
+			return fmt.Errorf("pgstore: Write: arrivals[%d].ID is empty", i)
 		}
 		if err := checkText("arrivals", i, map[string]string{"ID": a.ID, "MessageID": a.MessageID, "CorrelationID": a.CorrelationID,
 			"Exchange": a.Exchange, "RoutingKey": a.RoutingKey}); err != nil {
-			return nil, err
+			return err
 		}
 		if err := errors.Join(checkTime("arrivals", i, "PublishedAt", a.PublishedAt), checkTime("arrivals", i, "ArrivedAt", a.ArrivedAt)); err != nil {
-			return nil, err
+			return err
 		}
 	}
 	for i := range attempts {
 		a := &attempts[i]
 		if a.ID == "" {
-			return nil, fmt.Errorf("pgstore: Write: attempts[%d].ID is empty", i)
+			return fmt.Errorf("pgstore: Write: attempts[%d].ID is empty", i)
 		}
 		if err := checkText("attempts", i, map[string]string{"ID": a.ID, "MessageID": a.MessageID, "CorrelationID": a.CorrelationID,
 			"Queue": a.Queue, "Outcome": string(a.Outcome), "ErrorClass": a.ErrorClass}); err != nil {
-			return nil, err
+			return err
 		}
 		if err := checkTime("attempts", i, "StartedAt", a.StartedAt); err != nil {
-			return nil, err
+			return err
 		}
+	}
+	return nil
+}
+
+// buildWriteBatch queues Write's statements after checkRecords: the
+// arrivals and the attempts, each as one insert of arrays sorted by ID,
+// and the per-message summary rows their records fold into.
+func buildWriteBatch(q queries, arrivals []audit.Arrival, attempts []audit.Attempt) (*pgx.Batch, error) {
+	if err := checkRecords(arrivals, attempts); err != nil {
+		return nil, err
 	}
 	msgs := map[string]*msgAgg{}
 	agg := func(id string) *msgAgg {
