@@ -43,7 +43,9 @@
 // different count is a 409 and nothing is sent. One resend runs at a time (a
 // second request meanwhile gets 409 Conflict). A resend that started runs to
 // its end even if the client goes away (bounded by Config.ResendTimeout),
-// and is logged with its totals.
+// and is logged with its totals. A resend that stopped part-way (a lost
+// connection, a confirm timeout) is a 500 with {"error": "...", "report":
+// audit.ResendReport}: what was sent until then.
 package httpapi
 
 import (
