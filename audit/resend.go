@@ -140,12 +140,6 @@ type pager interface {
 // after the batch in flight: its messages that failed so are reported
 // failed and may or may not have been delivered, the ones not tried
 // StatusUnsent; ctx.Err() (checked between batches); ErrResenderClosed.
-//
-// Cyclomatic complexity ~39, kept on purpose: the checks run in the order
-// the errors above list them (options, empty filter, breadth, expected
-// count, exchange, route check), each returning the partial report, and
-// the publish loop stops by batch; each step already calls a helper
-// (checkBreadth, collect, plan, checkRoutes, stopped).
 func (r *Resender) Resend(ctx context.Context, f Filter, opts ResendOptions) (ResendReport, error) {
 	rep := ResendReport{Mode: opts.Mode, DryRun: opts.DryRun, Results: []ResendResult{}}
 	if err := opts.Validate(); err != nil {
@@ -211,8 +205,32 @@ func (r *Resender) Resend(ctx context.Context, f Filter, opts ResendOptions) (Re
 	if opts.DryRun {
 		return rep, nil
 	}
+	return r.send(ctx, rep, pub, pubs, sendable, unknown, opts.Mode)
+}
+
+// exchangeError is why a ResendToExchange cannot publish to ex (nil if it
+// can), checked once per exchange (checked caches it): the exchange is
+// missing, or the management API does not know it (unknown).
+func exchangeError(pub *amqpretry.ConfirmPublisher, ex string, unknown map[string]bool, checked map[string]error) error {
+	if err, seen := checked[ex]; seen {
+		return err
+	}
+	err := checkExchange(pub, ex)
+	if err == nil && unknown[ex] {
+		err = fmt.Errorf("audit: resend: the management API (ResenderConfig.ManagementURL) has no exchange %q, which the broker has: it is another broker's or vhost's, so where the exchange routes is unknown; not published", ex)
+	}
+	checked[ex] = err
+	return err
+}
+
+// send publishes the sendable pubs (rep.Results in the same order) for
+// Resend: runs of consecutive messages to the same exchange and routing
+// key pipelined on one channel, each exchange of a ResendToExchange
+// checked once first (unknown: the exchanges the management API does not
+// know). It stops at the first error that is not the message's own.
+func (r *Resender) send(ctx context.Context, rep ResendReport, pub *amqpretry.ConfirmPublisher, pubs []amqp.Publishing, sendable []bool, unknown map[string]bool, mode ResendMode) (ResendReport, error) {
 	exchangeOK := map[string]error{}
-	for i := 0; i < len(msgs); {
+	for i := 0; i < len(pubs); {
 		if !sendable[i] {
 			i++
 			continue
@@ -221,22 +239,14 @@ func (r *Resender) Resend(ctx context.Context, f Filter, opts ResendOptions) (Re
 		// published pipelined on one channel, in order.
 		ex, key := rep.Results[i].Exchange, rep.Results[i].RoutingKey
 		j := i + 1
-		for j < len(msgs) && j-i < resendBatch && sendable[j] && rep.Results[j].Exchange == ex && rep.Results[j].RoutingKey == key {
+		for j < len(pubs) && j-i < resendBatch && sendable[j] && rep.Results[j].Exchange == ex && rep.Results[j].RoutingKey == key {
 			j++
 		}
 		if err := ctx.Err(); err != nil {
 			return r.stopped(rep, sendable, i, err)
 		}
-		if opts.Mode == ResendToExchange && ex != "" {
-			exErr, seen := exchangeOK[ex]
-			if !seen {
-				exErr = checkExchange(pub, ex)
-				if exErr == nil && unknown[ex] {
-					exErr = fmt.Errorf("audit: resend: the management API (ResenderConfig.ManagementURL) has no exchange %q, which the broker has: it is another broker's or vhost's, so where the exchange routes is unknown; not published", ex)
-				}
-				exchangeOK[ex] = exErr
-			}
-			if exErr != nil {
+		if mode == ResendToExchange && ex != "" {
+			if exErr := exchangeError(pub, ex, unknown, exchangeOK); exErr != nil {
 				for k := i; k < j; k++ {
 					rep.Results[k].Status, rep.Results[k].Error = StatusFailed, exErr.Error()
 					rep.Failed++
