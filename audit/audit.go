@@ -64,7 +64,7 @@ const (
 type Arrival struct {
 	// ID is the record's idempotency key, one per publish: the Consumer
 	// gives every first delivery of the arrivals queue a new ID (a hex
-	// SHA-256 over the content hash ArrivalFromDelivery computes and a
+	// SHA-256 over the content hash arrivalFromDelivery computes and a
 	// random nonce), so two identical publishes (the same bytes within one
 	// second, or one UUID published twice) are two arrivals. A redelivery
 	// of a stored arrival gets its ID back and is not stored again: with a
@@ -76,7 +76,7 @@ type Arrival struct {
 	ID string `json:"id"`
 	// contentID is a hex SHA-256 over the exchange, routing key, message
 	// id, AMQP timestamp, headers and body: equal for identical publishes
-	// (ArrivalFromDelivery sets it, and ID to it). Not stored.
+	// (arrivalFromDelivery sets it, and ID to it). Not stored.
 	contentID string
 	// MessageID is the Watermill message UUID (the UUID header, else the
 	// AMQP message-id property); empty if the message had neither.
@@ -333,12 +333,12 @@ type DeliveryLog interface {
 	DeliveriesNotAcked(ctx context.Context, session string, arrivalIDs []string) error
 }
 
-// MarshalAttempt and UnmarshalAttempt are the wire form of an Attempt
-// record on the audit exchange (JSON, content-type application/json).
+// MarshalAttempt encodes an Attempt as the Recorder publishes it on the
+// audit exchange (JSON, content-type application/json).
 func MarshalAttempt(a Attempt) ([]byte, error) { return json.Marshal(a) }
 
-// UnmarshalAttempt decodes MarshalAttempt's output.
-func UnmarshalAttempt(b []byte) (Attempt, error) {
+// unmarshalAttempt decodes MarshalAttempt's output.
+func unmarshalAttempt(b []byte) (Attempt, error) {
 	var a Attempt
 	err := json.Unmarshal(b, &a)
 	return a, err

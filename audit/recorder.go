@@ -11,184 +11,11 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	wmw "github.com/ThreeDotsLabs/watermill/message/router/middleware"
-	"github.com/cenkalti/backoff/v4"
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitretry/rabbitretry/amqpretry"
 	"github.com/rabbitretry/rabbitretry/middleware"
-
-	"github.com/rabbitretry/rabbitretry/internal/redact"
 )
-
-// Recorder defaults.
-const (
-	// DefaultBuffer is the default number of attempt records held in memory
-	// waiting for the background publisher.
-	DefaultBuffer = 10_000
-	// DefaultPublishBatch is the default number of records published back
-	// to back (pipelined) before waiting for their confirms.
-	DefaultPublishBatch = 256
-)
-
-// ErrRecorderClosed is counted (Stats.Rejected) and logged for a record
-// made after Close: it is not published.
-var ErrRecorderClosed = errors.New("audit: recorder closed")
-
-// RecorderConfig configures a Recorder. Zero values take the defaults
-// documented per field.
-type RecorderConfig struct {
-	// URI is the AMQP URI of the broker the records are published to.
-	// Required unless Publisher is set.
-	URI string
-	// Publisher, when set, publishes the records (a ConfirmPublisher shared
-	// with other code; amqpretry's own is made after the Recorder, which
-	// its Config.Observer needs, so it cannot be passed here); the Recorder
-	// does not close it. Default: the Recorder's own ConfirmPublisher on URI
-	// (mandatory publishes with publisher confirms, reconnecting, connection
-	// name "rabbitretry-audit-recorder"), closed by Close.
-	Publisher *amqpretry.ConfirmPublisher
-	// UserID is the AMQP user-id property of every record: the RabbitMQ
-	// user the records are published as. RabbitMQ checks it against the
-	// publishing connection's user and refuses a mismatch (channel error
-	// 406 PRECONDITION_FAILED: "Validated User-ID", the "Publishers"
-	// guide), so a record carrying it was published by that user; the
-	// Consumer stores only records of its ConsumerConfig.RecorderUsers.
-	// Default: the user of URI (amqp.ParseURI; "guest" if the URI names
-	// none); set it when the connection authenticates otherwise (SASL
-	// EXTERNAL: the certificate's user). Required when Publisher is set
-	// without URI: the user that Publisher connects as.
-	UserID string
-	// Naming names the audit exchange and attempts queue; the Consumer must
-	// use the same. Default: DefaultExchange, DefaultAttemptsQueue.
-	Naming Naming
-	// QueueType of the attempts queue: QueueTypeQuorum (default) or
-	// QueueTypeClassic.
-	QueueType string
-	// Buffer is how many records may wait in memory for the publisher.
-	// When it is full, the recording call (the Middleware, after the chain
-	// returned) BLOCKS until there is room: backpressure on the consumer,
-	// never a dropped record. Default DefaultBuffer (10,000); must be >= 1.
-	Buffer int
-	// PublishBatch is how many records are written back to back before
-	// their confirms are awaited. Default DefaultPublishBatch (256); range
-	// 1..512.
-	PublishBatch int
-	// Publishers is the number of goroutines publishing batches
-	// concurrently (each waits for its batch's confirms), so that one
-	// batch's confirm round trip does not stall the next. Default 2; range
-	// 1..16.
-	Publishers int
-	// QueueName names the originating queue of a message. Default the
-	// router's subscribe topic (message.SubscribeTopicFromCtx); with
-	// amqpretry pass the same function as amqpretry.Config.QueueName.
-	QueueName func(ctx context.Context) string
-	// TierFor maps a scheduled retry's delay to the wait-queue tier that
-	// holds it (Attempt.Tier), e.g. func(_ string, d time.Duration)
-	// time.Duration { return retry.Topology().TierFor(d) }. Default: no
-	// tier recorded (0).
-	TierFor func(queue string, d time.Duration) time.Duration
-	// ErrorText renders the handler error into Attempt.Error; use the same
-	// redaction as the retry chain. Default middleware.ErrorText(err,
-	// middleware.DefaultMaxErrorBytes), the chain's default.
-	ErrorText func(error) string
-	// Classifier gives Attempt.ErrorClass of a handler error. Default
-	// middleware.DefaultClassifier; pass the chain's (Chain().Classifier)
-	// when it has rules of its own. A poisoning's class (Observer.Poisoned)
-	// and a classification the chain returned take precedence.
-	Classifier *middleware.Classifier
-	// RetryBackoff paces republishing a batch the broker did not confirm.
-	// Default: exponential from 100 ms, factor 2, capped at 10 s, forever
-	// (until Close gives up).
-	RetryBackoff func() backoff.BackOff
-	// Logger logs publish failures and their recovery. Default NopLogger.
-	Logger watermill.LoggerAdapter
-}
-
-func (c *RecorderConfig) setDefaults() {
-	c.Naming = c.Naming.WithDefaults()
-	if c.UserID == "" && c.URI != "" {
-		if u, err := amqp.ParseURI(c.URI); err == nil {
-			c.UserID = u.Username
-		}
-	}
-	if c.QueueType == "" {
-		c.QueueType = QueueTypeQuorum
-	}
-	if c.Buffer == 0 {
-		c.Buffer = DefaultBuffer
-	}
-	if c.PublishBatch == 0 {
-		c.PublishBatch = DefaultPublishBatch
-	}
-	if c.Publishers == 0 {
-		c.Publishers = 2
-	}
-	if c.QueueName == nil {
-		c.QueueName = message.SubscribeTopicFromCtx
-	}
-	if c.ErrorText == nil {
-		c.ErrorText = func(err error) string { return middleware.ErrorText(err, middleware.DefaultMaxErrorBytes) }
-	}
-	if c.Classifier == nil {
-		c.Classifier = middleware.DefaultClassifier
-	}
-	if c.RetryBackoff == nil {
-		c.RetryBackoff = func() backoff.BackOff {
-			b := backoff.NewExponentialBackOff()
-			b.InitialInterval = 100 * time.Millisecond
-			b.MaxInterval = 10 * time.Second
-			b.MaxElapsedTime = 0
-			b.Reset()
-			return b
-		}
-	}
-	if c.Logger == nil {
-		c.Logger = watermill.NopLogger{}
-	}
-}
-
-// Validate reports the first bad field. NewRecorder calls it after filling
-// in defaults.
-func (c RecorderConfig) Validate() error {
-	if c.Publisher == nil && c.URI == "" {
-		return errors.New("audit: RecorderConfig.URI is empty and no Publisher is set")
-	}
-	if c.Publisher == nil {
-		if _, err := amqp.ParseURI(c.URI); err != nil {
-			return fmt.Errorf("audit: RecorderConfig.URI is invalid: %w", redact.Error(err, c.URI))
-		}
-	}
-	if c.UserID == "" {
-		return errors.New("audit: RecorderConfig.UserID is empty: set the user the Publisher connects as (the Consumer stores only records whose validated user-id it trusts)")
-	}
-	if c.Buffer < 1 {
-		return fmt.Errorf("audit: RecorderConfig.Buffer %d is below 1", c.Buffer)
-	}
-	if c.PublishBatch < 1 || c.PublishBatch > 512 {
-		return fmt.Errorf("audit: RecorderConfig.PublishBatch %d is outside 1..512", c.PublishBatch)
-	}
-	if c.Publishers < 1 || c.Publishers > 16 {
-		return fmt.Errorf("audit: RecorderConfig.Publishers %d is outside 1..16", c.Publishers)
-	}
-	if err := checkQueueType("RecorderConfig", c.QueueType); err != nil {
-		return err
-	}
-	return c.Naming.validate("RecorderConfig")
-}
-
-// RecorderStats are the Recorder's counters.
-type RecorderStats struct {
-	// Recorded is the number of attempt records made.
-	Recorded uint64
-	// Published is the number confirmed by the broker.
-	Published uint64
-	// Buffered is the number in memory now (queued or being published).
-	Buffered int
-	// PublishFailures counts failed publish rounds (each retried).
-	PublishFailures uint64
-	// Rejected counts records made after Close (not published).
-	Rejected uint64
-}
 
 // Recorder records one Attempt per attempt the retry chain makes and
 // publishes it, in the background, to the audit exchange, from which the
@@ -241,7 +68,7 @@ type Recorder struct {
 var _ middleware.Observer = (*Recorder)(nil)
 
 // NewRecorder validates cfg, connects (unless cfg.Publisher is set),
-// declares the audit exchange and attempts queue (DeclareAttempts) and
+// declares the audit exchange and attempts queue (declareAttemptTopology) and
 // starts the background publisher. It returns Validate's error, or the
 // connection or declaration error.
 func NewRecorder(cfg RecorderConfig) (*Recorder, error) {
@@ -293,7 +120,7 @@ func (r *Recorder) start() {
 }
 
 func (r *Recorder) declare() error {
-	return DeclareAttempts(r.pub, r.cfg.Naming, r.cfg.QueueType)
+	return declareAttemptTopology(r.pub, r.cfg.Naming, r.cfg.QueueType)
 }
 
 type stateKey struct{}
@@ -479,7 +306,7 @@ func (r *Recorder) record(a Attempt) {
 
 func (r *Recorder) reject(a Attempt) {
 	r.rejected.Add(1)
-	r.cfg.Logger.Error("Attempt record made after Close; not published", ErrRecorderClosed, watermill.LogFields{
+	r.cfg.Logger.Error("Attempt record made after Close; not published", errRecorderClosed, watermill.LogFields{
 		"message_uuid": a.MessageID, "attempt": a.Attempt, "outcome": string(a.Outcome),
 	})
 }
@@ -552,137 +379,4 @@ func (r *Recorder) Stats() RecorderStats {
 		Buffered:        len(r.records) + int(r.inFlight.Load()),
 		PublishFailures: r.failures.Load(), Rejected: r.rejected.Load(),
 	}
-}
-
-// run is the background publisher.
-func (r *Recorder) run() {
-	batch := make([]Attempt, 0, r.cfg.PublishBatch)
-	for {
-		batch = batch[:0]
-		select {
-		case a := <-r.records:
-			batch = append(batch, a)
-		case <-r.final:
-			// No sender is left: publish what is buffered, then stop.
-			for {
-				batch = batch[:0]
-				r.fill(&batch)
-				if len(batch) == 0 {
-					return
-				}
-				if !r.publish(batch) {
-					return
-				}
-			}
-		}
-		r.fill(&batch)
-		if !r.publish(batch) {
-			return
-		}
-	}
-}
-
-// fill appends what is buffered, up to PublishBatch, without waiting.
-func (r *Recorder) fill(batch *[]Attempt) {
-	for len(*batch) < r.cfg.PublishBatch {
-		select {
-		case a := <-r.records:
-			*batch = append(*batch, a)
-		default:
-			return
-		}
-	}
-}
-
-// publish publishes batch until the broker confirmed all of it; false if
-// Close gave up first.
-func (r *Recorder) publish(batch []Attempt) bool {
-	r.inFlight.Add(int64(len(batch)))
-	msgs := make([]amqp.Publishing, 0, len(batch))
-	now := time.Now()
-	for i := range batch {
-		if batch[i].ID == "" {
-			batch[i].ID = watermill.NewUUID()
-		}
-		body, err := MarshalAttempt(batch[i])
-		if err != nil { // cannot happen for these field types; never drop silently
-			r.cfg.Logger.Error("Marshalling attempt record failed", err, watermill.LogFields{"message_uuid": batch[i].MessageID})
-			continue
-		}
-		msgs = append(msgs, amqp.Publishing{
-			ContentType: "application/json", DeliveryMode: amqp.Persistent, MessageId: batch[i].ID, UserId: r.cfg.UserID,
-			Timestamp: now, Type: "rabbitretry.audit.attempt", Body: body,
-		})
-	}
-	var bo backoff.BackOff
-	for {
-		err := r.send(r.abortCtx, msgs)
-		if err == nil {
-			r.published.Add(uint64(len(msgs)))
-			r.inFlight.Add(-int64(len(batch)))
-			if bo != nil {
-				r.cfg.Logger.Info("Audit records published again", watermill.LogFields{"records": len(msgs)})
-			}
-			return true
-		}
-		r.failures.Add(1)
-		if r.abortCtx.Err() != nil {
-			return false
-		}
-		if bo == nil {
-			bo = r.cfg.RetryBackoff()
-		}
-		wait := bo.NextBackOff()
-		if wait == backoff.Stop {
-			wait = 10 * time.Second
-		}
-		r.cfg.Logger.Error("Publishing audit records failed; retrying (records held in memory)", err, watermill.LogFields{
-			"records": len(msgs), "retry_in": wait.String(),
-		})
-		if r.pub != nil && (errors.Is(err, amqpretry.ErrUnroutable) || errors.Is(err, amqpretry.ErrChannelClosed)) {
-			// The audit queue or exchange may have been deleted: declare again.
-			if derr := r.declare(); derr != nil {
-				r.cfg.Logger.Error("Declaring the audit topology again failed", derr, nil)
-			}
-		}
-		t := time.NewTimer(wait)
-		select {
-		case <-t.C:
-		case <-r.abortCtx.Done():
-			t.Stop()
-			return false
-		}
-	}
-}
-
-// Close stops recording (records made later are counted in
-// Stats.Rejected and logged, not published), publishes everything buffered
-// and waits for the broker's confirms. Close the router first, so no
-// handler is still running. If ctx ends first, it stops publishing and
-// returns ctx's error with the number of records left unpublished (lost).
-// It then closes the Recorder's own publisher (not a Config.Publisher).
-// Later calls return the first call's result.
-func (r *Recorder) Close(ctx context.Context) error {
-	r.closeOnce.Do(func() {
-		close(r.closing)
-		r.mu.Lock()
-		r.closed = true
-		r.mu.Unlock()
-		close(r.final)
-		select {
-		case <-r.flushed:
-		case <-ctx.Done():
-			r.abort()
-			<-r.flushed
-			left := len(r.records) + int(r.inFlight.Load())
-			r.closeErr = fmt.Errorf("audit: Recorder.Close: %d attempt records not published: %w", left, ctx.Err())
-		}
-		r.abort()
-		if r.ownPub {
-			if err := r.pub.Close(); err != nil && r.closeErr == nil {
-				r.closeErr = err
-			}
-		}
-	})
-	return r.closeErr
 }

@@ -35,7 +35,7 @@ func (s *sink) send(_ context.Context, msgs []amqp.Publishing) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	for _, m := range msgs {
-		a, err := UnmarshalAttempt(m.Body)
+		a, err := unmarshalAttempt(m.Body)
 		if err != nil {
 			return err
 		}

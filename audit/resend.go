@@ -2,285 +2,18 @@ package audit
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
-	"math"
-	"reflect"
 	"slices"
-	"sort"
-	"strconv"
-	"strings"
 	"sync"
 	"time"
 
-	"github.com/ThreeDotsLabs/watermill"
-	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v2/pkg/amqp"
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitretry/rabbitretry/amqpretry"
-	"github.com/rabbitretry/rabbitretry/middleware"
 
 	"github.com/rabbitretry/rabbitretry/internal/mgmt"
-	"github.com/rabbitretry/rabbitretry/internal/redact"
 )
-
-// DefaultLoopBackExchange is the default ResenderConfig.LoopBackExchange,
-// the loop-back exchange amqpretry declares (amqpretry.Naming): a direct
-// exchange to which every originating queue Q is bound with routing key Q.
-const DefaultLoopBackExchange = "rabbitretry.loopback"
-
-// ResentKey is the header every resent copy carries: the time of the
-// resend, RFC 3339 in UTC.
-const ResentKey = "rabbitretry-resent"
-
-// DefaultResenderConnectionName is the client-provided connection name
-// (RabbitMQ "Connections" guide) of the Resender's publisher connection.
-const DefaultResenderConnectionName = "rabbitretry-audit-resend"
-
-// Resend limits.
-const (
-	// DefaultResendLimit is the number of messages Resend considers when
-	// ResendOptions.Limit is 0.
-	DefaultResendLimit = 1000
-	// MaxResendLimit is the largest ResendOptions.Limit.
-	MaxResendLimit = 100000
-	// DefaultResendConfirmAbove is the default
-	// ResenderConfig.ConfirmAbove: a filter that selects more messages
-	// than this needs ResendOptions.AllowAll.
-	DefaultResendConfirmAbove = 10
-)
-
-// resendPageSize is the Search page size Resend reads with.
-const resendPageSize = 1000
-
-// resendBatch is the most messages published pipelined before their
-// confirms are awaited (amqpretry.ConfirmPublisher.PublishRawBatch).
-const resendBatch = 256
-
-// ResendMode says where Resend publishes a message.
-type ResendMode string
-
-// The two resend modes. They differ in who gets the message again.
-const (
-	// ResendToQueue sends the message to ONE queue only: published to the
-	// loop-back exchange with routing key = the queue, so exactly that
-	// queue receives it, whatever else is bound to the original exchange.
-	// The queue is ResendOptions.Queue, else Filter.Queue, else the queue
-	// the message's attempts were made in; a message with attempts in
-	// several queues (fan-out) or none is skipped unless one is named.
-	// The queue must be an originating queue of the retry topology (bound
-	// to the loop-back exchange with its own name), else the broker returns
-	// the message and Resend reports it as failed.
-	ResendToQueue ResendMode = "to-queue"
-	// ResendToExchange publishes the message again to its original
-	// exchange with its original routing key: EVERY queue bound to it
-	// receives it again (all consumers, and the audit's arrivals queue, so
-	// the resent copy is recorded as a new arrival). A message the exchange
-	// would route to the audit's arrivals queue only is not published and
-	// is reported failed (ErrRoutedOnlyToAudit; ResenderConfig.ManagementURL).
-	ResendToExchange ResendMode = "to-exchange"
-)
-
-// Errors returned by Resend (test with errors.Is).
-var (
-	// ErrEmptyFilter: Resend was given a Filter that selects everything
-	// (no field set except Limit/After) without ResendOptions.AllowAll.
-	ErrEmptyFilter = errors.New("audit: resend: the filter selects every message; narrow it or set ResendOptions.AllowAll")
-	// ErrBroadResend: the filter's result is broad, judged by the store's
-	// answer whatever fields are set: it selects more than
-	// ResenderConfig.ConfirmAbove messages (counting past Limit and
-	// After: chunks do not hide breadth), or every message the store
-	// holds (a time range from 1970 does), and ResendOptions.AllowAll is
-	// false. Nothing was sent; the report's Matched says how many this
-	// call would have considered.
-	ErrBroadResend = errors.New("audit: resend: the filter selects too many messages")
-	// ErrCountMismatch: ResendOptions.ExpectedCount is set and differs
-	// from the messages matched (the store changed since the dry run the
-	// count came from). Nothing was sent.
-	ErrCountMismatch = errors.New("audit: resend: the matched count is not the expected count")
-	// ErrExchangeNotFound: the loop-back exchange (ResendToQueue) does not
-	// exist on the broker; nothing was published.
-	ErrExchangeNotFound = errors.New("audit: resend: exchange not found")
-	// ErrResenderClosed: the Resender was closed.
-	ErrResenderClosed = errors.New("audit: resender closed")
-)
-
-// ResenderConfig configures a Resender. Zero fields take the defaults
-// documented on each.
-type ResenderConfig struct {
-	// URI is the AMQP URI of the broker to publish to, e.g.
-	// "amqp://guest:guest@127.0.0.1:5672/". Required. The Resender connects
-	// only on the first real (not DryRun) Resend.
-	URI string
-	// Store is where the messages are found. Required.
-	Store Store
-	// LoopBackExchange is the retry topology's loop-back exchange
-	// (ResendToQueue). Default DefaultLoopBackExchange, the same default as
-	// amqpretry.Naming.LoopBackExchange.
-	LoopBackExchange string
-	// UUIDHeaderKey is the header holding the Watermill message UUID.
-	// Default "_watermill_message_uuid" (watermill-amqp's default).
-	UUIDHeaderKey string
-	// ConfirmTimeout bounds the wait for each publisher confirm (default
-	// 30 s, amqpretry.PublisherConfig.ConfirmTimeout).
-	ConfirmTimeout time.Duration
-	// ConnectionName is the client-provided connection name. Default
-	// DefaultResenderConnectionName.
-	ConnectionName string
-	// ManagementURL is the RabbitMQ management HTTP API ("Management
-	// Plugin"), e.g. "http://user:password@host:15672/", that a
-	// ResendToExchange reads the exchange's bindings from before
-	// publishing: a message the exchange would route to no queue but the
-	// audit's own arrivals queue (its business binding is gone) is reported
-	// failed with ErrRoutedOnlyToAudit and not published (a mandatory
-	// publish cannot tell: the audit's binding alone makes it routed). The
-	// user needs the management tag "monitoring" or above (or "management"
-	// with access to the vhost). Default: derived from URI (same host and
-	// credentials, http on port 15672; https on 15671 for amqps). When the
-	// API cannot be read, ResendToExchange returns the error and publishes
-	// nothing.
-	ManagementURL string
-	// SkipRouteCheck turns that check off: a ResendToExchange is then
-	// reported sent as soon as the broker confirmed the mandatory publish,
-	// even when only the audit's arrivals queue received it. For brokers
-	// without the management plugin. Default false.
-	SkipRouteCheck bool
-	// ArrivalsQueue is the audit's arrivals queue, whose binding does not
-	// count as a route. Default DefaultArrivalsQueue (the Consumer's
-	// Naming.ArrivalsQueue).
-	ArrivalsQueue string
-	// Logger gets connection events. Default watermill.NopLogger{}.
-	Logger watermill.LoggerAdapter
-	// ConfirmAbove is how many messages a filter may select before a
-	// resend needs ResendOptions.AllowAll (ErrBroadResend). Default
-	// DefaultResendConfirmAbove (10); at most MaxResendLimit.
-	ConfirmAbove int
-}
-
-func (c *ResenderConfig) setDefaults() {
-	if c.ConfirmAbove == 0 {
-		c.ConfirmAbove = DefaultResendConfirmAbove
-	}
-	if c.LoopBackExchange == "" {
-		c.LoopBackExchange = DefaultLoopBackExchange
-	}
-	if c.UUIDHeaderKey == "" {
-		c.UUIDHeaderKey = wamqp.DefaultMessageUUIDHeaderKey
-	}
-	if c.ConnectionName == "" {
-		c.ConnectionName = DefaultResenderConnectionName
-	}
-	if c.ArrivalsQueue == "" {
-		c.ArrivalsQueue = DefaultArrivalsQueue
-	}
-	if c.ManagementURL == "" && !c.SkipRouteCheck {
-		c.ManagementURL, _ = managementURL(c.URI)
-	}
-	if c.Logger == nil {
-		c.Logger = watermill.NopLogger{}
-	}
-}
-
-// Validate reports the first invalid field (after defaults are filled in):
-// URI missing or not an AMQP URI, Store nil, ConfirmTimeout negative, a
-// name longer than 255 bytes.
-func (c ResenderConfig) Validate() error {
-	c.setDefaults()
-	switch {
-	case c.URI == "":
-		return errors.New("audit: ResenderConfig.URI is required")
-	case c.Store == nil || (reflect.ValueOf(c.Store).Kind() == reflect.Pointer && reflect.ValueOf(c.Store).IsNil()):
-		return errors.New("audit: ResenderConfig.Store is required")
-	case c.ConfirmTimeout < 0:
-		return fmt.Errorf("audit: ResenderConfig.ConfirmTimeout %v is negative", c.ConfirmTimeout)
-	case c.ConfirmAbove < 0 || c.ConfirmAbove > MaxResendLimit:
-		return fmt.Errorf("audit: ResenderConfig.ConfirmAbove %d: want 0 (default %d) to %d", c.ConfirmAbove, DefaultResendConfirmAbove, MaxResendLimit)
-	case len(c.LoopBackExchange) > 255:
-		return errors.New("audit: ResenderConfig.LoopBackExchange is longer than 255 bytes")
-	}
-	if _, err := amqp.ParseURI(c.URI); err != nil {
-		return fmt.Errorf("audit: ResenderConfig.URI: %w", redact.Error(err, c.URI))
-	}
-	if !c.SkipRouteCheck {
-		if _, err := newRouteChecker(c.ManagementURL, "/", c.ArrivalsQueue); err != nil {
-			return err
-		}
-	}
-	return nil
-}
-
-// ResendOptions says how Resend sends.
-type ResendOptions struct {
-	// Mode is ResendToQueue or ResendToExchange. Required.
-	Mode ResendMode `json:"mode"`
-	// Queue, with ResendToQueue, sends every message to this queue instead
-	// of Filter.Queue or the queue of its attempts (needed for messages
-	// without attempt records). Not allowed with ResendToExchange.
-	Queue string `json:"queue,omitempty"`
-	// DryRun reports what would be sent without connecting or publishing.
-	DryRun bool `json:"dry_run,omitempty"`
-	// Limit caps the messages considered (sent, skipped or failed), newest
-	// first as Search returns them. Default DefaultResendLimit, at most
-	// MaxResendLimit; Filter.Limit is ignored (Filter.After starts the
-	// walk). ResendReport.Next continues after the last one.
-	Limit int `json:"limit,omitempty"`
-	// AllowAll must be true for a Filter that selects every message (no
-	// field set: ErrEmptyFilter) or whose result is broad: more than
-	// ResenderConfig.ConfirmAbove messages, or every message of the store
-	// (ErrBroadResend). Not needed for DryRun.
-	AllowAll bool `json:"allow_all,omitempty"`
-	// ExpectedCount, when positive, is the number of messages this resend
-	// must match (ResendReport.Matched of the dry run the operator
-	// checked): another count stops it before anything is sent
-	// (ErrCountMismatch). Default 0: not checked.
-	ExpectedCount int `json:"expected_count,omitempty"`
-}
-
-// Status of one message in a ResendReport.
-const (
-	StatusSent      = "sent"       // published and confirmed by the broker
-	StatusWouldSend = "would-send" // DryRun: would be published
-	StatusFailed    = "failed"     // returned, nacked, or the publish failed
-	StatusSkipped   = "skipped"    // not sendable (no body, truncated body, no queue)
-	StatusUnsent    = "unsent"     // not tried: Resend stopped before it (see its error)
-)
-
-// ResendResult is what Resend did with one message.
-type ResendResult struct {
-	// MessageID is the message's id (the Watermill UUID).
-	MessageID string `json:"message_id"`
-	// Exchange and RoutingKey are where it was (or would be) published;
-	// Queue is the target queue of ResendToQueue.
-	Exchange   string `json:"exchange"`
-	RoutingKey string `json:"routing_key"`
-	Queue      string `json:"queue,omitempty"`
-	// Status is one of StatusSent, StatusWouldSend, StatusFailed,
-	// StatusSkipped, StatusUnsent; Error says why for all but the first
-	// two.
-	Status string `json:"status"`
-	Error  string `json:"error,omitempty"`
-}
-
-// ResendReport is Resend's account: Matched = Sent + Failed + Skipped +
-// Unsent (in DryRun, Sent counts the messages that would be sent). Results
-// has one entry per matched message, in the order they were published:
-// oldest first.
-type ResendReport struct {
-	Mode    ResendMode `json:"mode"`
-	DryRun  bool       `json:"dry_run"`
-	Matched int        `json:"matched"`
-	Sent    int        `json:"sent"`
-	Failed  int        `json:"failed"`
-	Skipped int        `json:"skipped"`
-	// Unsent counts the messages not tried because Resend stopped (a
-	// connection or confirm error, ctx): they were not published.
-	Unsent  int            `json:"unsent"`
-	Results []ResendResult `json:"results"`
-	// Next, when not empty, is the Filter.After cursor of the messages the
-	// Limit left out (only with a store that pages: SearchPage).
-	Next string `json:"next,omitempty"`
-}
 
 // Resender publishes audited messages again from their arrival records.
 // It is safe for concurrent use.
@@ -334,39 +67,6 @@ func (r *Resender) publisher() (*amqpretry.ConfirmPublisher, error) {
 		r.pub = p
 	}
 	return r.pub, nil
-}
-
-// IsEmptyFilter reports whether f selects every message (only Limit and
-// After set, or nothing).
-func IsEmptyFilter(f Filter) bool {
-	f.Limit, f.After = 0, ""
-	if len(f.Headers) == 0 {
-		f.Headers = nil
-	}
-	return reflect.ValueOf(f).IsZero()
-}
-
-// Validate checks opts: a known Mode, Queue only with ResendToQueue,
-// Limit within 0..MaxResendLimit.
-func (o ResendOptions) Validate() error {
-	switch o.Mode {
-	case ResendToQueue, ResendToExchange:
-	case "":
-		return fmt.Errorf("audit: ResendOptions.Mode is required (%q or %q)", ResendToQueue, ResendToExchange)
-	default:
-		return fmt.Errorf("audit: ResendOptions.Mode %q: want %q or %q", o.Mode, ResendToQueue, ResendToExchange)
-	}
-	switch {
-	case o.Queue != "" && o.Mode != ResendToQueue:
-		return fmt.Errorf("audit: ResendOptions.Queue is only for mode %q", ResendToQueue)
-	case len(o.Queue) > 255:
-		return errors.New("audit: ResendOptions.Queue is longer than 255 bytes")
-	case o.Limit < 0 || o.Limit > MaxResendLimit:
-		return fmt.Errorf("audit: ResendOptions.Limit %d: want 0..%d", o.Limit, MaxResendLimit)
-	case o.ExpectedCount < 0 || o.ExpectedCount > MaxResendLimit:
-		return fmt.Errorf("audit: ResendOptions.ExpectedCount %d: want 0..%d", o.ExpectedCount, MaxResendLimit)
-	}
-	return nil
 }
 
 // pager is the optional Store capability Resend pages with
@@ -505,8 +205,32 @@ func (r *Resender) Resend(ctx context.Context, f Filter, opts ResendOptions) (Re
 	if opts.DryRun {
 		return rep, nil
 	}
+	return r.send(ctx, rep, pub, pubs, sendable, unknown, opts.Mode)
+}
+
+// exchangeError is why a ResendToExchange cannot publish to ex (nil if it
+// can), checked once per exchange (checked caches it): the exchange is
+// missing, or the management API does not know it (unknown).
+func exchangeError(pub *amqpretry.ConfirmPublisher, ex string, unknown map[string]bool, checked map[string]error) error {
+	if err, seen := checked[ex]; seen {
+		return err
+	}
+	err := checkExchange(pub, ex)
+	if err == nil && unknown[ex] {
+		err = fmt.Errorf("audit: resend: the management API (ResenderConfig.ManagementURL) has no exchange %q, which the broker has: it is another broker's or vhost's, so where the exchange routes is unknown; not published", ex)
+	}
+	checked[ex] = err
+	return err
+}
+
+// send publishes the sendable pubs (rep.Results in the same order) for
+// Resend: runs of consecutive messages to the same exchange and routing
+// key pipelined on one channel, each exchange of a ResendToExchange
+// checked once first (unknown: the exchanges the management API does not
+// know). It stops at the first error that is not the message's own.
+func (r *Resender) send(ctx context.Context, rep ResendReport, pub *amqpretry.ConfirmPublisher, pubs []amqp.Publishing, sendable []bool, unknown map[string]bool, mode ResendMode) (ResendReport, error) {
 	exchangeOK := map[string]error{}
-	for i := 0; i < len(msgs); {
+	for i := 0; i < len(pubs); {
 		if !sendable[i] {
 			i++
 			continue
@@ -515,22 +239,14 @@ func (r *Resender) Resend(ctx context.Context, f Filter, opts ResendOptions) (Re
 		// published pipelined on one channel, in order.
 		ex, key := rep.Results[i].Exchange, rep.Results[i].RoutingKey
 		j := i + 1
-		for j < len(msgs) && j-i < resendBatch && sendable[j] && rep.Results[j].Exchange == ex && rep.Results[j].RoutingKey == key {
+		for j < len(pubs) && j-i < resendBatch && sendable[j] && rep.Results[j].Exchange == ex && rep.Results[j].RoutingKey == key {
 			j++
 		}
 		if err := ctx.Err(); err != nil {
 			return r.stopped(rep, sendable, i, err)
 		}
-		if opts.Mode == ResendToExchange && ex != "" {
-			exErr, seen := exchangeOK[ex]
-			if !seen {
-				exErr = checkExchange(pub, ex)
-				if exErr == nil && unknown[ex] {
-					exErr = fmt.Errorf("audit: resend: the management API (ResenderConfig.ManagementURL) has no exchange %q, which the broker has: it is another broker's or vhost's, so where the exchange routes is unknown; not published", ex)
-				}
-				exchangeOK[ex] = exErr
-			}
-			if exErr != nil {
+		if mode == ResendToExchange && ex != "" {
+			if exErr := exchangeError(pub, ex, unknown, exchangeOK); exErr != nil {
 				for k := i; k < j; k++ {
 					rep.Results[k].Status, rep.Results[k].Error = StatusFailed, exErr.Error()
 					rep.Failed++
@@ -749,200 +465,4 @@ func checkExchange(pub *amqpretry.ConfirmPublisher, exchange string) error {
 		return fmt.Errorf("audit: resend: checking exchange %q: %w", exchange, err)
 	}
 	return nil
-}
-
-// targetQueue picks the ResendToQueue target: opts.Queue, else
-// Filter.Queue, else the one queue m's attempts were made in. A message
-// with attempts in several queues (a fan-out: the same message id consumed
-// from each queue bound to its exchange) has no single original queue, so
-// it gets "" and the reason; so does one without attempts.
-func targetQueue(m Message, filterQueue string, opts ResendOptions) (string, string) {
-	switch {
-	case opts.Queue != "":
-		return opts.Queue, ""
-	case filterQueue != "":
-		return filterQueue, ""
-	}
-	var queues []string
-	seen := map[string]bool{}
-	for _, a := range m.Attempts {
-		if !seen[a.Queue] {
-			seen[a.Queue] = true
-			queues = append(queues, a.Queue)
-		}
-	}
-	switch len(queues) {
-	case 0:
-		return "", "no attempt records, so no queue is known: name one (ResendOptions.Queue, or filter by queue)"
-	case 1:
-		return queues[0], ""
-	}
-	sort.Strings(queues)
-	return "", fmt.Sprintf("attempts in several queues (%s): name one (ResendOptions.Queue, or filter by queue)", strings.Join(queues, ", "))
-}
-
-// plan builds the result skeleton and the publishing for m; ok=false means
-// skipped (res says why).
-func (r *Resender) plan(m Message, filterQueue string, opts ResendOptions, now time.Time) (ResendResult, amqp.Publishing, bool) {
-	res := ResendResult{MessageID: m.MessageID}
-	a := m.Arrival
-	if a != nil {
-		res.Exchange, res.RoutingKey = a.Exchange, a.RoutingKey
-	}
-	if opts.Mode == ResendToQueue {
-		q, why := targetQueue(m, filterQueue, opts)
-		res.Exchange, res.RoutingKey, res.Queue = r.cfg.LoopBackExchange, q, q
-		if q == "" && a != nil {
-			return skip(res, why)
-		}
-	}
-	switch {
-	case a == nil:
-		return skip(res, "no arrival record (no body): the message arrived before auditing began or not through an audited exchange")
-	case m.ArrivalVariants > 1:
-		return skip(res, fmt.Sprintf("ambiguous: %d arrivals of this message id match, %d different (exchange, routing key, headers, properties or body); narrow the filter (exchange, routing key, headers) to one", m.ArrivalCount, m.ArrivalVariants))
-	case a.BodyTruncated || len(a.Body) < a.BodySize:
-		return skip(res, fmt.Sprintf("body truncated in the audit (%d of %d bytes stored)", len(a.Body), a.BodySize))
-	}
-	p, err := r.publishing(m, opts.Mode, now)
-	if err != nil {
-		return skip(res, err.Error())
-	}
-	return res, p, true
-}
-
-func skip(res ResendResult, why string) (ResendResult, amqp.Publishing, bool) {
-	res.Status, res.Error = StatusSkipped, why
-	return res, amqp.Publishing{}, false
-}
-
-// stripHeader reports whether a header must not be carried to a resent
-// copy: retry state of rabbitretry and of the broker
-// (middleware.IsRetryState), and every other key of the library's (prefix
-// "rabbitretry-": its failure history, an earlier resend's or replay's
-// marks), so that the copy is the arrival as its producer sent it.
-func stripHeader(k string) bool {
-	return middleware.IsRetryState(k) || strings.HasPrefix(k, "rabbitretry-")
-}
-
-// publishing rebuilds the AMQP message of m's arrival.
-func (r *Resender) publishing(m Message, mode ResendMode, now time.Time) (amqp.Publishing, error) {
-	a := m.Arrival
-	h := amqp.Table{}
-	if a.HeaderTable != nil {
-		// Exact: every value with its AMQP field type, as it arrived.
-		for k, v := range a.HeaderTable {
-			if !stripHeader(k) {
-				h[k] = v
-			}
-		}
-	} else {
-		for k, v := range a.Headers {
-			if stripHeader(k) {
-				continue
-			}
-			av, err := amqpValue(v, 0)
-			if err != nil {
-				return amqp.Publishing{}, fmt.Errorf("header %q: %v", k, err)
-			}
-			h[k] = av
-		}
-	}
-	h[ResentKey] = now.Format(time.RFC3339)
-	if mode == ResendToQueue && a.Exchange != "" {
-		// Through the loop-back exchange the retry chain trusts these
-		// (its own retry path): a later failure records the true origin,
-		// not the loop-back exchange.
-		h[middleware.OriginalExchangeKey] = a.Exchange
-		h[middleware.OriginalRoutingKeyKey] = a.RoutingKey
-	}
-	p := amqp.Publishing{
-		Headers:       h,
-		CorrelationId: a.CorrelationID,
-		Timestamp:     a.PublishedAt,
-		Body:          a.Body,
-	}
-	if _, ok := h[r.cfg.UUIDHeaderKey]; !ok && m.MessageID != "" {
-		p.MessageId = m.MessageID
-	}
-	if p.CorrelationId == "" {
-		p.CorrelationId = a.Properties["correlation-id"]
-	}
-	for k, v := range a.Properties {
-		switch k {
-		case "content-type":
-			p.ContentType = v
-		case "content-encoding":
-			p.ContentEncoding = v
-		case "reply-to":
-			p.ReplyTo = v
-		case "expiration":
-			p.Expiration = v
-		case "type":
-			p.Type = v
-		case "app-id":
-			p.AppId = v
-		case "message-id":
-			if p.MessageId == "" {
-				p.MessageId = v
-			}
-		case "delivery-mode", "priority":
-			n, err := strconv.ParseUint(v, 10, 8)
-			if err != nil {
-				return amqp.Publishing{}, fmt.Errorf("property %s %q is not a number 0..255", k, v)
-			}
-			if k == "priority" {
-				p.Priority = uint8(n)
-			} else {
-				p.DeliveryMode = uint8(n)
-			}
-		}
-	}
-	return p, nil
-}
-
-// amqpValue converts a header value from its JSON form to an AMQP field.
-func amqpValue(v any, depth int) (any, error) {
-	if depth > 64 {
-		return nil, errors.New("nested too deeply")
-	}
-	switch x := v.(type) {
-	case nil, bool, string, int64, int32, int16, int8, int, float32, []byte, time.Time:
-		return x, nil
-	case float64:
-		if x == math.Trunc(x) && math.Abs(x) < 1<<53 {
-			return int64(x), nil
-		}
-		return x, nil
-	case json.Number:
-		if n, err := x.Int64(); err == nil {
-			return n, nil
-		}
-		f, err := x.Float64()
-		if err != nil {
-			return nil, fmt.Errorf("number %q: %v", x, err)
-		}
-		return f, nil
-	case map[string]any:
-		t := amqp.Table{}
-		for k, e := range x {
-			ev, err := amqpValue(e, depth+1)
-			if err != nil {
-				return nil, err
-			}
-			t[k] = ev
-		}
-		return t, nil
-	case []any:
-		out := make([]any, len(x))
-		for i, e := range x {
-			ev, err := amqpValue(e, depth+1)
-			if err != nil {
-				return nil, err
-			}
-			out[i] = ev
-		}
-		return out, nil
-	}
-	return nil, fmt.Errorf("unsupported value of type %T", v)
 }

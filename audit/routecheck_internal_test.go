@@ -50,7 +50,7 @@ func TestManagementURLNeverInErrors(t *testing.T) {
 	if err != nil || u != "http://svc:S3cretPW@127.0.0.1:15672" {
 		t.Fatalf("%q %v", u, err)
 	}
-	rc, err := newRouteChecker("http://svc:S3cretPW@127.0.0.1:1/", "vh", DefaultArrivalsQueue)
+	rc, err := newRouteChecker("http://svc:S3cretPW@127.0.0.1:1/", "vh", defaultArrivalsQueue)
 	if err != nil {
 		t.Fatal(err)
 	}

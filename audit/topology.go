@@ -9,27 +9,21 @@ import (
 
 // Default names of the audit topology.
 const (
-	// DefaultExchange is the direct exchange the Recorder publishes attempt
+	// defaultExchange is the direct exchange the Recorder publishes attempt
 	// records to.
-	DefaultExchange = "rabbitretry.audit"
-	// DefaultAttemptsQueue holds attempt records until the Consumer has
+	defaultExchange = "rabbitretry.audit"
+	// defaultAttemptsQueue holds attempt records until the Consumer has
 	// written them to the Store; bound to the audit exchange with
 	// AttemptRoutingKey.
-	DefaultAttemptsQueue = "rabbitretry.audit.attempts"
-	// DefaultArrivalsQueue receives one copy of every message published to
+	defaultAttemptsQueue = "rabbitretry.audit.attempts"
+	// defaultArrivalsQueue receives one copy of every message published to
 	// an audited business exchange (bound by the Consumer).
-	DefaultArrivalsQueue = "rabbitretry.audit.arrivals"
-	// DefaultSetAsideQueue holds the messages of the audit queues that
-	// could not be delivered: a quorum audit queue dead-letters a message
-	// past its delivery limit (DeliveryLimit) to the audit exchange with
-	// SetAsideRoutingKey, which routes it here. Nothing consumes it: an
-	// operator inspects it (and may move its messages back).
-	DefaultSetAsideQueue = "rabbitretry.audit.set-aside"
+	defaultArrivalsQueue = "rabbitretry.audit.arrivals"
 	// AttemptRoutingKey is the routing key of attempt records.
 	AttemptRoutingKey = "attempt"
-	// SetAsideRoutingKey is the dead-letter routing key of the audit
+	// setAsideRoutingKey is the dead-letter routing key of the audit
 	// queues (x-dead-letter-routing-key): it routes to the set-aside queue.
-	SetAsideRoutingKey = "set-aside"
+	setAsideRoutingKey = "set-aside"
 	// DeliveryLimit is the x-delivery-limit the quorum audit queues are
 	// declared with. RabbitMQ 4.x gives quorum queues a delivery limit of
 	// 20 by default, and every connection loss counts as a delivery of each
@@ -56,32 +50,37 @@ const (
 )
 
 // Naming names the audit exchange and queues. Zero fields take the
-// Default* names. Recorder and Consumer must use the same Naming.
+// default names below. Recorder and Consumer must use the same Naming.
 type Naming struct {
 	// Exchange is the audit exchange (direct, durable). Default
-	// DefaultExchange.
+	// "rabbitretry.audit".
 	Exchange string
 	// AttemptsQueue is the queue of attempt records. Default
-	// DefaultAttemptsQueue.
+	// "rabbitretry.audit.attempts".
 	AttemptsQueue string
-	// ArrivalsQueue is the queue of arrivals. Default DefaultArrivalsQueue.
+	// ArrivalsQueue is the queue of arrivals. Default
+	// "rabbitretry.audit.arrivals".
 	ArrivalsQueue string
-	// SetAsideQueue receives what the audit queues dead-letter. Default:
-	// Exchange + ".set-aside" (DefaultSetAsideQueue with the default
-	// Exchange).
+	// SetAsideQueue holds the messages of the audit queues that could not
+	// be delivered: a quorum audit queue dead-letters a message past its
+	// delivery limit (DeliveryLimit) to the audit exchange with the
+	// routing key "set-aside", which routes it here. Nothing consumes it:
+	// an operator inspects it (and may move its messages back). Default:
+	// Exchange + ".set-aside" ("rabbitretry.audit.set-aside" with
+	// the default Exchange).
 	SetAsideQueue string
 }
 
-// WithDefaults returns n with empty fields set to the default names.
-func (n Naming) WithDefaults() Naming {
+// withDefaults returns n with empty fields set to the default names.
+func (n Naming) withDefaults() Naming {
 	if n.Exchange == "" {
-		n.Exchange = DefaultExchange
+		n.Exchange = defaultExchange
 	}
 	if n.AttemptsQueue == "" {
-		n.AttemptsQueue = DefaultAttemptsQueue
+		n.AttemptsQueue = defaultAttemptsQueue
 	}
 	if n.ArrivalsQueue == "" {
-		n.ArrivalsQueue = DefaultArrivalsQueue
+		n.ArrivalsQueue = defaultArrivalsQueue
 	}
 	if n.SetAsideQueue == "" {
 		n.SetAsideQueue = n.Exchange + ".set-aside"
@@ -110,7 +109,7 @@ func checkQueueType(field, qt string) error {
 // auditQueueArgs are the arguments of the arrivals and attempts queues: a
 // quorum queue gets DeliveryLimit and dead-letters (at-least-once, which
 // needs overflow reject-publish; no length limit is set, so nothing is
-// refused) to the audit exchange with SetAsideRoutingKey.
+// refused) to the audit exchange with setAsideRoutingKey.
 func auditQueueArgs(queueType string, n Naming) amqp.Table {
 	if queueType != QueueTypeQuorum {
 		return nil
@@ -119,7 +118,7 @@ func auditQueueArgs(queueType string, n Naming) amqp.Table {
 		"x-queue-type":              QueueTypeQuorum,
 		"x-delivery-limit":          int64(DeliveryLimit),
 		"x-dead-letter-exchange":    n.Exchange,
-		"x-dead-letter-routing-key": SetAsideRoutingKey,
+		"x-dead-letter-routing-key": setAsideRoutingKey,
 		"x-dead-letter-strategy":    "at-least-once",
 		"x-overflow":                "reject-publish",
 	}
@@ -134,16 +133,16 @@ func legacyQueueArgs(queueType string) amqp.Table {
 	return nil
 }
 
-// ChannelOpener opens AMQP channels: an *amqp.Connection, or the
+// channelOpener opens AMQP channels: an *amqp.Connection, or the
 // Recorder's Publisher.
-type ChannelOpener interface {
+type channelOpener interface {
 	Channel() (*amqp.Channel, error)
 }
 
-// DeclareAttempts declares the audit exchange (direct, durable), the
+// declareAttemptTopology declares the audit exchange (direct, durable), the
 // attempts queue (durable, of queueType) bound to it with
 // AttemptRoutingKey, and the set-aside queue bound with
-// SetAsideRoutingKey. A quorum attempts queue gets x-delivery-limit
+// setAsideRoutingKey. A quorum attempts queue gets x-delivery-limit
 // DeliveryLimit and dead-letters to the set-aside queue. An attempts queue
 // declared by an older version (without those arguments: RabbitMQ refuses
 // to change a queue's arguments, 406 PRECONDITION_FAILED) is used as it
@@ -151,14 +150,14 @@ type ChannelOpener interface {
 // Idempotent. A queue that exists with another type fails with the
 // broker's 406, wrapped with the queue's name. Each declaration uses its
 // own channel from open, closed afterwards.
-func DeclareAttempts(open ChannelOpener, n Naming, queueType string) error {
-	_, err := declareAttempts(open, n.WithDefaults(), queueType)
+func declareAttemptTopology(open channelOpener, n Naming, queueType string) error {
+	_, err := declareAttempts(open, n.withDefaults(), queueType)
 	return err
 }
 
-// declareAttempts is DeclareAttempts; legacy names the queues declared by
+// declareAttempts is declareAttemptTopology; legacy names the queues declared by
 // an older version.
-func declareAttempts(open ChannelOpener, n Naming, queueType string) (legacy []string, err error) {
+func declareAttempts(open channelOpener, n Naming, queueType string) (legacy []string, err error) {
 	ch, err := open.Channel()
 	if err != nil {
 		return nil, fmt.Errorf("audit: opening a channel: %w", err)
@@ -177,7 +176,7 @@ func declareAttempts(open ChannelOpener, n Naming, queueType string) (legacy []s
 	if err := declareSetAside(open, n, queueType); err != nil {
 		return nil, err
 	}
-	if err := ch.QueueBind(n.SetAsideQueue, SetAsideRoutingKey, n.Exchange, false, nil); err != nil {
+	if err := ch.QueueBind(n.SetAsideQueue, setAsideRoutingKey, n.Exchange, false, nil); err != nil {
 		return nil, fmt.Errorf("audit: binding %q to %q: %w", n.SetAsideQueue, n.Exchange, err)
 	}
 	if err := ch.QueueBind(n.AttemptsQueue, AttemptRoutingKey, n.Exchange, false, nil); err != nil {
@@ -190,7 +189,7 @@ func declareAttempts(open ChannelOpener, n Naming, queueType string) (legacy []s
 // quorum one with DeliveryLimit, no dead-letter target). It only receives
 // dead-letters, so one that exists with other arguments (an earlier
 // QueueType) is used as it is.
-func declareSetAside(open ChannelOpener, n Naming, queueType string) error {
+func declareSetAside(open channelOpener, n Naming, queueType string) error {
 	args := legacyQueueArgs(queueType)
 	if queueType == QueueTypeQuorum {
 		args["x-delivery-limit"] = int64(DeliveryLimit)
@@ -222,7 +221,7 @@ func declareSetAside(open ChannelOpener, n Naming, queueType string) error {
 // declareQueue declares audit queue q with auditQueueArgs; if RabbitMQ
 // refuses (406: it exists with other arguments), with legacyQueueArgs on a
 // new channel (legacy true). Either way the channels are closed.
-func declareQueue(open ChannelOpener, q, queueType string, n Naming) (legacy bool, err error) {
+func declareQueue(open channelOpener, q, queueType string, n Naming) (legacy bool, err error) {
 	try := func(args amqp.Table) error {
 		ch, err := open.Channel()
 		if err != nil {
@@ -252,7 +251,7 @@ func declareQueue(open ChannelOpener, q, queueType string, n Naming) (legacy boo
 // the audit exchange; missing ones are not an error. Meant for tests and
 // decommissioning.
 func DeleteTopology(ch *amqp.Channel, n Naming) error {
-	n = n.WithDefaults()
+	n = n.withDefaults()
 	var errs []error
 	for _, q := range []string{n.AttemptsQueue, n.ArrivalsQueue, n.SetAsideQueue} {
 		if _, err := ch.QueueDelete(q, false, false, false); err != nil {

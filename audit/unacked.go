@@ -137,9 +137,64 @@ func (c *Consumer) sessionState(conn *amqp.Connection, token string) sessionStat
 	return sessionUnknown
 }
 
+// claimTally is what claimOne found among one arrival's candidate rows:
+// rows of live sessions and of sessions whose state could not be read,
+// and whether it claimed a row, took an acking row, or lost a row to a
+// change (another Consumer, a cleared acking mark).
+type claimTally struct {
+	live, unknown          int
+	claimed, took, changed bool
+}
+
+// claimOne tries arrival i's candidate rows (of other sessions) in order
+// until it claims one (the arrival gets its ID) or takes an acking one;
+// rest are the rows left for the next arrival with the same fingerprint.
+func (c *Consumer) claimOne(ctx context.Context, conn *amqp.Connection, token string, b *batch, i int, cands []UnackedDelivery) (rest []UnackedDelivery, t claimTally, err error) {
+	for k, cand := range cands {
+		switch c.sessionState(conn, cand.Session) {
+		case sessionAlive:
+			t.live++
+			rest = append(rest, cand)
+			continue
+		case sessionUnknown:
+			t.unknown++
+			rest = append(rest, cand)
+			continue
+		}
+		var ok bool
+		if cand.Acking { // its ack may have reached RabbitMQ: never claimed, taken
+			ok, err = c.log.TakeAckingDelivery(ctx, cand.ArrivalID, cand.Session)
+		} else {
+			ok, err = c.log.ClaimDelivery(ctx, cand.ArrivalID, cand.Session, token)
+		}
+		if err != nil {
+			return nil, t, err
+		}
+		if !ok {
+			// Another Consumer took it, or an acking row was cleared
+			// (its ack was not sent: claimable now): read again.
+			t.changed = true
+			continue
+		}
+		if cand.Acking {
+			t.took = true
+		} else {
+			b.arrivals[i].ID, b.arrivals[i].MaybeDuplicate = cand.ArrivalID, false
+			b.claimed[i], t.claimed = true, true
+		}
+		return append(rest, cands[k+1:]...), t, nil
+	}
+	return rest, t, nil
+}
+
 // claimRedelivered gives each redelivered arrival of b not yet resolved
 // the ID of the stored arrival it redelivers (b.claimed), if a row of an
 // ended session has it; see the comment at the top of this file.
+//
+// Cyclomatic complexity ~33, kept on purpose: the switch per arrival is
+// the claim protocol's decision table (claimed, re-read, wait for a live
+// session, flag maybe_duplicate, or first delivery) and reads against the
+// cases listed at the top of this file.
 func (c *Consumer) claimRedelivered(ctx context.Context, conn *amqp.Connection, token string, b *batch) error {
 	var fps []string
 	seen := map[string]bool{}
@@ -169,45 +224,11 @@ func (c *Consumer) claimRedelivered(ctx context.Context, conn *amqp.Connection, 
 				continue
 			}
 			fp := b.fps[i]
-			live, unknown := 0, 0
-			claimed, took, changed := false, false, false
-			var rest []UnackedDelivery
-			for k, cand := range cands[fp] {
-				switch c.sessionState(conn, cand.Session) {
-				case sessionAlive:
-					live++
-					rest = append(rest, cand)
-					continue
-				case sessionUnknown:
-					unknown++
-					rest = append(rest, cand)
-					continue
-				}
-				var ok bool
-				var err error
-				if cand.Acking { // its ack may have reached RabbitMQ: never claimed, taken
-					ok, err = c.log.TakeAckingDelivery(ctx, cand.ArrivalID, cand.Session)
-				} else {
-					ok, err = c.log.ClaimDelivery(ctx, cand.ArrivalID, cand.Session, token)
-				}
-				if err != nil {
-					return err
-				}
-				if !ok {
-					// Another Consumer took it, or an acking row was cleared
-					// (its ack was not sent: claimable now): read again.
-					changed = true
-					continue
-				}
-				if cand.Acking {
-					took = true
-				} else {
-					b.arrivals[i].ID, b.arrivals[i].MaybeDuplicate = cand.ArrivalID, false
-					b.claimed[i], claimed = true, true
-				}
-				rest = append(rest, cands[fp][k+1:]...)
-				break
+			rest, t, err := c.claimOne(ctx, conn, token, b, i, cands[fp])
+			if err != nil {
+				return err
 			}
+			live, unknown, claimed, took, changed := t.live, t.unknown, t.claimed, t.took, t.changed
 			cands[fp] = rest
 			switch {
 			case claimed || live+unknown == 0 && !took && !changed: // claimed, or no row: the first delivery never committed

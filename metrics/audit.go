@@ -8,9 +8,16 @@ import (
 	"github.com/rabbitretry/rabbitretry/audit"
 )
 
-// AuditConsumerCollector exports an audit.Consumer's counters
-// (audit.ConsumerStats), read at each scrape. Register it with
-// prometheus.Registerer.Register:
+// auditConsumerCollector is NewAuditConsumerCollector's collector.
+type auditConsumerCollector struct {
+	stats                                                                func() audit.ConsumerStats
+	written, failures, setAside, malformed, reconnects, undecodable, lag *prometheus.Desc
+}
+
+// NewAuditConsumerCollector returns a collector that exports an
+// audit.Consumer's counters (audit.ConsumerStats), read from stats (usually
+// (*audit.Consumer).Stats) at each scrape, under namespace ("" means
+// "rabbitretry"). Register it with prometheus.Registerer.Register:
 //
 //	reg.MustRegister(metrics.NewAuditConsumerCollector("", consumer.Stats))
 //
@@ -24,17 +31,11 @@ import (
 //	lag_seconds (gauge)         audit.ConsumerStats.Lag: how old the newest attempt record of the last batch was when committed
 //	undecodable_total           connections the AMQP client closed on a delivery it could not decode; a growing value is
 //	                            a message looping until the queue's delivery limit dead-letters it to the set-aside queue
-type AuditConsumerCollector struct {
-	stats                                                                func() audit.ConsumerStats
-	written, failures, setAside, malformed, reconnects, undecodable, lag *prometheus.Desc
-}
-
-// NewAuditConsumerCollector returns a collector of stats (usually
-// (*audit.Consumer).Stats) under namespace ("" means DefaultNamespace). It
-// panics if namespace does not match [a-zA-Z_][a-zA-Z0-9_]*.
-func NewAuditConsumerCollector(namespace string, stats func() audit.ConsumerStats) *AuditConsumerCollector {
+//
+// It panics if namespace does not match [a-zA-Z_][a-zA-Z0-9_]*.
+func NewAuditConsumerCollector(namespace string, stats func() audit.ConsumerStats) prometheus.Collector {
 	if namespace == "" {
-		namespace = DefaultNamespace
+		namespace = defaultNamespace
 	}
 	if !namespaceRE.MatchString(namespace) {
 		panic(fmt.Sprintf("metrics.NewAuditConsumerCollector: namespace %q does not match [a-zA-Z_][a-zA-Z0-9_]*", namespace))
@@ -42,7 +43,7 @@ func NewAuditConsumerCollector(namespace string, stats func() audit.ConsumerStat
 	d := func(name, help string, labels ...string) *prometheus.Desc {
 		return prometheus.NewDesc(prometheus.BuildFQName(namespace, "audit", name), help, labels, nil)
 	}
-	return &AuditConsumerCollector{
+	return &auditConsumerCollector{
 		stats:       stats,
 		written:     d("records_written_total", "Audit records written to the store, by kind (arrival, attempt).", "kind"),
 		failures:    d("write_failures_total", "Failed audit store writes (retried, or a rejected batch split)."),
@@ -55,14 +56,14 @@ func NewAuditConsumerCollector(namespace string, stats func() audit.ConsumerStat
 }
 
 // Describe implements prometheus.Collector.
-func (c *AuditConsumerCollector) Describe(ch chan<- *prometheus.Desc) {
+func (c *auditConsumerCollector) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range []*prometheus.Desc{c.written, c.failures, c.setAside, c.malformed, c.reconnects, c.undecodable, c.lag} {
 		ch <- d
 	}
 }
 
 // Collect implements prometheus.Collector.
-func (c *AuditConsumerCollector) Collect(ch chan<- prometheus.Metric) {
+func (c *auditConsumerCollector) Collect(ch chan<- prometheus.Metric) {
 	s := c.stats()
 	ch <- prometheus.MustNewConstMetric(c.lag, prometheus.GaugeValue, s.Lag.Seconds())
 	ch <- prometheus.MustNewConstMetric(c.written, prometheus.CounterValue, float64(s.Arrivals), audit.KindArrival)

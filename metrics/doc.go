@@ -23,8 +23,7 @@
 // # Metrics
 //
 // All names start with Config.Namespace (default "rabbitretry") and an
-// underscore. Durations are in seconds. Descriptions returns the same table
-// for any namespace.
+// underscore. Durations are in seconds.
 //
 //	Name                      Type       Labels        Meaning
 //	attempts_total            counter    queue,outcome handler attempts; outcome is "success" or "error"

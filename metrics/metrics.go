@@ -14,43 +14,43 @@ import (
 	"github.com/rabbitretry/rabbitretry/middleware"
 )
 
-// DefaultNamespace is the metric name prefix used when Config.Namespace is
+// defaultNamespace is the metric name prefix used when Config.Namespace is
 // empty.
-const DefaultNamespace = "rabbitretry"
+const defaultNamespace = "rabbitretry"
 
-// UnknownQueue is the queue label value for a message whose queue neither
+// unknownQueue is the queue label value for a message whose queue neither
 // Config.QueueName nor the "rabbitretry-original-queue" metadata names.
-const UnknownQueue = "unknown"
+const unknownQueue = "unknown"
 
 // Outcome label values of attempts_total.
 const (
-	OutcomeSuccess = "success"
-	OutcomeError   = "error"
+	outcomeSuccess = "success"
+	outcomeError   = "error"
 )
 
-// DefaultDelayBuckets are the retry_delay_seconds buckets, in seconds: from
+// defaultDelayBuckets are the retry_delay_seconds buckets, in seconds: from
 // 100 ms to 1 h, covering middleware.DefaultBackoff (1 s doubling up to
 // 5 min, ±50% jitter) and the usual wait-queue tiers.
-func DefaultDelayBuckets() []float64 {
+func defaultDelayBuckets() []float64 {
 	return []float64{0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800, 3600}
 }
 
-// DefaultLatencyBuckets are the republish_seconds buckets, in seconds: from
+// defaultLatencyBuckets are the republish_seconds buckets, in seconds: from
 // 0.5 ms to 10 s, for a publish with broker confirm.
-func DefaultLatencyBuckets() []float64 {
+func defaultLatencyBuckets() []float64 {
 	return []float64{0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10}
 }
 
-// AttemptNumberBuckets are the fixed buckets of the attempt_number
+// attemptNumberBuckets are the fixed buckets of the attempt_number
 // histogram.
-func AttemptNumberBuckets() []float64 {
+func attemptNumberBuckets() []float64 {
 	return []float64{1, 2, 3, 5, 8, 13, 21}
 }
 
 // Config configures Metrics. Zero values take the defaults.
 type Config struct {
 	// Namespace prefixes every metric name: "<Namespace>_attempts_total".
-	// Default DefaultNamespace ("rabbitretry"). Must match
+	// Default "rabbitretry". Must match
 	// [a-zA-Z_][a-zA-Z0-9_]*.
 	Namespace string
 	// Registerer receives the collectors. Default
@@ -68,10 +68,11 @@ type Config struct {
 	// with amqpretry pass the topology's TierFor.
 	Tier func(delay time.Duration) time.Duration
 	// DelayBuckets are the retry_delay_seconds buckets, in seconds,
-	// strictly increasing. Default DefaultDelayBuckets().
+	// strictly increasing. Default: 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120,
+	// 300, 600, 1800, 3600 (100 ms to 1 h).
 	DelayBuckets []float64
 	// LatencyBuckets are the republish_seconds buckets, in seconds,
-	// strictly increasing. Default DefaultLatencyBuckets().
+	// strictly increasing. Default: 0.5 ms to 10 s in 14 buckets.
 	LatencyBuckets []float64
 }
 
@@ -79,7 +80,7 @@ var namespaceRE = regexp.MustCompile(`^[a-zA-Z_][a-zA-Z0-9_]*$`)
 
 func (c *Config) setDefaults() {
 	if c.Namespace == "" {
-		c.Namespace = DefaultNamespace
+		c.Namespace = defaultNamespace
 	}
 	if c.Registerer == nil {
 		c.Registerer = prometheus.DefaultRegisterer
@@ -91,10 +92,10 @@ func (c *Config) setDefaults() {
 		c.Tier = func(d time.Duration) time.Duration { return d.Round(time.Millisecond) }
 	}
 	if len(c.DelayBuckets) == 0 {
-		c.DelayBuckets = DefaultDelayBuckets()
+		c.DelayBuckets = defaultDelayBuckets()
 	}
 	if len(c.LatencyBuckets) == 0 {
-		c.LatencyBuckets = DefaultLatencyBuckets()
+		c.LatencyBuckets = defaultLatencyBuckets()
 	}
 }
 
@@ -154,8 +155,8 @@ var (
 	_ middleware.RouteObserver = (*Metrics)(nil)
 )
 
-// Description describes one metric.
-type Description struct {
+// description describes one metric.
+type description struct {
 	// Name is the full metric name, namespace included.
 	Name string
 	// Type is "counter", "gauge" or "histogram".
@@ -166,7 +167,7 @@ type Description struct {
 	Help string
 }
 
-// Metric names without the namespace, in Descriptions order.
+// Metric names without the namespace, in descriptions order.
 const (
 	nameAttempts         = "attempts_total"
 	nameAttemptNumber    = "attempt_number"
@@ -221,15 +222,15 @@ var specs = []spec{
 		"Checks that found the broker-side retry route not in place (policy drift, missing or length-limited first wait queue)."},
 }
 
-// Descriptions returns the metrics New registers, with full names for
-// namespace ("" means DefaultNamespace), types, labels and help texts.
-func Descriptions(namespace string) []Description {
+// descriptions returns the metrics New registers, with full names for
+// namespace ("" means defaultNamespace), types, labels and help texts.
+func descriptions(namespace string) []description {
 	if namespace == "" {
-		namespace = DefaultNamespace
+		namespace = defaultNamespace
 	}
-	out := make([]Description, len(specs))
+	out := make([]description, len(specs))
 	for i, s := range specs {
-		out[i] = Description{
+		out[i] = description{
 			Name:   prometheus.BuildFQName(namespace, "", s.name),
 			Type:   s.typ,
 			Labels: append([]string(nil), s.labels...),
@@ -277,7 +278,7 @@ func New(cfg Config) (*Metrics, error) {
 		queueName:        cfg.QueueName,
 		tier:             cfg.Tier,
 		attempts:         counter(nameAttempts),
-		attemptNumber:    histogram(nameAttemptNumber, AttemptNumberBuckets()),
+		attemptNumber:    histogram(nameAttemptNumber, attemptNumberBuckets()),
 		retriesScheduled: counter(nameRetriesScheduled),
 		retryDelay:       histogram(nameRetryDelay, cfg.DelayBuckets),
 		republish:        histogram(nameRepublish, cfg.LatencyBuckets),
@@ -337,9 +338,9 @@ func (m *Metrics) Middleware(h message.HandlerFunc) message.HandlerFunc {
 		attempt := middleware.Attempt(msg)
 		returned := false
 		defer func() {
-			outcome := OutcomeSuccess
+			outcome := outcomeSuccess
 			if err != nil || !returned {
-				outcome = OutcomeError
+				outcome = outcomeError
 			}
 			m.attempts.WithLabelValues(queue, outcome).Inc()
 			m.attemptNumber.WithLabelValues(queue).Observe(float64(attempt))
@@ -405,7 +406,7 @@ func (m *Metrics) PauseEnded(d time.Duration) {
 // broker_route_problems_total when problem is not "".
 func (m *Metrics) RouteChecked(queue, route, problem string) {
 	if queue == "" {
-		queue = UnknownQueue
+		queue = unknownQueue
 	}
 	if problem == "" {
 		m.routeInPlace.WithLabelValues(queue, route).Set(1)
@@ -423,5 +424,5 @@ func (m *Metrics) queue(msg *message.Message) string {
 	if q := msg.Metadata.Get(middleware.OriginalQueueKey); q != "" {
 		return q
 	}
-	return UnknownQueue
+	return unknownQueue
 }

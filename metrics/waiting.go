@@ -23,7 +23,7 @@ type WaitingCount struct {
 
 // WaitingConfig configures NewWaitingCollector.
 type WaitingConfig struct {
-	// Namespace prefixes the metric names. Default DefaultNamespace.
+	// Namespace prefixes the metric names. Default "rabbitretry".
 	Namespace string
 	// Sample reads the depths; it is called on every scrape with a context
 	// bounded by Timeout. With amqpretry: Retry.Waiting (wait queues and
@@ -54,13 +54,13 @@ const (
 	nameWaitingError = "waiting_sample_errors_total"
 )
 
-// WaitingDescriptions returns the metrics of NewWaitingCollector, like
-// Descriptions.
-func WaitingDescriptions(namespace string) []Description {
+// waitingDescriptions returns the metrics of NewWaitingCollector, like
+// descriptions.
+func waitingDescriptions(namespace string) []description {
 	if namespace == "" {
-		namespace = DefaultNamespace
+		namespace = defaultNamespace
 	}
-	return []Description{
+	return []description{
 		{Name: prometheus.BuildFQName(namespace, "", nameWaiting), Type: "gauge", Labels: []string{"queue", "stage"},
 			Help: "Messages waiting in the retry path (wait queue tier, cascade level, poison queue), read at scrape time."},
 		{Name: prometheus.BuildFQName(namespace, "", nameWaitingError), Type: "counter",
@@ -84,12 +84,12 @@ func NewWaitingCollector(cfg WaitingConfig) (prometheus.Collector, error) {
 		return nil, err
 	}
 	if cfg.Namespace == "" {
-		cfg.Namespace = DefaultNamespace
+		cfg.Namespace = defaultNamespace
 	}
 	if cfg.Timeout == 0 {
 		cfg.Timeout = 5 * time.Second
 	}
-	ds := WaitingDescriptions(cfg.Namespace)
+	ds := waitingDescriptions(cfg.Namespace)
 	return &waitingCollector{
 		cfg:     cfg,
 		waiting: prometheus.NewDesc(ds[0].Name, ds[0].Help, ds[0].Labels, nil),

@@ -43,7 +43,9 @@
 // different count is a 409 and nothing is sent. One resend runs at a time (a
 // second request meanwhile gets 409 Conflict). A resend that started runs to
 // its end even if the client goes away (bounded by Config.ResendTimeout),
-// and is logged with its totals.
+// and is logged with its totals. A resend that stopped part-way (a lost
+// connection, a confirm timeout) is a 500 with {"error": "...", "report":
+// audit.ResendReport}: what was sent until then.
 package httpapi
 
 import (
@@ -55,8 +57,6 @@ import (
 	"fmt"
 	"io"
 	"net/http"
-	"net/url"
-	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -66,13 +66,9 @@ import (
 	"github.com/rabbitretry/rabbitretry/audit"
 )
 
-// Search limits, as pgstore's.
-const (
-	// DefaultLimit is the page size of GET /v1/messages without limit=.
-	DefaultLimit = 100
-	// MaxLimit is the largest limit= (and filter.limit of a resend).
-	MaxLimit = 10000
-)
+// maxLimit is the largest limit= (and filter.limit of a resend), as
+// pgstore's; without limit= a page has 100 messages (pgstore's default).
+const maxLimit = 10000
 
 // DefaultResendTimeout bounds one POST /v1/resend.
 const DefaultResendTimeout = 5 * time.Minute
@@ -215,16 +211,6 @@ func (a *api) storeError(w http.ResponseWriter, what string, err error) {
 	writeError(w, http.StatusInternalServerError, what+" failed: internal error (the server log has the details)")
 }
 
-// invalidFilterText is an ErrInvalidFilter error's text from "invalid
-// filter: " on (without the store's prefixes).
-func invalidFilterText(err error) string {
-	msg := err.Error()
-	if i := strings.Index(msg, "invalid filter: "); i >= 0 {
-		return msg[i:]
-	}
-	return msg
-}
-
 // SearchResponse is the body of GET /v1/messages (its Arrival bodies are
 // null).
 type SearchResponse struct {
@@ -246,7 +232,7 @@ type eachStore interface {
 // after it aborts the response (the client sees it cut, never a page that
 // looks complete) and is logged.
 func (a *api) search(w http.ResponseWriter, r *http.Request) {
-	f, err := ParseFilter(r.URL.Query())
+	f, err := parseFilter(r.URL.Query())
 	if err != nil {
 		writeError(w, http.StatusBadRequest, err.Error())
 		return
@@ -343,38 +329,6 @@ func (a *api) stats(w http.ResponseWriter, r *http.Request) {
 	writeJSON(w, http.StatusOK, s)
 }
 
-// ResendRequest is the body of POST /v1/resend; the fields are
-// audit.ResendOptions's.
-type ResendRequest struct {
-	// Filter selects the messages (audit.Filter's JSON: message_id,
-	// headers, from/to as RFC 3339, ...); filter.limit is ignored.
-	Filter audit.Filter `json:"filter"`
-	// Mode is "to-queue" or "to-exchange". Required.
-	Mode audit.ResendMode `json:"mode"`
-	// Queue names the to-queue target (default: filter.queue, else the
-	// queue of the message's attempts).
-	Queue string `json:"queue,omitempty"`
-	// DryRun reports what would be sent, sending nothing.
-	DryRun bool `json:"dry_run,omitempty"`
-	// Limit caps the messages (default audit.DefaultResendLimit, 1000).
-	Limit int `json:"limit,omitempty"`
-	// AllowAll must be true for a filter that selects every message or
-	// more than the Resender's ConfirmAbove (audit.ErrEmptyFilter,
-	// audit.ErrBroadResend: 400). Unless DryRun it needs ExpectedCount.
-	AllowAll bool `json:"allow_all,omitempty"`
-	// ExpectedCount is the "matched" of the dry run the operator checked.
-	// Required (positive) with AllowAll unless DryRun; a resend whose
-	// matched count differs sends nothing (audit.ErrCountMismatch: 409).
-	ExpectedCount int `json:"expected_count,omitempty"`
-}
-
-// ResendErrorResponse is the body of a resend that stopped part-way (500):
-// the error and what was done until then.
-type ResendErrorResponse struct {
-	Error  string             `json:"error"`
-	Report audit.ResendReport `json:"report"`
-}
-
 // reader wraps a GET handler with the ReadToken check, when one is set.
 func (a *api) reader(h http.HandlerFunc) http.HandlerFunc {
 	if a.cfg.ReadToken == "" {
@@ -414,196 +368,4 @@ func (a *api) checkToken(w http.ResponseWriter, r *http.Request, what string, ha
 		return false
 	}
 	return true
-}
-
-func (a *api) resend(w http.ResponseWriter, r *http.Request) {
-	if !a.authorized(w, r) {
-		return
-	}
-	var req ResendRequest
-	dec := json.NewDecoder(http.MaxBytesReader(w, r.Body, maxBodyBytes))
-	dec.DisallowUnknownFields()
-	if err := dec.Decode(&req); err != nil {
-		writeError(w, http.StatusBadRequest, "request body: "+err.Error())
-		return
-	}
-	if _, err := dec.Token(); err != io.EOF {
-		writeError(w, http.StatusBadRequest, "request body: more than one JSON value")
-		return
-	}
-	opts := audit.ResendOptions{Mode: req.Mode, Queue: req.Queue, DryRun: req.DryRun, Limit: req.Limit, AllowAll: req.AllowAll, ExpectedCount: req.ExpectedCount}
-	if err := opts.Validate(); err != nil {
-		writeError(w, http.StatusBadRequest, err.Error())
-		return
-	}
-	if opts.AllowAll && !opts.DryRun && opts.ExpectedCount == 0 {
-		writeError(w, http.StatusBadRequest, "allow_all needs expected_count: the matched count of a dry run of the same request")
-		return
-	}
-	if err := validateFilter(req.Filter); err != nil {
-		writeError(w, http.StatusBadRequest, "filter: "+err.Error())
-		return
-	}
-	if audit.IsEmptyFilter(req.Filter) && !req.AllowAll {
-		writeError(w, http.StatusBadRequest, audit.ErrEmptyFilter.Error())
-		return
-	}
-	// One at a time: two operators (or a retried request) must not send
-	// the same messages twice concurrently.
-	if !a.resending.TryLock() {
-		writeError(w, http.StatusConflict, "another resend is running; try again when it has finished")
-		return
-	}
-	defer a.resending.Unlock()
-	// A resend that started finishes even if the client goes away.
-	ctx, cancel := context.WithTimeout(context.WithoutCancel(r.Context()), a.cfg.ResendTimeout)
-	defer cancel()
-	rep, err := a.cfg.Resender.Resend(ctx, req.Filter, opts)
-	fields := watermill.LogFields{
-		"remote": r.RemoteAddr, "mode": string(opts.Mode), "dry_run": opts.DryRun,
-		"matched": rep.Matched, "sent": rep.Sent, "failed": rep.Failed, "skipped": rep.Skipped,
-	}
-	if err != nil {
-		a.cfg.Logger.Error("audit API: resend", err, fields)
-		code := http.StatusInternalServerError
-		switch {
-		case errors.Is(err, audit.ErrEmptyFilter) || errors.Is(err, audit.ErrInvalidFilter) || errors.Is(err, audit.ErrBroadResend):
-			code = http.StatusBadRequest
-		case errors.Is(err, audit.ErrCountMismatch):
-			code = http.StatusConflict
-		}
-		writeJSON(w, code, ResendErrorResponse{Error: err.Error(), Report: rep})
-		return
-	}
-	a.cfg.Logger.Info("audit API: resend", fields)
-	writeJSON(w, http.StatusOK, rep)
-}
-
-// validateFilter checks the fields a store would refuse, for a 400.
-func validateFilter(f audit.Filter) error {
-	if f.Limit < 0 || f.Limit > MaxLimit {
-		return fmt.Errorf("limit %d: want 0..%d", f.Limit, MaxLimit)
-	}
-	if !f.From.IsZero() && !f.To.IsZero() && !f.From.Before(f.To) {
-		return errors.New("from must be before to")
-	}
-	for _, o := range []audit.Outcome{f.Outcome, f.LastOutcome} {
-		if _, err := ParseOutcome(string(o)); err != nil {
-			return err
-		}
-	}
-	if err := f.Validate(); err != nil {
-		return errors.New(invalidFilterText(err))
-	}
-	return nil
-}
-
-// Outcomes lists the known attempt outcomes (the values of outcome= and
-// last_outcome=).
-var Outcomes = []audit.Outcome{
-	audit.OutcomeSuccess, audit.OutcomeRetry, audit.OutcomePoisoned,
-	audit.OutcomeDropped, audit.OutcomeNacked, audit.OutcomeRequeued,
-}
-
-// ParseOutcome returns s as an audit.Outcome if it is one of Outcomes (""
-// is allowed: no filter).
-func ParseOutcome(s string) (audit.Outcome, error) {
-	if s == "" {
-		return "", nil
-	}
-	for _, o := range Outcomes {
-		if string(o) == s {
-			return o, nil
-		}
-	}
-	names := make([]string, len(Outcomes))
-	for i, o := range Outcomes {
-		names[i] = string(o)
-	}
-	return "", fmt.Errorf("outcome %q: want one of %s", s, strings.Join(names, ", "))
-}
-
-// ParseHeaderMatch parses "key=value" for audit.Filter.Headers: the value
-// is parsed as JSON if it is valid JSON (5, true, null, "5", {"a":1}),
-// else taken as a string (acme). The key must not be empty.
-func ParseHeaderMatch(kv string) (string, any, error) {
-	k, v, ok := strings.Cut(kv, "=")
-	if !ok || k == "" {
-		return "", nil, fmt.Errorf("header %q: want key=value", kv)
-	}
-	var j any
-	if err := json.Unmarshal([]byte(v), &j); err == nil {
-		return k, j, nil
-	}
-	return k, v, nil
-}
-
-// filterParams are the query parameters ParseFilter accepts.
-var filterParams = map[string]bool{
-	"message_id": true, "correlation_id": true, "from": true, "to": true,
-	"queue": true, "exchange": true, "routing_key": true, "outcome": true,
-	"last_outcome": true, "error_class": true, "error_contains": true,
-	"header": true, "limit": true, "after": true,
-}
-
-// ParseFilter builds an audit.Filter from the query parameters listed in
-// the package documentation. Errors name the parameter: an unknown one, a
-// repeated single-valued one, a time that is not RFC 3339, from not before
-// to, an unknown outcome, a bad header match, limit outside 1..MaxLimit.
-func ParseFilter(q url.Values) (audit.Filter, error) {
-	var f audit.Filter
-	for k, vs := range q {
-		if !filterParams[k] {
-			return f, fmt.Errorf("unknown parameter %q", k)
-		}
-		if k != "header" && len(vs) > 1 {
-			return f, fmt.Errorf("parameter %q given %d times", k, len(vs))
-		}
-	}
-	f.MessageID = q.Get("message_id")
-	f.CorrelationID = q.Get("correlation_id")
-	f.Queue = q.Get("queue")
-	f.Exchange = q.Get("exchange")
-	f.RoutingKey = q.Get("routing_key")
-	f.ErrorClass = q.Get("error_class")
-	f.ErrorContains = q.Get("error_contains")
-	f.After = q.Get("after")
-	var err error
-	for _, p := range []struct {
-		name string
-		dst  *time.Time
-	}{{"from", &f.From}, {"to", &f.To}} {
-		if s := q.Get(p.name); s != "" {
-			if *p.dst, err = time.Parse(time.RFC3339Nano, s); err != nil {
-				return f, fmt.Errorf("%s %q: want an RFC 3339 time such as 2026-11-24T09:00:00Z", p.name, s)
-			}
-		}
-	}
-	if f.Outcome, err = ParseOutcome(q.Get("outcome")); err != nil {
-		return f, err
-	}
-	if f.LastOutcome, err = ParseOutcome(q.Get("last_outcome")); err != nil {
-		return f, fmt.Errorf("last_%w", err)
-	}
-	for _, kv := range q["header"] {
-		k, v, err := ParseHeaderMatch(kv)
-		if err != nil {
-			return f, err
-		}
-		if f.Headers == nil {
-			f.Headers = map[string]any{}
-		}
-		f.Headers[k] = v
-	}
-	if s := q.Get("limit"); s != "" {
-		n, err := strconv.Atoi(s)
-		if err != nil || n < 1 || n > MaxLimit {
-			return f, fmt.Errorf("limit %q: want 1..%d", s, MaxLimit)
-		}
-		f.Limit = n
-	}
-	if err := validateFilter(f); err != nil {
-		return f, err
-	}
-	return f, nil
 }

@@ -43,5 +43,5 @@ func Example() {
 	if err != nil {
 		log.Fatal(err)
 	}
-	fmt.Println("pruned", deleted, "records")
+	fmt.Println("pruned", deleted.Arrivals+deleted.Attempts, "records")
 }

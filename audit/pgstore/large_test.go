@@ -129,7 +129,7 @@ func TestSearchLatencyLarge(t *testing.T) {
 		}
 	}
 	start = time.Now()
-	res, err := s.PruneDetail(ctx, t0.Add(-time.Duration(n/2)*time.Second), 0)
+	res, err := s.Prune(ctx, t0.Add(-time.Duration(n/2)*time.Second), 0)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -17,9 +17,9 @@ import (
 //go:embed migrations/*.sql
 var migrationFS embed.FS
 
-// Migration is one versioned schema change, embedded from
+// schemaMigration is one versioned schema change, embedded from
 // migrations/NNNN_name.sql.
-type Migration struct {
+type schemaMigration struct {
 	// Version is the file name's numeric prefix (1 for 0001_init.sql).
 	Version int
 	// Name is the file name.
@@ -28,10 +28,10 @@ type Migration struct {
 	SQL string
 }
 
-// MigrationsTable is the table, in the store's schema, that records the
+// migrationsTable is the table, in the store's schema, that records the
 // applied migrations: (version integer primary key, name text, applied_at
 // timestamptz).
-const MigrationsTable = "rabbitretry_audit_schema_migrations"
+const migrationsTable = "rabbitretry_audit_schema_migrations"
 
 // ErrSchemaTooNew is wrapped by the error of Migrate and New when the
 // schema has a migration this binary does not know (a newer release
@@ -39,13 +39,13 @@ const MigrationsTable = "rabbitretry_audit_schema_migrations"
 // understand. Run the newer release, or a binary at least as new.
 var ErrSchemaTooNew = errors.New("pgstore: the schema is newer than this binary")
 
-// Migrations returns the embedded migrations in version order.
-func Migrations() ([]Migration, error) {
+// loadMigrations returns the embedded migrations in version order.
+func loadMigrations() ([]schemaMigration, error) {
 	entries, err := fs.ReadDir(migrationFS, "migrations")
 	if err != nil {
 		return nil, fmt.Errorf("pgstore: read embedded migrations: %w", err)
 	}
-	var out []Migration
+	var out []schemaMigration
 	for _, e := range entries {
 		name := e.Name()
 		if !strings.HasSuffix(name, ".sql") {
@@ -63,7 +63,7 @@ func Migrations() ([]Migration, error) {
 		if err != nil {
 			return nil, fmt.Errorf("pgstore: read migration %q: %w", name, err)
 		}
-		out = append(out, Migration{Version: v, Name: name, SQL: string(b)})
+		out = append(out, schemaMigration{Version: v, Name: name, SQL: string(b)})
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].Version < out[j].Version })
 	for i := 1; i < len(out); i++ {
@@ -76,7 +76,7 @@ func Migrations() ([]Migration, error) {
 
 // Migrate creates schema (DefaultSchema if empty) if it is missing and
 // applies the embedded migrations it does not have yet, in version order,
-// each in its own transaction together with its row in MigrationsTable.
+// each in its own transaction together with its row in migrationsTable.
 // Each transaction first takes pg_advisory_xact_lock on a key derived from
 // the schema name, so processes migrating the same schema at once apply
 // each migration exactly once (the others wait, then see it applied).
@@ -100,7 +100,7 @@ func Migrate(ctx context.Context, pool *pgxpool.Pool, schema string) ([]int, err
 	if err := validSchema(schema); err != nil {
 		return nil, err
 	}
-	migs, err := Migrations()
+	migs, err := loadMigrations()
 	if err != nil {
 		return nil, err
 	}
@@ -112,7 +112,7 @@ func Migrate(ctx context.Context, pool *pgxpool.Pool, schema string) ([]int, err
 
 // checkNotNewer returns ErrSchemaTooNew (wrapped, naming both versions)
 // if schema has a migration above the last of migs.
-func checkNotNewer(ctx context.Context, pool *pgxpool.Pool, schema string, migs []Migration) error {
+func checkNotNewer(ctx context.Context, pool *pgxpool.Pool, schema string, migs []schemaMigration) error {
 	v, err := SchemaVersion(ctx, pool, schema)
 	if err != nil {
 		return err
@@ -123,7 +123,7 @@ func checkNotNewer(ctx context.Context, pool *pgxpool.Pool, schema string, migs 
 	return nil
 }
 
-func migrate(ctx context.Context, pool *pgxpool.Pool, schema string, migs []Migration) ([]int, error) {
+func migrate(ctx context.Context, pool *pgxpool.Pool, schema string, migs []schemaMigration) ([]int, error) {
 	var applied []int
 	for _, m := range migs {
 		did, err := applyOne(ctx, pool, schema, m)
@@ -137,7 +137,7 @@ func migrate(ctx context.Context, pool *pgxpool.Pool, schema string, migs []Migr
 	return applied, nil
 }
 
-func applyOne(ctx context.Context, pool *pgxpool.Pool, schema string, m Migration) (bool, error) {
+func applyOne(ctx context.Context, pool *pgxpool.Pool, schema string, m schemaMigration) (bool, error) {
 	q := pgx.Identifier{schema}.Sanitize()
 	did := false
 	err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
@@ -147,15 +147,15 @@ func applyOne(ctx context.Context, pool *pgxpool.Pool, schema string, m Migratio
 		if _, err := tx.Exec(ctx, `CREATE SCHEMA IF NOT EXISTS `+q); err != nil {
 			return fmt.Errorf("create schema: %w", err)
 		}
-		if _, err := tx.Exec(ctx, `CREATE TABLE IF NOT EXISTS `+q+`.`+MigrationsTable+` (
+		if _, err := tx.Exec(ctx, `CREATE TABLE IF NOT EXISTS `+q+`.`+migrationsTable+` (
 			version integer PRIMARY KEY,
 			name text NOT NULL,
 			applied_at timestamptz NOT NULL DEFAULT now())`); err != nil {
-			return fmt.Errorf("create %s: %w", MigrationsTable, err)
+			return fmt.Errorf("create %s: %w", migrationsTable, err)
 		}
 		var n int
-		if err := tx.QueryRow(ctx, `SELECT count(*) FROM `+q+`.`+MigrationsTable+` WHERE version = $1`, m.Version).Scan(&n); err != nil {
-			return fmt.Errorf("read %s: %w", MigrationsTable, err)
+		if err := tx.QueryRow(ctx, `SELECT count(*) FROM `+q+`.`+migrationsTable+` WHERE version = $1`, m.Version).Scan(&n); err != nil {
+			return fmt.Errorf("read %s: %w", migrationsTable, err)
 		}
 		if n > 0 {
 			return nil
@@ -166,7 +166,7 @@ func applyOne(ctx context.Context, pool *pgxpool.Pool, schema string, m Migratio
 		if _, err := tx.Exec(ctx, m.SQL); err != nil {
 			return err
 		}
-		if _, err := tx.Exec(ctx, `INSERT INTO `+q+`.`+MigrationsTable+` (version, name) VALUES ($1, $2)`, m.Version, m.Name); err != nil {
+		if _, err := tx.Exec(ctx, `INSERT INTO `+q+`.`+migrationsTable+` (version, name) VALUES ($1, $2)`, m.Version, m.Name); err != nil {
 			return fmt.Errorf("record: %w", err)
 		}
 		did = true

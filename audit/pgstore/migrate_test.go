@@ -13,7 +13,7 @@ import (
 )
 
 func TestMigrationsEmbedded(t *testing.T) {
-	migs, err := Migrations()
+	migs, err := loadMigrations()
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -35,7 +35,7 @@ func TestMigrateIdempotent(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	migs, _ := Migrations()
+	migs, _ := loadMigrations()
 	if len(applied) != len(migs) {
 		t.Fatalf("first Migrate applied %v, want all %d", applied, len(migs))
 	}
@@ -44,11 +44,11 @@ func TestMigrateIdempotent(t *testing.T) {
 		t.Fatalf("second Migrate applied %v, %v; want none", applied, err)
 	}
 	var rows int
-	if err := pool.QueryRow(ctx, `SELECT count(*) FROM `+qualify(schema, MigrationsTable)).Scan(&rows); err != nil {
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM `+qualify(schema, migrationsTable)).Scan(&rows); err != nil {
 		t.Fatal(err)
 	}
 	if rows != len(migs) {
-		t.Fatalf("%s has %d rows, want %d", MigrationsTable, rows, len(migs))
+		t.Fatalf("%s has %d rows, want %d", migrationsTable, rows, len(migs))
 	}
 	if v, _ := SchemaVersion(ctx, pool, schema); v != migs[len(migs)-1].Version {
 		t.Fatalf("SchemaVersion = %d, want %d", v, migs[len(migs)-1].Version)
@@ -81,7 +81,7 @@ func TestMigrateConcurrent(t *testing.T) {
 		}
 		total += len(results[i])
 	}
-	migs, _ := Migrations()
+	migs, _ := loadMigrations()
 	if total != len(migs) {
 		t.Fatalf("migrations applied %d times in all (%v), want %d", total, results, len(migs))
 	}
@@ -157,7 +157,7 @@ func TestMigrateWithoutTrigram(t *testing.T) {
 	pool := testPool(t)
 	schema := testSchema(t, pool)
 	ctx := context.Background()
-	migs, err := Migrations()
+	migs, err := loadMigrations()
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -194,7 +194,7 @@ func TestMigrateUpgradeFrom1(t *testing.T) {
 	pool := testPool(t)
 	schema := testSchema(t, pool)
 	ctx := context.Background()
-	migs, err := Migrations()
+	migs, err := loadMigrations()
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -234,9 +234,9 @@ func TestSchemaNewerThanBinaryRefused(t *testing.T) {
 	if _, err := Migrate(ctx, pool, schema); err != nil {
 		t.Fatal(err)
 	}
-	migs, _ := Migrations()
+	migs, _ := loadMigrations()
 	newer := migs[len(migs)-1].Version + 7
-	if _, err := pool.Exec(ctx, `INSERT INTO `+schema+`.`+MigrationsTable+` (version, name) VALUES ($1, 'from_the_future.sql')`, newer); err != nil {
+	if _, err := pool.Exec(ctx, `INSERT INTO `+schema+`.`+migrationsTable+` (version, name) VALUES ($1, 'from_the_future.sql')`, newer); err != nil {
 		t.Fatal(err)
 	}
 	_, errMigrate := Migrate(ctx, pool, schema)

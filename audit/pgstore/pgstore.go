@@ -79,9 +79,9 @@ const DefaultSchema = "rabbitretry_audit"
 
 // Search limits.
 const (
-	// DefaultLimit is the number of messages Search returns when
+	// defaultLimit is the number of messages Search returns when
 	// Filter.Limit is 0.
-	DefaultLimit = 100
+	defaultLimit = 100
 	// MaxLimit is the largest Filter.Limit Search accepts.
 	MaxLimit = 10000
 )
@@ -186,7 +186,7 @@ func New(ctx context.Context, cfg Config) (*Store, error) {
 		return fail(fmt.Errorf("pgstore: connect: %w", redact.Error(err, cfg.DSN)))
 	}
 	if cfg.SkipMigrate {
-		migs, err := Migrations()
+		migs, err := loadMigrations()
 		if err != nil {
 			return fail(err)
 		}
@@ -214,14 +214,14 @@ func SchemaVersion(ctx context.Context, pool *pgxpool.Pool, schema string) (int,
 		return 0, err
 	}
 	var exists bool
-	if err := pool.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, qualify(schema, MigrationsTable)).Scan(&exists); err != nil {
+	if err := pool.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, qualify(schema, migrationsTable)).Scan(&exists); err != nil {
 		return 0, fmt.Errorf("pgstore: schema version: %w", err)
 	}
 	if !exists {
 		return 0, nil
 	}
 	var v int
-	if err := pool.QueryRow(ctx, `SELECT COALESCE(max(version), 0) FROM `+qualify(schema, MigrationsTable)).Scan(&v); err != nil {
+	if err := pool.QueryRow(ctx, `SELECT COALESCE(max(version), 0) FROM `+qualify(schema, migrationsTable)).Scan(&v); err != nil {
 		return 0, fmt.Errorf("pgstore: schema version: %w", err)
 	}
 	return v, nil

@@ -8,7 +8,7 @@ import (
 	"github.com/jackc/pgx/v5"
 )
 
-// PruneResult counts what PruneDetail deleted.
+// PruneResult counts what Prune deleted.
 type PruneResult struct {
 	// Arrivals and Attempts are the records deleted; Messages the message
 	// rows left with no record.
@@ -24,20 +24,14 @@ type PruneResult struct {
 // that started before it, batch rows per DELETE (DefaultPruneBatch when
 // batch <= 0), each statement its own transaction, looping until none is
 // left, so neither table is locked for long and writers keep going. It
-// returns the number of records (arrivals + attempts) deleted; see
-// PruneDetail for the split. A message whose arrival is pruned but whose
+// returns the records deleted per table (their total is
+// Arrivals + Attempts). A message whose arrival is pruned but whose
 // later attempts are not keeps its attempts: Search then shows it without
 // arrival, timed by its first remaining attempt. Prune runs alongside Write: a record written while Prune runs
 // is either pruned or stays findable (a message row Prune deletes under a
 // concurrent Write is put back in the same transaction). Errors: the database's, after which the batches already
 // deleted stay deleted and Prune can simply be run again.
-func (s *Store) Prune(ctx context.Context, olderThan time.Time, batch int) (int64, error) {
-	r, err := s.PruneDetail(ctx, olderThan, batch)
-	return r.Arrivals + r.Attempts, err
-}
-
-// PruneDetail is Prune returning the counts per table.
-func (s *Store) PruneDetail(ctx context.Context, olderThan time.Time, batch int) (PruneResult, error) {
+func (s *Store) Prune(ctx context.Context, olderThan time.Time, batch int) (PruneResult, error) {
 	var r PruneResult
 	if batch <= 0 {
 		batch = DefaultPruneBatch

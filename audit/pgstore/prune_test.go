@@ -42,11 +42,11 @@ func TestPrune(t *testing.T) {
 	if err := s.Write(ctx, arr, att); err != nil {
 		t.Fatal(err)
 	}
-	res, err := s.PruneDetail(ctx, cutoff, 700)
+	res, err := s.Prune(ctx, cutoff, 700)
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Logf("PruneDetail = %+v", res)
+	t.Logf("Prune = %+v", res)
 	if res.Arrivals != nOld+1 || res.Attempts != nOld+1 || res.Messages != nOld {
 		t.Fatalf("deleted arrivals=%d attempts=%d messages=%d, want %d/%d/%d", res.Arrivals, res.Attempts, res.Messages, nOld+1, nOld+1, nOld)
 	}
@@ -73,22 +73,22 @@ func TestPrune(t *testing.T) {
 		t.Fatalf("straddle after Prune: %+v", msg)
 	}
 	// Search still finds the straddling message, now timed by its
-	// remaining attempt (cutoff+1h: the newest), and Cursor agrees with
+	// remaining attempt (cutoff+1h: the newest), and cursorOf agrees with
 	// SearchPage's cursor for it.
 	page, next, err := s.SearchPage(ctx, audit.Filter{Limit: 1})
 	if err != nil || len(page) != 1 || page[0].MessageID != "straddle" {
 		t.Fatalf("newest message after Prune = %v, %v; want straddle", ids(page), err)
 	}
-	if c, err := Cursor(page[0]); err != nil || c != next {
-		t.Fatalf("Cursor(straddle) = %q, %v; SearchPage's cursor %q", c, err, next)
+	if c, err := cursorOf(page[0]); err != nil || c != next {
+		t.Fatalf("cursorOf(straddle) = %q, %v; SearchPage's cursor %q", c, err, next)
 	}
 	if got, err := s.Search(ctx, audit.Filter{To: cutoff}); err != nil || len(got) != 0 {
 		t.Fatalf("messages timed before the cutoff after Prune: %v, %v", ids(got), err)
 	}
 	// Nothing left to prune: one statement per table, nothing deleted.
 	n, err := s.Prune(ctx, cutoff, 0)
-	if err != nil || n != 0 {
-		t.Fatalf("second Prune = %d, %v", n, err)
+	if err != nil || n.Arrivals+n.Attempts != 0 {
+		t.Fatalf("second Prune = %+v, %v", n, err)
 	}
 	t.Logf("ACCOUNT %s: written=%d records, pruned=%d (old), kept=%d (new), wrongly pruned=0, left behind=0",
 		t.Name(), len(arr)+len(att), res.Arrivals+res.Attempts, a+b)
@@ -121,11 +121,11 @@ func TestPruneRacesWrite(t *testing.T) {
 	}
 	pctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
-	res, err := s.PruneDetail(pctx, cutoff, 0) // must not wait for tx
+	res, err := s.Prune(pctx, cutoff, 0) // must not wait for tx
 	if err != nil {
 		t.Fatalf("Prune alongside an open Write: %v", err)
 	}
-	t.Logf("PruneDetail = %+v", res)
+	t.Logf("Prune = %+v", res)
 	if err := tx.Commit(ctx); err != nil {
 		t.Fatal(err)
 	}
@@ -138,11 +138,11 @@ func TestPruneRacesWrite(t *testing.T) {
 		t.Fatalf("Search after the race = %v, %v; want m-old (its messages row)", ids(got), err)
 	}
 	if res.Arrivals != 1 || res.Messages != 0 {
-		t.Fatalf("PruneDetail = %+v, want 1 arrival and no message deleted", res)
+		t.Fatalf("Prune = %+v, want 1 arrival and no message deleted", res)
 	}
 	// The next Prune takes the late attempt and then the message.
-	if res, err = s.PruneDetail(ctx, cutoff, 0); err != nil || res.Attempts != 1 || res.Messages != 1 {
-		t.Fatalf("second PruneDetail = %+v, %v; want the attempt and the message", res, err)
+	if res, err = s.Prune(ctx, cutoff, 0); err != nil || res.Attempts != 1 || res.Messages != 1 {
+		t.Fatalf("second Prune = %+v, %v; want the attempt and the message", res, err)
 	}
 }
 
@@ -204,7 +204,7 @@ func TestPruneConcurrentWriters(t *testing.T) {
 		var total PruneResult
 		defer func() { pruned <- total }()
 		for {
-			r, err := s.PruneDetail(ctx, cutoff, 50)
+			r, err := s.Prune(ctx, cutoff, 50)
 			if err != nil {
 				errs <- err
 				return

@@ -37,8 +37,8 @@ import (
 // substring, ILIKE with %, _ and \ escaped) for one same attempt;
 // LastOutcome is the outcome of the message's latest attempt (highest
 // attempt number, then latest start); MessageID also finds an arrival
-// without message id by its record ID. Limit is DefaultLimit when 0;
-// After is a cursor from NextCursor, Cursor or SearchPage: only messages
+// without message id by its record ID. Limit is defaultLimit when 0;
+// After is a cursor from NextCursor, cursorOf or SearchPage: only messages
 // that sort after it are returned, so paging with the last message's
 // cursor returns every message once.
 //
@@ -317,9 +317,9 @@ func (s *Store) searchSQL(f audit.Filter) (string, []any, int, error) {
 	limit := f.Limit
 	switch {
 	case limit < 0 || limit > MaxLimit:
-		return "", nil, 0, fmt.Errorf("pgstore: %w: Filter.Limit %d: want 0 (default %d) to %d", audit.ErrInvalidFilter, f.Limit, DefaultLimit, MaxLimit)
+		return "", nil, 0, fmt.Errorf("pgstore: %w: Filter.Limit %d: want 0 (default %d) to %d", audit.ErrInvalidFilter, f.Limit, defaultLimit, MaxLimit)
 	case limit == 0:
-		limit = DefaultLimit
+		limit = defaultLimit
 	}
 	if err := f.Validate(); err != nil {
 		return "", nil, 0, fmt.Errorf("pgstore: %w", err)
@@ -411,13 +411,13 @@ func decodeCursor(c string) (time.Time, string, error) {
 	return time.UnixMicro(n).UTC(), id, nil
 }
 
-// Cursor returns the Filter.After cursor that pages past m: its time is
+// cursorOf returns the Filter.After cursor that pages past m: its time is
 // the arrival's ArrivedAt, else the first attempt's StartedAt, as Search
 // sorts. With a filter on Exchange, RoutingKey or Headers, m.Arrival is the
 // first arrival that matched, which may be later than the message's first
 // one (its sort time): page with SearchPage's cursor then. Errors if m has
 // neither.
-func Cursor(m audit.Message) (string, error) {
+func cursorOf(m audit.Message) (string, error) {
 	switch {
 	case m.Arrival != nil:
 		return encodeCursor(m.Arrival.ArrivedAt, m.MessageID), nil
@@ -430,5 +430,5 @@ func Cursor(m audit.Message) (string, error) {
 		}
 		return encodeCursor(first, m.MessageID), nil
 	}
-	return "", errors.New("pgstore: Cursor: message has no arrival and no attempts")
+	return "", errors.New("pgstore: cursorOf: message has no arrival and no attempts")
 }

@@ -155,7 +155,7 @@ func TestSearchBadFilter(t *testing.T) {
 }
 
 // Paging through 1,234 messages (groups of 7 share a timestamp, so the
-// message id breaks ties), with SearchPage's cursor and with Cursor(m),
+// message id breaks ties), with SearchPage's cursor and with cursorOf(m),
 // returns every message exactly once, newest first; the default limit is
 // 100.
 func TestSearchPagination(t *testing.T) {
@@ -180,10 +180,10 @@ func TestSearchPagination(t *testing.T) {
 		t.Fatal(err)
 	}
 	first, err := s.Search(ctx, audit.Filter{})
-	if err != nil || len(first) != DefaultLimit {
-		t.Fatalf("default page: %d messages, %v; want %d", len(first), err, DefaultLimit)
+	if err != nil || len(first) != defaultLimit {
+		t.Fatalf("default page: %d messages, %v; want %d", len(first), err, defaultLimit)
 	}
-	for _, mode := range []string{"SearchPage", "Cursor"} {
+	for _, mode := range []string{"SearchPage", "cursorOf"} {
 		seen := map[string]int{}
 		var order []string
 		f := audit.Filter{Limit: 100}
@@ -197,7 +197,7 @@ func TestSearchPagination(t *testing.T) {
 			} else {
 				page, err = s.Search(ctx, f)
 				if len(page) == f.Limit {
-					next, err = Cursor(page[len(page)-1])
+					next, err = cursorOf(page[len(page)-1])
 				}
 			}
 			if err != nil {

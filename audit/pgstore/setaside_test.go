@@ -14,7 +14,7 @@ import (
 
 // TestWriteRejectsForGood: a record PostgreSQL can never take fails Write
 // with audit.ErrRecordRejected (checked before the database: an indexed
-// value over MaxIndexedBytes, a time outside years 1-9999), the database's
+// value over maxIndexedBytes, a time outside years 1-9999), the database's
 // own data exceptions (class 22) and limits (54) too; other errors stay
 // temporary. SetAside keeps such a record with its reason, idempotently,
 // and Stats shows it.
@@ -25,7 +25,7 @@ func TestWriteRejectsForGood(t *testing.T) {
 	future := arrival("future", t0)
 	future.PublishedAt = time.Unix(1e13, 0)
 	longQueue := attempt("q", 1, t0, audit.OutcomeSuccess)
-	longQueue.Queue = strings.Repeat("q", MaxIndexedBytes+1)
+	longQueue.Queue = strings.Repeat("q", maxIndexedBytes+1)
 	for name, w := range map[string]func() error{
 		"8000-byte message id": func() error { return s.Write(ctx, []audit.Arrival{arrival("ok", t0), long}, nil) },
 		"timestamp 10^13 s":    func() error { return s.Write(ctx, []audit.Arrival{future}, nil) },

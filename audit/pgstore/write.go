@@ -35,7 +35,7 @@ import (
 //
 // Errors: a record with an empty ID (nothing is written); a record the
 // store can never take, wrapping audit.ErrRecordRejected (an indexed text
-// value over MaxIndexedBytes, a time outside years 1-9999, or SQLSTATE
+// value over maxIndexedBytes, a time outside years 1-9999, or SQLSTATE
 // class 22 or 54 from PostgreSQL); the database's other errors (connection
 // lost, serialization), temporary: nothing was committed and the call can
 // be repeated. Content never fails a write: NUL bytes and invalid
@@ -61,13 +61,13 @@ func (s *Store) Write(ctx context.Context, arrivals []audit.Arrival, attempts []
 	return nil
 }
 
-// MaxIndexedBytes bounds the indexed text values of a record (message and
+// maxIndexedBytes bounds the indexed text values of a record (message and
 // correlation ids, record ids, exchange, routing key, queue, outcome,
 // error class), in bytes: a PostgreSQL btree index row must fit in a
 // third of a page (about 2700 bytes; SQLSTATE 54000 "index row size
 // exceeds maximum"), so Write rejects a longer value up front
 // (audit.ErrRecordRejected) instead of failing in the database.
-const MaxIndexedBytes = 1024
+const maxIndexedBytes = 1024
 
 // permanent reports whether a database error is caused by the records
 // themselves, so repeating the write can never succeed: SQLSTATE class 22
@@ -107,8 +107,8 @@ func checkTime(what string, i int, field string, t time.Time) error {
 
 func checkText(what string, i int, fields map[string]string) error {
 	for name, v := range fields {
-		if len(v) > MaxIndexedBytes {
-			return rejected("%s[%d].%s is %d bytes, more than %d (MaxIndexedBytes)", what, i, name, len(v), MaxIndexedBytes)
+		if len(v) > maxIndexedBytes {
+			return rejected("%s[%d].%s is %d bytes, more than %d (maxIndexedBytes)", what, i, name, len(v), maxIndexedBytes)
 		}
 	}
 	return nil
@@ -170,32 +170,44 @@ func tstz(t time.Time) pgtype.Timestamptz {
 	return pgtype.Timestamptz{Time: t, Valid: true}
 }
 
-func buildWriteBatch(q queries, arrivals []audit.Arrival, attempts []audit.Attempt) (*pgx.Batch, error) {
+// checkRecords refuses records Write cannot store: an empty ID, text
+// PostgreSQL cannot hold, a time outside PostgreSQL's range.
+func checkRecords(arrivals []audit.Arrival, attempts []audit.Attempt) error {
 	for i := range arrivals {
 		a := &arrivals[i]
 		if a.ID == "" {
-			return nil, fmt.Errorf("pgstore: Write: arrivals[%d].ID is empty", i)
+			return fmt.Errorf("pgstore: Write: arrivals[%d].ID is empty", i)
 		}
 		if err := checkText("arrivals", i, map[string]string{"ID": a.ID, "MessageID": a.MessageID, "CorrelationID": a.CorrelationID,
 			"Exchange": a.Exchange, "RoutingKey": a.RoutingKey}); err != nil {
-			return nil, err
+			return err
 		}
 		if err := errors.Join(checkTime("arrivals", i, "PublishedAt", a.PublishedAt), checkTime("arrivals", i, "ArrivedAt", a.ArrivedAt)); err != nil {
-			return nil, err
+			return err
 		}
 	}
 	for i := range attempts {
 		a := &attempts[i]
 		if a.ID == "" {
-			return nil, fmt.Errorf("pgstore: Write: attempts[%d].ID is empty", i)
+			return fmt.Errorf("pgstore: Write: attempts[%d].ID is empty", i)
 		}
 		if err := checkText("attempts", i, map[string]string{"ID": a.ID, "MessageID": a.MessageID, "CorrelationID": a.CorrelationID,
 			"Queue": a.Queue, "Outcome": string(a.Outcome), "ErrorClass": a.ErrorClass}); err != nil {
-			return nil, err
+			return err
 		}
 		if err := checkTime("attempts", i, "StartedAt", a.StartedAt); err != nil {
-			return nil, err
+			return err
 		}
+	}
+	return nil
+}
+
+// buildWriteBatch queues Write's statements after checkRecords: the
+// arrivals and the attempts, each as one insert of arrays sorted by ID,
+// and the per-message summary rows their records fold into.
+func buildWriteBatch(q queries, arrivals []audit.Arrival, attempts []audit.Attempt) (*pgx.Batch, error) {
+	if err := checkRecords(arrivals, attempts); err != nil {
+		return nil, err
 	}
 	msgs := map[string]*msgAgg{}
 	agg := func(id string) *msgAgg {

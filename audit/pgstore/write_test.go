@@ -296,7 +296,7 @@ func TestWriteArrivalsWithoutMessageID(t *testing.T) {
 	if err != nil || !ok || m.Arrival != nil || len(m.Attempts) != 1 {
 		t.Fatalf("Get(\"\") = %+v %v %v, want the stray attempt only", m, ok, err)
 	}
-	res, err := s.PruneDetail(ctx, t0.Add(time.Hour), 0)
+	res, err := s.Prune(ctx, t0.Add(time.Hour), 0)
 	if err != nil || res.Arrivals != 3 || res.Attempts != 1 || res.Messages != 4 {
 		t.Fatalf("Prune = %+v, %v; want 3 arrivals, 1 attempt, 4 messages", res, err)
 	}

@@ -1,0 +1,4 @@
+package httpapi
+
+// MaxLimit is maxLimit for the external tests.
+const MaxLimit = maxLimit
