@@ -26,7 +26,7 @@ import (
 // same shutdown.
 func TestGracefulShutdown(t *testing.T) {
 	e := newEnv(t, "classic", func(_ *env, c *amqpretry.Config) {
-		c.Tiers = []time.Duration{3 * time.Second}
+		c.Mode = amqpretry.Tiers(3 * time.Second)
 		c.Backoff = exactBackoff(3 * time.Second)
 	})
 	l := newLedger()

@@ -210,11 +210,8 @@ func runContext(ctx context.Context, args []string, stdout, stderr io.Writer) in
 
 	cfg := amqpretry.Config{
 		URI: o.uri, Subscriber: wamqp.NewDurableQueueConfig(o.uri), QueueType: o.queueType, MaxAttempts: o.maxAttempts,
-		Tiers: tiers, Backoff: middleware.DefaultBackoff, Logger: watermill.NopLogger{},
+		Mode: amqpretry.Tiers(tiers...), Backoff: middleware.DefaultBackoff, Logger: watermill.NopLogger{},
 		Naming: amqpretry.Naming{WaitExchange: o.waitEx, PoisonExchange: o.poisonEx, LoopBackExchange: o.loopBackEx},
-	}
-	if len(cfg.Tiers) == 0 && o.maxAttempts >= 1 && o.maxAttempts <= middleware.MaxAttemptsCap {
-		cfg.Tiers = amqpretry.DefaultTiers(middleware.DefaultBackoff, o.maxAttempts)
 	}
 	if err := cfg.Validate(); err != nil {
 		return usageErr(stderr, "%s", strings.TrimPrefix(err.Error(), "amqpretry."))

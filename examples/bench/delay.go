@@ -70,7 +70,7 @@ func (b *bench) delayTiers() (err error) {
 	cfg.Consume.Qos.PrefetchCount = 256
 	retry, sub, closeAll, err := e.retryConsumer(amqpretry.Config{
 		Subscriber: cfg, Naming: e.naming("delay"), Logger: e.logger,
-		Tiers:   []time.Duration{200 * time.Millisecond, time.Second, 3 * time.Second},
+		Mode:    amqpretry.Tiers(200*time.Millisecond, time.Second, 3*time.Second),
 		Backoff: func() backoff.BackOff { return backoff.NewConstantBackOff(time.Millisecond) },
 	}, q)
 	if err != nil {

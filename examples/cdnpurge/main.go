@@ -473,7 +473,7 @@ func run(ctx context.Context, cfg config) (*summary, error) {
 
 	t := newTally()
 	retry, err := amqpretry.New(amqpretry.Config{
-		URI: cfg.URI, Subscriber: subCfg, MaxAttempts: cfg.MaxAttempts, Backoff: backoffPolicy, Tiers: tiers,
+		URI: cfg.URI, Subscriber: subCfg, MaxAttempts: cfg.MaxAttempts, Backoff: backoffPolicy, Mode: amqpretry.Tiers(tiers...),
 		Observer: observer{t: t}, Logger: logger,
 	})
 	if err != nil {
