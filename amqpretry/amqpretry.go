@@ -59,30 +59,22 @@ type Config struct {
 	// dead-lettered into the wait path, not dropped, because Q has a DLX, and
 	// its delivery_limit deaths count as attempts.
 	QueueType string
-	// MaxAttempts is the total number of attempts, the first included.
-	// Default 5; range [1, 1000].
-	MaxAttempts int
-	// Backoff makes a fresh backoff policy for each delay computation.
-	// Default middleware.DefaultBackoff (1 s, x2, ±50% jitter, 5 min cap).
-	Backoff func() backoff.BackOff
+	// Policy is the retry policy, the chain's settings (MaxAttempts,
+	// Backoff, Classifier, QueueName, ErrorText, MaxRedeliveries,
+	// FallbackPause, Pause, Tracing, Observer): see router.Policy, whose
+	// defaults apply, except QueueName, which defaults to
+	// Subscriber.Queue.GenerateName(message.SubscribeTopicFromCtx(ctx)). The
+	// same value configures a broker-free test chain (router.Config.Policy).
+	// With CrashQuarantine, MaxRedeliveries counts in the quarantine queue,
+	// where a crash is attributable; FallbackPause applies to a retry or
+	// poison copy the broker did not confirm.
+	router.Policy
 	// Mode is the retry mode: how a retry with a positive delay waits
 	// (Tiers, DeadLetterFirst, NativeDelayed, Custom; see Mode). Default
 	// Tiers() (wait queues at DefaultTiers of Backoff and MaxAttempts).
 	Mode Mode
 	// Naming of exchanges and queues. Defaults in Naming.
 	Naming Naming
-	// QueueName maps a message's context to its originating queue. Default:
-	// Subscriber.Queue.GenerateName(message.SubscribeTopicFromCtx(ctx)).
-	QueueName func(ctx context.Context) string
-	// Classifier configures error classification (router.Config.Classifier).
-	Classifier middleware.ClassifierConfig
-	// ErrorText renders errors into headers; redact secrets here. Default:
-	// err.Error() cut to 1 KiB.
-	ErrorText func(error) string
-	// Pause, when set, pauses consumption while a dependency is down instead
-	// of charging attempts: see router.Config.Pause and middleware.Pause.
-	// Default nil (off).
-	Pause *middleware.PauseConfig
 	// CrashQuarantine makes Retry.NewSubscriber also consume each queue's
 	// quarantine queue (Naming.QuarantineQueue) with prefetch 1, so that a
 	// crash is counted against the message that crashed, not against the
@@ -95,11 +87,6 @@ type Config struct {
 	// counts against up to N messages; use prefetch 1 where crashes are
 	// likely).
 	CrashQuarantine bool
-	// Tracing, when set, traces every attempt with OpenTelemetry: see
-	// router.Config.Tracing and middleware.Tracing. Default nil (off).
-	Tracing *middleware.TracingConfig
-	// Observer is told of retries and poisonings (metrics).
-	Observer middleware.Observer
 	// ManagementURL is the RabbitMQ management HTTP API's base URL with
 	// credentials, e.g. "http://guest:guest@127.0.0.1:15672", used to check
 	// the broker-side routes of the DeadLetterFirst and NativeDelayed modes
@@ -116,20 +103,6 @@ type Config struct {
 	// API or logged as a rabbitmqctl command (see AdoptQueue). Default nil:
 	// the library declares Q with the arguments it needs.
 	AdoptQueue *AdoptQueue
-	// MaxRedeliveries bounds the crashes a message may cause (runs ended by
-	// a broker redelivery: consumer crash, connection loss, consumer
-	// timeout, a requeue): the redelivery that brings its count to
-	// MaxRedeliveries (with CrashQuarantine: in the quarantine queue, where
-	// it is attributable), poisons it with
-	// class "redelivery-limit" without running the handler again (see
-	// middleware.RedeliveryGuard). Default 3; range [1, 1000].
-	MaxRedeliveries int
-	// FallbackPause is how long a message whose retry or poison copy the
-	// broker did not confirm waits before the fallback copy back to its queue
-	// (or, if that fails too, the requeue). Default 1 s; negative: none. A
-	// retry whose handler asked for a longer RetryAfter waits that long
-	// instead (router.Config.FallbackPause): never earlier than asked.
-	FallbackPause time.Duration
 	// PublisherChannels is the number of AMQP channels used for republishing.
 	// Default 2.
 	PublisherChannels int
@@ -153,12 +126,7 @@ func (c *Config) setDefaults() {
 			c.QueueType = QueueTypeQuorum
 		}
 	}
-	if c.MaxAttempts == 0 {
-		c.MaxAttempts = 5
-	}
-	if c.Backoff == nil {
-		c.Backoff = middleware.DefaultBackoff
-	}
+	c.Policy = c.Policy.WithDefaults()
 	if c.Mode == nil {
 		c.Mode = Tiers()
 	}
@@ -174,6 +142,29 @@ func (c *Config) setDefaults() {
 
 // Validate reports the first bad field by name.
 func (c Config) Validate() error {
+	if err := c.validateSubscriber(); err != nil {
+		return err
+	}
+	if c.MaxAttempts < 1 || c.MaxAttempts > middleware.MaxAttemptsCap {
+		return fmt.Errorf("amqpretry.Config.MaxAttempts %d is outside [1, %d]", c.MaxAttempts, middleware.MaxAttemptsCap)
+	}
+	if err := c.mode().validate(&c); err != nil {
+		return err
+	}
+	if err := c.validateManagement(); err != nil {
+		return err
+	}
+	if c.PublisherChannels < 0 {
+		return fmt.Errorf("amqpretry.Config.PublisherChannels %d is negative", c.PublisherChannels)
+	}
+	if c.ConfirmTimeout < 0 {
+		return fmt.Errorf("amqpretry.Config.ConfirmTimeout %v is negative", c.ConfirmTimeout)
+	}
+	return nil
+}
+
+// validateSubscriber checks URI, Subscriber and QueueType.
+func (c Config) validateSubscriber() error {
 	if c.URI == "" {
 		return errors.New("amqpretry.Config.URI is empty (and Subscriber.Connection.AmqpURI too)")
 	}
@@ -191,32 +182,27 @@ func (c Config) Validate() error {
 	if c.QueueType == QueueTypeQuorum && (c.Subscriber.Queue.AutoDelete || c.Subscriber.Queue.Exclusive) {
 		return errors.New("amqpretry.Config.Subscriber.Queue: quorum queues cannot be auto-delete or exclusive")
 	}
-	if c.MaxAttempts < 1 || c.MaxAttempts > middleware.MaxAttemptsCap {
-		return fmt.Errorf("amqpretry.Config.MaxAttempts %d is outside [1, %d]", c.MaxAttempts, middleware.MaxAttemptsCap)
-	}
-	if err := c.mode().validate(&c); err != nil {
-		return err
-	}
+	return nil
+}
+
+// validateManagement checks ManagementURL and AdoptQueue.
+func (c Config) validateManagement() error {
 	if c.ManagementURL != "" {
 		if _, err := newMgmtClient(&AdoptQueue{ManagementURL: c.ManagementURL}, "ManagementURL"); err != nil {
 			return err
 		}
 	}
-	if a := c.AdoptQueue; a != nil {
-		if a.ManagementURL != "" {
-			if _, err := newMgmtClient(a, "AdoptQueue.ManagementURL"); err != nil {
-				return err
-			}
-		}
-		if a.PolicyPriority < 0 {
-			return fmt.Errorf("amqpretry.Config.AdoptQueue.PolicyPriority %d is negative", a.PolicyPriority)
+	a := c.AdoptQueue
+	if a == nil {
+		return nil
+	}
+	if a.ManagementURL != "" {
+		if _, err := newMgmtClient(a, "AdoptQueue.ManagementURL"); err != nil {
+			return err
 		}
 	}
-	if c.PublisherChannels < 0 {
-		return fmt.Errorf("amqpretry.Config.PublisherChannels %d is negative", c.PublisherChannels)
-	}
-	if c.ConfirmTimeout < 0 {
-		return fmt.Errorf("amqpretry.Config.ConfirmTimeout %v is negative", c.ConfirmTimeout)
+	if a.PolicyPriority < 0 {
+		return fmt.Errorf("amqpretry.Config.AdoptQueue.PolicyPriority %d is negative", a.PolicyPriority)
 	}
 	return nil
 }
@@ -339,21 +325,14 @@ func New(cfg Config) (*Retry, error) {
 		_ = pub.Close()
 		return nil, err
 	}
+	policy := cfg.Policy
+	policy.Classifier = classifierWithAlive(policy.Classifier)
 	chain, err := router.New(router.Config{
+		Policy:          policy,
 		Delayer:         chainDelayer,
 		PoisonPublisher: &poisonPublisher{publisher: pub, topology: topo, marshaler: marshaler, logger: cfg.Logger},
 		PoisonTopic:     func(ctx context.Context) string { return topo.PoisonQueue(cfg.QueueName(ctx)) },
-		MaxAttempts:     cfg.MaxAttempts,
-		MaxRedeliveries: cfg.MaxRedeliveries,
-		FallbackPause:   cfg.FallbackPause,
-		Backoff:         cfg.Backoff,
-		Classifier:      classifierWithAlive(cfg.Classifier),
-		QueueName:       cfg.QueueName,
-		ErrorText:       cfg.ErrorText,
-		Observer:        cfg.Observer,
 		Logger:          cfg.Logger,
-		Pause:           cfg.Pause,
-		Tracing:         cfg.Tracing,
 
 		// The router's default sources, the same in every mode; with native
 		// delayed retry every redelivery (crashes too) is an attempt,
@@ -524,154 +503,6 @@ func (r *Retry) Close() error {
 	return errors.Join(cerr, r.publisher.Close())
 }
 
-// Delayer implements middleware.Delayer on RabbitMQ for the Tiers mode: it
-// publishes the copy to the wait queue of the tier TierFor(delay) of the
-// message's originating queue, with mandatory set, and returns once the
-// broker confirmed it. The other modes build on it (mode_*.go).
-type Delayer struct {
-	publisher *ConfirmPublisher
-	topology  *Topology
-	marshaler Marshaler
-	queueName func(ctx context.Context) string
-	logger    watermill.LoggerAdapter
-	// routes checks the broker-side route before the DeadLetterFirst or
-	// NativeDelayed mode relies on it (nil: nothing to check).
-	routes *routeChecker
-}
-
-// Schedule publishes msg to its wait queue and waits for the confirm. A copy
-// whose headers exceed MaxCopyHeaderBytes is refused with an error wrapping
-// middleware.ErrCannotDelay (the message is then poisoned). The
-// tier is TierFor(delay), or, when ctx carries a middleware.MinimumDelay (a
-// handler's RetryAfter), the smallest tier at or above it. A delay (or
-// RetryAfter) longer than the longest tier is held for the longest tier, and
-// the copy carries the rest (middleware.SetRemainingDelay): the
-// RedeliveryGuard sends it round again when it comes back, as many times as
-// needed, so the next attempt never runs earlier than asked. A delay <= 0
-// goes straight back to the queue through the loop-back exchange. If the
-// wait queue or exchange is missing (returned as unroutable, or 404
-// NOT_FOUND), it redeclares the queue's topology and tries once more, so the
-// nack that follows a failure still finds the dead-letter path. It does not
-// stop when ctx is cancelled (router shutdown): the publish is bounded by the
-// publisher's ConfirmTimeout instead, so a retry in flight is not lost to a
-// shutdown.
-func (d *Delayer) Schedule(ctx context.Context, msg *message.Message, delay time.Duration) error {
-	p, err := d.plan(ctx, msg, delay)
-	if err != nil {
-		return err
-	}
-	return d.publishPlan(ctx, msg, p)
-}
-
-// retryPlan is where Delayer.plan puts a retry copy.
-type retryPlan struct {
-	queue string // originating queue
-	// back: no delay; straight back to queue through the loop-back exchange.
-	back bool
-	tier time.Duration // the wait queue's tier
-	// minimum is the handler's RetryAfter floor (0: none).
-	minimum time.Duration
-	// remaining is the part of the delay beyond the longest tier, carried
-	// by the copy (middleware.RemainingDelayKey).
-	remaining time.Duration
-}
-
-// plan checks the queue's names and chooses msg's wait queue tier; for a
-// positive delay it sets msg's remaining delay (middleware.SetRemainingDelay).
-func (d *Delayer) plan(ctx context.Context, msg *message.Message, delay time.Duration) (retryPlan, error) {
-	q := d.queueName(ctx)
-	if err := d.topology.CheckNames(q); err != nil {
-		return retryPlan{}, err
-	}
-	if delay <= 0 {
-		// Straight back to Q (the RedeliveryGuard's and the fallback's
-		// copies), with whatever remaining delay the copy's maker set.
-		return retryPlan{queue: q, back: true}, nil
-	}
-	p := retryPlan{queue: q, tier: d.topology.TierFor(delay)}
-	asked := delay
-	if minimum, ok := middleware.MinimumDelay(ctx); ok {
-		// A handler's RetryAfter is a floor: round up, never down.
-		p.minimum = minimum
-		asked = max(delay, minimum)
-		p.tier, _ = d.topology.TierAtLeast(asked)
-	}
-	// Beyond the longest tier, the wait queue holds the copy for that tier
-	// and the copy carries the rest (middleware.RemainingDelayKey): the
-	// RedeliveryGuard sends it round again, so it never runs earlier than
-	// asked. Within the tiers a backoff delay is rounded to the nearest tier
-	// (TierFor), a RetryAfter up (TierAtLeast).
-	if n := len(d.topology.tiers); n > 0 && asked > d.topology.tiers[n-1] {
-		p.remaining = asked - d.topology.tiers[n-1]
-		d.logger.Debug("Retry delay exceeds the longest tier; held in several hops", watermill.LogFields{
-			"queue": q, "requested": asked.String(), "tier": p.tier.String(), "remaining": p.remaining.String(),
-		})
-	}
-	middleware.SetRemainingDelay(msg.Metadata, p.remaining)
-	return p, nil
-}
-
-// publishPlan publishes msg where p says.
-func (d *Delayer) publishPlan(ctx context.Context, msg *message.Message, p retryPlan) error {
-	if p.back {
-		return d.publish(ctx, msg, d.topology.naming.LoopBackExchange, p.queue, p.queue)
-	}
-	return d.publish(ctx, msg, d.topology.naming.WaitExchange, d.topology.naming.WaitQueue(p.queue, p.tier), p.queue)
-}
-
-// foreignDeathsKey marks, in a delivery's context (Retry.Middleware), a
-// delivery with foreignDeaths: its first-tier retry is a published copy,
-// not the dead-letter path.
-type foreignDeathsKey struct{}
-
-// foreignDeaths reports whether msg carries x-death entries for q that the
-// broker did not write on the way back to q (a producer's, or copied from
-// another message): the message is not on a retry route
-// (middleware.DeliveryRetryRouteKey). The dead-letter path would keep them
-// (RabbitMQ 3.x adds its own count to an x-death entry the message already
-// has), so that such a message's next delivery, back through the first wait
-// queue, would count them as attempts; a published copy, whose x-death is
-// stripped, counts only the attempts made here.
-func foreignDeaths(msg *message.Message, q string) bool {
-	if msg.Metadata.Get(middleware.DeliveryRetryRouteKey) == "true" {
-		return false
-	}
-	recs, err := middleware.ParseXDeath(msg.Metadata.Get(middleware.XDeathKey))
-	if err != nil {
-		return true
-	}
-	for _, r := range recs {
-		if r.Queue == q {
-			return true
-		}
-	}
-	return false
-}
-
-// publish marshals msg and publishes it to exchange with key (mandatory,
-// confirmed); if the target is missing it redeclares q's topology and tries
-// once more.
-func (d *Delayer) publish(ctx context.Context, msg *message.Message, exchange, key, q string) error {
-	p, err := d.marshaler.Marshal(msg)
-	if err != nil {
-		return fmt.Errorf("amqpretry: marshaling retry copy: %w", err)
-	}
-	if n := encodedHeaderBytes(p.Headers); n > MaxCopyHeaderBytes {
-		return fmt.Errorf("%w: the retry copy's headers take about %d bytes, more than the %d that stay deliverable once the broker adds x-death",
-			middleware.ErrCannotDelay, n, MaxCopyHeaderBytes)
-	}
-	pctx := context.WithoutCancel(ctx)
-	err = d.publisher.PublishRaw(pctx, exchange, key, p)
-	if err == nil || !topologyMissing(err) {
-		return err
-	}
-	d.logger.Error("Retry publish found no route; redeclaring topology", err, watermill.LogFields{"queue": q, "exchange": exchange, "routing_key": key})
-	if rerr := d.topology.Redeclare(d.publisher.Channel, q); rerr != nil {
-		return errors.Join(err, fmt.Errorf("amqpretry: redeclaring topology of %q: %w", q, rerr))
-	}
-	return d.publisher.PublishRaw(pctx, exchange, key, p)
-}
-
 // publisherConnectionName is the retry publisher's connection_name: the
 // subscriber's own name with ".retry-publisher" appended when it sets one
 // (so an operator sees which service a publisher belongs to), else
@@ -692,14 +523,6 @@ func classifierWithAlive(c middleware.ClassifierConfig) middleware.ClassifierCon
 		return deliveryAlive(msg) && (user == nil || user(msg))
 	}
 	return c
-}
-
-func topologyMissing(err error) bool {
-	if errors.Is(err, ErrUnroutable) {
-		return true
-	}
-	var aerr *amqp.Error
-	return errors.As(err, &aerr) && aerr.Code == amqp.NotFound
 }
 
 // poisonPublisher publishes to the poison exchange with confirms; the topic is

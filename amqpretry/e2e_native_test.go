@@ -16,6 +16,7 @@ import (
 
 	"github.com/rabbitretry/rabbitretry/amqpretry"
 	"github.com/rabbitretry/rabbitretry/middleware"
+	"github.com/rabbitretry/rabbitretry/router"
 )
 
 // broker43 skips the test unless the broker under test is RabbitMQ 4.3 or
@@ -141,7 +142,7 @@ func TestE2E_NativeDelayedRetry(t *testing.T) {
 
 	// An existing Q declared with other delayed-retry arguments: *DeclareError.
 	cfg2 := amqpretry.Config{URI: e.uri, Subscriber: e.retry.SubscriberConfig(), QueueType: amqpretry.QueueTypeQuorum,
-		MaxAttempts: 4, Mode: amqpretry.NativeDelayed(amqpretry.NativeDelayedRetry{Min: 500 * time.Millisecond, Max: time.Second})}
+		Policy: router.Policy{MaxAttempts: 4}, Mode: amqpretry.NativeDelayed(amqpretry.NativeDelayedRetry{Min: 500 * time.Millisecond, Max: time.Second})}
 	r2, err := amqpretry.New(cfg2)
 	if err != nil {
 		t.Fatal(err)

@@ -30,6 +30,7 @@ import (
 	"time"
 
 	"github.com/rabbitretry/rabbitretry/internal/testkit"
+	"github.com/rabbitretry/rabbitretry/router"
 
 	"github.com/ThreeDotsLabs/watermill"
 	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v2/pkg/amqp"
@@ -324,10 +325,9 @@ func newEnv(t *testing.T, queueType string, opts ...envOption) *env {
 		BackoffMultiplier: 1.5, BackoffMaxInterval: 2 * time.Second,
 	}
 	e.cfg = amqpretry.Config{
-		URI: uri, Subscriber: subCfg, QueueType: queueType, MaxAttempts: 5,
-		Backoff: exactBackoff(200 * time.Millisecond),
-		Mode:    amqpretry.Tiers(envTiers...),
-		Naming:  e.naming, Logger: e.logs,
+		URI: uri, Subscriber: subCfg, QueueType: queueType, Policy: router.Policy{MaxAttempts: 5, Backoff: exactBackoff(200 * time.Millisecond)},
+		Mode:   amqpretry.Tiers(envTiers...),
+		Naming: e.naming, Logger: e.logs,
 		ConfirmTimeout: 10 * time.Second,
 	}
 	for _, o := range opts {

@@ -39,8 +39,7 @@ func ExampleChain() {
 	chain, err := router.New(router.Config{
 		Delayer:         delayer,
 		PoisonPublisher: poisonPubSub,
-		MaxAttempts:     3,
-		Backoff:         func() backoff.BackOff { return backoff.NewConstantBackOff(20 * time.Millisecond) },
+		Policy:          router.Policy{MaxAttempts: 3, Backoff: func() backoff.BackOff { return backoff.NewConstantBackOff(20 * time.Millisecond) }},
 	})
 	if err != nil {
 		panic(err)

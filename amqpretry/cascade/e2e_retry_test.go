@@ -18,6 +18,7 @@ import (
 	"github.com/rabbitretry/rabbitretry/amqpretry/cascade"
 	"github.com/rabbitretry/rabbitretry/internal/testkit"
 	"github.com/rabbitretry/rabbitretry/middleware"
+	"github.com/rabbitretry/rabbitretry/router"
 )
 
 // retryLateTolerance bounds how late a retry may come back through the
@@ -76,8 +77,8 @@ func newRetryEnv(t *testing.T, maxAttempts int, policy func() backoff.BackOff, o
 	subCfg.Exchange = wamqp.ExchangeConfig{GenerateName: func(string) string { return e.exchange }, Type: "direct", Durable: true}
 	subCfg.QueueBind = wamqp.QueueBindConfig{GenerateRoutingKey: func(string) string { return routingKey }}
 	r, err := amqpretry.New(amqpretry.Config{
-		URI: uri, Subscriber: subCfg, MaxAttempts: maxAttempts, Backoff: policy,
-		Mode: cascade.Mode(e.cascade), FallbackPause: -1,
+		URI: uri, Subscriber: subCfg, Policy: router.Policy{MaxAttempts: maxAttempts, Backoff: policy, FallbackPause: -1},
+		Mode:           cascade.Mode(e.cascade),
 		ConfirmTimeout: 20 * time.Second,
 	})
 	if err != nil {

@@ -33,6 +33,7 @@ import (
 	"github.com/rabbitretry/rabbitretry/amqpretry"
 	"github.com/rabbitretry/rabbitretry/amqpretry/cascade"
 	"github.com/rabbitretry/rabbitretry/middleware"
+	"github.com/rabbitretry/rabbitretry/router"
 )
 
 func main() {
@@ -119,13 +120,11 @@ func run() error {
 	}
 	retry, err := amqpretry.New(amqpretry.Config{
 		Mode: mode,
-		URI:  *uri, Subscriber: subCfg, QueueType: *queueType, MaxAttempts: *maxAttempts,
-		Backoff: func() backoff.BackOff {
+		URI:  *uri, Subscriber: subCfg, QueueType: *queueType, Policy: router.Policy{MaxAttempts: *maxAttempts, Backoff: func() backoff.BackOff {
 			b := backoff.NewExponentialBackOff()
 			b.InitialInterval, b.Multiplier, b.RandomizationFactor, b.MaxElapsedTime = *initial, 2, 0, 0
 			return b
-		},
-		MaxRedeliveries: *maxRedeliv,
+		}, MaxRedeliveries: *maxRedeliv},
 		CrashQuarantine: *quarantine,
 		Naming: amqpretry.Naming{
 			LoopBackExchange: *prefix + ".loopback", WaitExchange: *prefix + ".wait", PoisonExchange: *prefix + ".poison",

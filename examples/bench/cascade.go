@@ -25,6 +25,7 @@ import (
 	"github.com/rabbitretry/rabbitretry/amqpretry"
 	"github.com/rabbitretry/rabbitretry/amqpretry/cascade"
 	"github.com/rabbitretry/rabbitretry/middleware"
+	"github.com/rabbitretry/rabbitretry/router"
 )
 
 // The "cascade" scenario (issue #12): amqpretry's per-queue tiered wait
@@ -317,7 +318,7 @@ func (b *bench) cascadeAccuracy(res *cascadeResult) (err error) {
 	// tiers
 	qT := e.name("cas", "tiers", watermillShort())
 	retryT, subT, closeT, err := e.retryConsumer(amqpretry.Config{Subscriber: subCfg(), Naming: e.naming("cas-tiers"), Logger: e.logger,
-		Mode: amqpretry.Tiers(cascadeAccuracyTiers...), Backoff: constant}, qT)
+		Mode: amqpretry.Tiers(cascadeAccuracyTiers...), Policy: router.Policy{Backoff: constant}}, qT)
 	if err != nil {
 		return err
 	}
@@ -332,7 +333,7 @@ func (b *bench) cascadeAccuracy(res *cascadeResult) (err error) {
 	// cascade
 	qC := e.name("cas", "cascade", watermillShort())
 	retryC, subC, closeC, err := e.retryConsumer(amqpretry.Config{Subscriber: subCfg(), Naming: e.naming("cas-cascade"), Logger: e.logger,
-		Mode: cascade.Mode(cc), Backoff: constant}, qC)
+		Mode: cascade.Mode(cc), Policy: router.Policy{Backoff: constant}}, qC)
 	if err != nil {
 		return err
 	}
@@ -532,7 +533,7 @@ func (b *bench) newFillVariant(res *cascadeResult, variant string) (*fillVariant
 	v := &fillVariant{name: variant, q: e.name("cas", "fill", variant)}
 	q := v.q
 	cfg := amqpretry.Config{Subscriber: wamqp.NewDurableQueueConfig(e.uri), Logger: e.logger, Naming: e.naming("cas-fill-" + variant),
-		QueueName: func(context.Context) string { return q }}
+		Policy: router.Policy{QueueName: func(context.Context) string { return q }}}
 	tiers := strings.HasPrefix(variant, "tiers")
 	levelType := amqpretry.QueueTypeQuorum
 	if variant == "cascade-classic" {

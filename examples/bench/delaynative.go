@@ -13,6 +13,7 @@ import (
 
 	"github.com/rabbitretry/rabbitretry/amqpretry"
 	"github.com/rabbitretry/rabbitretry/middleware"
+	"github.com/rabbitretry/rabbitretry/router"
 )
 
 // delayNativeHold is Min = Max of the native delayed retry measured here.
@@ -54,7 +55,7 @@ func (b *bench) delayNative() (err error) {
 		QueueType: amqpretry.QueueTypeQuorum,
 		Mode: amqpretry.NativeDelayed(amqpretry.NativeDelayedRetry{Min: delayNativeHold, Max: delayNativeHold,
 			Tiers: []time.Duration{delayNativeHold}}),
-		Backoff: func() backoff.BackOff { return backoff.NewConstantBackOff(delayNativeHold) },
+		Policy: router.Policy{Backoff: func() backoff.BackOff { return backoff.NewConstantBackOff(delayNativeHold) }},
 	}, q)
 	if err != nil {
 		return err

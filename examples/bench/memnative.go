@@ -11,6 +11,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitretry/rabbitretry/amqpretry"
+	"github.com/rabbitretry/rabbitretry/router"
 )
 
 // mgmtQueueStats are the figures the management API reports for a queue
@@ -103,8 +104,7 @@ func (b *bench) memoryNative() (err error) {
 		QueueType: amqpretry.QueueTypeQuorum,
 		Mode: amqpretry.NativeDelayed(amqpretry.NativeDelayedRetry{Min: memoryNativeHold, Max: memoryNativeHold,
 			Tiers: []time.Duration{memoryNativeHold}}),
-		Backoff:  func() backoff.BackOff { return backoff.NewConstantBackOff(memoryNativeHold) },
-		Observer: retryObserver{t: tr},
+		Policy: router.Policy{Backoff: func() backoff.BackOff { return backoff.NewConstantBackOff(memoryNativeHold) }, Observer: retryObserver{t: tr}},
 	}, q)
 	if err != nil {
 		return err

@@ -15,6 +15,7 @@ import (
 
 	"github.com/rabbitretry/rabbitretry/amqpretry"
 	"github.com/rabbitretry/rabbitretry/middleware"
+	"github.com/rabbitretry/rabbitretry/router"
 )
 
 // retryTier is the single wait tier of the retry-path scenario: long enough
@@ -104,9 +105,8 @@ func (b *bench) retryLib(mode string, n, handlers int) (run retryPathRun, err er
 	tr := newTracker(n)
 	rc := amqpretry.Config{
 		Subscriber: cfg, Naming: e.naming("retry"), Logger: e.logger,
-		Mode:     amqpretry.Tiers(retryTier),
-		Backoff:  func() backoff.BackOff { return backoff.NewConstantBackOff(retryTier) },
-		Observer: retryObserver{t: tr},
+		Mode:   amqpretry.Tiers(retryTier),
+		Policy: router.Policy{Backoff: func() backoff.BackOff { return backoff.NewConstantBackOff(retryTier) }, Observer: retryObserver{t: tr}},
 	}
 	switch mode {
 	case "rabbitretry":
