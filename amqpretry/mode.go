@@ -20,10 +20,11 @@ import (
 //	Custom(factory)        another delay mechanism for every positive delay, e.g.
 //	                       the delay cascade: cascade.Mode (mode_custom.go)
 //
-// In every mode the attempts are counted the same way (see router.Config.AttemptSources),
-// so a deploy that switches modes keeps each message's count, and copies with no delay
-// (the fallback's and the RedeliveryGuard's) go straight back to their queue through
-// the loop-back exchange.
+// Every mode counts attempts from the same evidence (router.Config.AttemptSources:
+// the library's header, the queue's own x-death, the broker's count of returns, which
+// NativeDelayed reads from x-acquired-count), so a deploy that switches modes keeps each
+// message's count; and in every mode copies with no delay (the fallback's and the
+// RedeliveryGuard's) go straight back to their queue through the loop-back exchange.
 type Mode interface {
 	// String names the mode: "tiers", "dead-letter-first", "native-delayed"
 	// or "custom".
