@@ -31,8 +31,8 @@ import (
 // default mode needs nothing (its retries are published copies; no
 // policy). A quorum queue gets its poison queue as dead-letter target
 // (through the default exchange), the safety net for a message that
-// reaches the delivery limit. DeadLetterFirstRetry needs its first wait
-// queue as dead-letter target, NativeDelayedRetry the delayed-retry keys:
+// reaches the delivery limit. The DeadLetterFirst mode needs its first wait
+// queue as dead-letter target, NativeDelayed the delayed-retry keys:
 // without them the mode cannot work, so New refuses these two with
 // AdoptQueue unless ManagementURL is set.
 //
@@ -49,7 +49,7 @@ import (
 // logs the rabbitmqctl set_policy command once per queue (Error level) and
 // goes on, and the operator applies it.
 //
-// After the start, DeadLetterFirstRetry and NativeDelayedRetry check before
+// After the start, the DeadLetterFirst and NativeDelayed modes check before
 // each nack that relies on the policy (the result reused for 2 s per queue)
 // that the policy applying to Q still carries the library's keys (GET
 // /api/policies/{vhost}: an operator's policy of higher priority, or the

@@ -59,34 +59,22 @@ type Config struct {
 	// dead-lettered into the wait path, not dropped, because Q has a DLX, and
 	// its delivery_limit deaths count as attempts.
 	QueueType string
-	// MaxAttempts is the total number of attempts, the first included.
-	// Default 5; range [1, 1000].
-	MaxAttempts int
-	// Backoff makes a fresh backoff policy for each delay computation.
-	// Default middleware.DefaultBackoff (1 s, x2, ±50% jitter, 5 min cap).
-	Backoff func() backoff.BackOff
-	// Tiers are the wait-queue delays (time.Duration, each in [1 ms, MaxTTL],
-	// at most MaxTiers). A computed delay goes to the smallest tier >= it
-	// (see Topology.TierFor). Default: the delays of attempts 1..MaxAttempts-1
-	// under Backoff without jitter (for an *backoff.ExponentialBackOff policy;
-	// otherwise one sample each), rounded to milliseconds and deduplicated.
-	// Not used with DelayerFactory (no wait queue is declared; setting Tiers
-	// then is an error).
-	Tiers []time.Duration
+	// Policy is the retry policy, the chain's settings (MaxAttempts,
+	// Backoff, Classifier, QueueName, ErrorText, MaxRedeliveries,
+	// FallbackPause, Pause, Tracing, Observer): see router.Policy, whose
+	// defaults apply, except QueueName, which defaults to
+	// Subscriber.Queue.GenerateName(message.SubscribeTopicFromCtx(ctx)). The
+	// same value configures a broker-free test chain (router.Config.Policy).
+	// With CrashQuarantine, MaxRedeliveries counts in the quarantine queue,
+	// where a crash is attributable; FallbackPause applies to a retry or
+	// poison copy the broker did not confirm.
+	router.Policy
+	// Mode is the retry mode: how a retry with a positive delay waits
+	// (Tiers, DeadLetterFirst, NativeDelayed, Custom; see Mode). Default
+	// Tiers() (wait queues at DefaultTiers of Backoff and MaxAttempts).
+	Mode Mode
 	// Naming of exchanges and queues. Defaults in Naming.
 	Naming Naming
-	// QueueName maps a message's context to its originating queue. Default:
-	// Subscriber.Queue.GenerateName(message.SubscribeTopicFromCtx(ctx)).
-	QueueName func(ctx context.Context) string
-	// Classifier configures error classification (router.Config.Classifier).
-	Classifier middleware.ClassifierConfig
-	// ErrorText renders errors into headers; redact secrets here. Default:
-	// err.Error() cut to 1 KiB.
-	ErrorText func(error) string
-	// Pause, when set, pauses consumption while a dependency is down instead
-	// of charging attempts: see router.Config.Pause and middleware.Pause.
-	// Default nil (off).
-	Pause *middleware.PauseConfig
 	// CrashQuarantine makes Retry.NewSubscriber also consume each queue's
 	// quarantine queue (Naming.QuarantineQueue) with prefetch 1, so that a
 	// crash is counted against the message that crashed, not against the
@@ -99,66 +87,12 @@ type Config struct {
 	// counts against up to N messages; use prefetch 1 where crashes are
 	// likely).
 	CrashQuarantine bool
-	// Tracing, when set, traces every attempt with OpenTelemetry: see
-	// router.Config.Tracing and middleware.Tracing. Default nil (off).
-	Tracing *middleware.TracingConfig
-	// Observer is told of retries and poisonings (metrics).
-	Observer middleware.Observer
-	// DeadLetterFirstRetry makes retries that fall in the first tier go to
-	// the first wait queue by dead-lettering the original (a nack;
-	// Q's x-dead-letter-routing-key already points there) instead of a
-	// published copy: no publish-confirm round trip is waited for in the
-	// handler, so a burst of failures drains much faster. The attempt is
-	// counted from x-death; that hop records no failure metadata
-	// (rabbitretry-first-failure is then the first failure that took the
-	// publish path). Requires QueueType "quorum", whose dead-lettering is
-	// at-least-once; a classic queue's is at-most-once. Default false.
-	//
-	// The nack gets no confirm, so before relying on it the Delayer checks
-	// that the route is in place, at most every 2 s per queue: the first
-	// wait queue exists (passive declare), and, with a management API
-	// (ManagementURL), no policy or operator policy gives it a length limit
-	// (a full reject-publish target holds dead-letters unseen in Q's
-	// dead-letter buffer) and, for an adopted Q, the library's policy is
-	// the one that applies ("Policies", "Dead Letter Exchanges"). While a
-	// check fails, first retries take the publish path (confirmed copy,
-	// fallback behind it); the change is logged (Error, then Info when the
-	// route is back) and reported to an Observer that implements
-	// middleware.RouteObserver (metrics.Metrics does).
-	DeadLetterFirstRetry bool
-	// NativeDelayedRetry, when set, hands short retries to the queue's own
-	// delayed retry (RabbitMQ 4.3+ quorum queues; see NativeDelayedRetry):
-	// the original is nacked with requeue and the queue holds it for Min,
-	// with no copy and no publish round trip; longer retries still take the
-	// wait queues. Q is declared with the x-delayed-retry-* arguments (an
-	// existing Q declared without them gets a *DeclareError: add them by
-	// policy, or declare a new queue). Attempts are counted from the
-	// broker's x-acquired-count (middleware.AcquiredCountSource), so a
-	// consumer crash uses an attempt and MaxRedeliveries is not used. The
-	// native hop records no failure metadata. Requires QueueType quorum and
-	// RabbitMQ 4.3+ (New refuses it otherwise); excludes
-	// DeadLetterFirstRetry. Default nil (off).
-	NativeDelayedRetry *NativeDelayedRetry
-	// DelayerFactory, when set, replaces the wait queues by another delay
-	// mechanism for every retry with a positive delay, e.g. the delay
-	// cascade (cascade.DelayerFactory), which delivers after the exact
-	// delay (to its grain) instead of rounding it to a tier. New calls it
-	// once, after connecting the retry publisher (see DelayerFactory,
-	// CustomDelayer). Copies with no delay (the fallback's and the
-	// RedeliveryGuard's) still go back to their queue through the loop-back
-	// exchange. No wait queue is declared, Tiers must be empty (Topology
-	// has no tiers: TierFor returns 0), and DeadLetterFirstRetry and
-	// NativeDelayedRetry, which hand retries to the broker without the
-	// Delayer, are refused by Validate. Wait queues declared by an earlier
-	// deploy with tiers are left alone (Topology.Inspect reports them as
-	// orphans; TidyOrphans deletes them once empty). Default nil (tiers).
-	DelayerFactory DelayerFactory
 	// ManagementURL is the RabbitMQ management HTTP API's base URL with
 	// credentials, e.g. "http://guest:guest@127.0.0.1:15672", used to check
-	// the broker-side routes of DeadLetterFirstRetry and NativeDelayedRetry
+	// the broker-side routes of the DeadLetterFirst and NativeDelayed modes
 	// against the current policies and operator policies (GET
 	// /api/policies/{vhost}, /api/operator-policies/{vhost}; see
-	// DeadLetterFirstRetry). Empty: AdoptQueue.ManagementURL, if any; with
+	// DeadLetterFirst). Empty: AdoptQueue.ManagementURL, if any; with
 	// neither, only what AMQP shows is checked (the first wait queue
 	// exists), so a length limit an operator puts on it goes unseen.
 	// Never logged with its password.
@@ -169,20 +103,6 @@ type Config struct {
 	// API or logged as a rabbitmqctl command (see AdoptQueue). Default nil:
 	// the library declares Q with the arguments it needs.
 	AdoptQueue *AdoptQueue
-	// MaxRedeliveries bounds the crashes a message may cause (runs ended by
-	// a broker redelivery: consumer crash, connection loss, consumer
-	// timeout, a requeue): the redelivery that brings its count to
-	// MaxRedeliveries (with CrashQuarantine: in the quarantine queue, where
-	// it is attributable), poisons it with
-	// class "redelivery-limit" without running the handler again (see
-	// middleware.RedeliveryGuard). Default 3; range [1, 1000].
-	MaxRedeliveries int
-	// FallbackPause is how long a message whose retry or poison copy the
-	// broker did not confirm waits before the fallback copy back to its queue
-	// (or, if that fails too, the requeue). Default 1 s; negative: none. A
-	// retry whose handler asked for a longer RetryAfter waits that long
-	// instead (router.Config.FallbackPause): never earlier than asked.
-	FallbackPause time.Duration
 	// PublisherChannels is the number of AMQP channels used for republishing.
 	// Default 2.
 	PublisherChannels int
@@ -206,14 +126,9 @@ func (c *Config) setDefaults() {
 			c.QueueType = QueueTypeQuorum
 		}
 	}
-	if c.MaxAttempts == 0 {
-		c.MaxAttempts = 5
-	}
-	if c.Backoff == nil {
-		c.Backoff = middleware.DefaultBackoff
-	}
-	if len(c.Tiers) == 0 && c.DelayerFactory == nil && c.MaxAttempts >= 1 && c.MaxAttempts <= middleware.MaxAttemptsCap {
-		c.Tiers = DefaultTiers(c.Backoff, c.MaxAttempts)
+	c.Policy = c.Policy.WithDefaults()
+	if c.Mode == nil {
+		c.Mode = Tiers()
 	}
 	c.Naming.setDefaults()
 	if c.QueueName == nil && c.Subscriber.Queue.GenerateName != nil {
@@ -227,6 +142,29 @@ func (c *Config) setDefaults() {
 
 // Validate reports the first bad field by name.
 func (c Config) Validate() error {
+	if err := c.validateSubscriber(); err != nil {
+		return err
+	}
+	if c.MaxAttempts < 1 || c.MaxAttempts > middleware.MaxAttemptsCap {
+		return fmt.Errorf("amqpretry.Config.MaxAttempts %d is outside [1, %d]", c.MaxAttempts, middleware.MaxAttemptsCap)
+	}
+	if err := c.mode().validate(&c); err != nil {
+		return err
+	}
+	if err := c.validateManagement(); err != nil {
+		return err
+	}
+	if c.PublisherChannels < 0 {
+		return fmt.Errorf("amqpretry.Config.PublisherChannels %d is negative", c.PublisherChannels)
+	}
+	if c.ConfirmTimeout < 0 {
+		return fmt.Errorf("amqpretry.Config.ConfirmTimeout %v is negative", c.ConfirmTimeout)
+	}
+	return nil
+}
+
+// validateSubscriber checks URI, Subscriber and QueueType.
+func (c Config) validateSubscriber() error {
 	if c.URI == "" {
 		return errors.New("amqpretry.Config.URI is empty (and Subscriber.Connection.AmqpURI too)")
 	}
@@ -244,64 +182,32 @@ func (c Config) Validate() error {
 	if c.QueueType == QueueTypeQuorum && (c.Subscriber.Queue.AutoDelete || c.Subscriber.Queue.Exclusive) {
 		return errors.New("amqpretry.Config.Subscriber.Queue: quorum queues cannot be auto-delete or exclusive")
 	}
-	if c.MaxAttempts < 1 || c.MaxAttempts > middleware.MaxAttemptsCap {
-		return fmt.Errorf("amqpretry.Config.MaxAttempts %d is outside [1, %d]", c.MaxAttempts, middleware.MaxAttemptsCap)
-	}
-	if len(c.Tiers) > MaxTiers {
-		return fmt.Errorf("amqpretry.Config.Tiers has %d tiers, more than %d", len(c.Tiers), MaxTiers)
-	}
-	for i, d := range c.Tiers {
-		if d < time.Millisecond || d > MaxTTL {
-			return fmt.Errorf("amqpretry.Config.Tiers[%d] = %v is outside [1ms, %v] (RabbitMQ's TTL range)", i, d, MaxTTL)
-		}
-		if d%time.Millisecond != 0 {
-			return fmt.Errorf("amqpretry.Config.Tiers[%d] = %v is not a whole number of milliseconds (x-message-ttl is in ms)", i, d)
-		}
-	}
-	if c.DelayerFactory != nil {
-		switch {
-		case len(c.Tiers) > 0:
-			return errors.New("amqpretry.Config.Tiers is set together with DelayerFactory, which replaces the wait queues: leave Tiers empty")
-		case c.DeadLetterFirstRetry:
-			return errors.New("amqpretry.Config.DeadLetterFirstRetry cannot be combined with DelayerFactory: it dead-letters the first retry into the first wait queue, which DelayerFactory replaces")
-		case c.NativeDelayedRetry != nil:
-			return errors.New("amqpretry.Config.NativeDelayedRetry cannot be combined with DelayerFactory: each would delay short retries its own way")
-		}
-	}
-	if c.DeadLetterFirstRetry && c.QueueType != QueueTypeQuorum {
-		return errors.New("amqpretry.Config.DeadLetterFirstRetry needs QueueType quorum (classic-queue dead-lettering is at-most-once)")
-	}
-	if err := c.validateNative(); err != nil {
-		return err
-	}
+	return nil
+}
+
+// validateManagement checks ManagementURL and AdoptQueue.
+func (c Config) validateManagement() error {
 	if c.ManagementURL != "" {
 		if _, err := newMgmtClient(&AdoptQueue{ManagementURL: c.ManagementURL}, "ManagementURL"); err != nil {
 			return err
 		}
 	}
-	if a := c.AdoptQueue; a != nil {
-		if a.ManagementURL == "" && (c.DeadLetterFirstRetry || c.NativeDelayedRetry != nil) {
-			return errors.New("amqpretry.Config.AdoptQueue.ManagementURL is empty, and DeadLetterFirstRetry and NativeDelayedRetry cannot work on an adopted queue until their policy applies: set ManagementURL so the library applies and checks it")
-		}
-		if a.ManagementURL != "" {
-			if _, err := newMgmtClient(a, "AdoptQueue.ManagementURL"); err != nil {
-				return err
-			}
-		}
-		if a.PolicyPriority < 0 {
-			return fmt.Errorf("amqpretry.Config.AdoptQueue.PolicyPriority %d is negative", a.PolicyPriority)
+	a := c.AdoptQueue
+	if a == nil {
+		return nil
+	}
+	if a.ManagementURL != "" {
+		if _, err := newMgmtClient(a, "AdoptQueue.ManagementURL"); err != nil {
+			return err
 		}
 	}
-	if c.PublisherChannels < 0 {
-		return fmt.Errorf("amqpretry.Config.PublisherChannels %d is negative", c.PublisherChannels)
-	}
-	if c.ConfirmTimeout < 0 {
-		return fmt.Errorf("amqpretry.Config.ConfirmTimeout %v is negative", c.ConfirmTimeout)
+	if a.PolicyPriority < 0 {
+		return fmt.Errorf("amqpretry.Config.AdoptQueue.PolicyPriority %d is negative", a.PolicyPriority)
 	}
 	return nil
 }
 
-// DefaultTiers returns the tiers New uses when Config.Tiers is empty: the
+// DefaultTiers returns the tiers of a mode given none (Tiers()): the
 // delay after each of attempts 1..maxAttempts-1 under policy, without jitter
 // when policy makes an *backoff.ExponentialBackOff, clamped to [1 ms,
 // MaxTTL], rounded to ms, deduplicated, ascending, at most MaxTiers. With
@@ -342,10 +248,9 @@ type Retry struct {
 	topology  *Topology
 	marshaler Marshaler
 	publisher *ConfirmPublisher
-	delayer   *Delayer
-	// customClose: the DelayerFactory's CustomDelayer.Close, if any.
-	customClose func() error
-	subscriber  wamqp.Config
+	// modeClose: the Mode's close (Custom: CustomDelayer.Close), if any.
+	modeClose  func() error
+	subscriber wamqp.Config
 	// crashQuarantine: Config.CrashQuarantine.
 	crashQuarantine bool
 	queueName       func(ctx context.Context) string
@@ -355,25 +260,19 @@ type Retry struct {
 
 // New validates cfg, connects the retry publisher (publisher confirms) and
 // assembles the chain: attempt counter, poison forwarder, delayed
-// republisher, classifier. With Config.DelayerFactory it calls the
-// factory once the publisher is connected and schedules positive-delay
-// retries with its Delayer. It returns Config.Validate's error, a
-// connection error, or the factory's error (wrapped). Close it after the
+// republisher, classifier, with the Delayer of Config.Mode (the Custom
+// mode's factory is called once the publisher is connected). It returns
+// Config.Validate's error, a connection error, or the mode's error (the
+// native mode's on a broker older than 4.3, the factory's, wrapped). Close it after the
 // router.
 func New(cfg Config) (*Retry, error) {
 	cfg.setDefaults()
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	tiers := slices.Clone(cfg.Tiers)
-	slices.Sort(tiers)
-	tiers = slices.Compact(tiers)
-	topo := newTopology(cfg.Naming, tiers, cfg.QueueType, cfg.DeadLetterFirstRetry, cfg.Logger)
-	if cfg.NativeDelayedRetry != nil {
-		n := *cfg.NativeDelayedRetry // a copy: later changes to cfg do not apply
-		cfg.NativeDelayedRetry = &n
-	}
-	topo.native = cfg.NativeDelayedRetry
+	mode := cfg.Mode
+	topo := newTopology(cfg.Naming, nil, cfg.QueueType, false, cfg.Logger)
+	mode.configure(&cfg, topo)
 
 	inner := cfg.Subscriber.Marshaler
 	switch m := inner.(type) {
@@ -407,16 +306,6 @@ func New(cfg Config) (*Retry, error) {
 			}
 		}
 	}
-	if cfg.NativeDelayedRetry != nil {
-		props, err := pub.serverProperties()
-		if err == nil {
-			err = checkNativeSupport(props)
-		}
-		if err != nil {
-			_ = pub.Close()
-			return nil, err
-		}
-	}
 	if cfg.AdoptQueue != nil {
 		if topo.adopt, err = newAdopter(cfg.AdoptQueue, topo, cfg.URI); err != nil {
 			_ = pub.Close()
@@ -429,43 +318,30 @@ func New(cfg Config) (*Retry, error) {
 		_ = pub.Close()
 		return nil, err
 	}
-	delayer := &Delayer{publisher: pub, topology: topo, marshaler: marshaler, queueName: cfg.QueueName, logger: cfg.Logger,
-		deadLetterFirst: cfg.DeadLetterFirstRetry, native: cfg.NativeDelayedRetry, routes: routes}
-	var chainDelayer middleware.Delayer = delayer
-	var custom CustomDelayer
-	if cfg.DelayerFactory != nil {
-		custom, err = buildCustomDelayer(cfg.DelayerFactory, DelayerDeps{
-			Publisher: pub, Marshaler: marshaler, QueueName: cfg.QueueName, Logger: cfg.Logger}, topo)
-		if err != nil {
-			_ = pub.Close()
-			return nil, fmt.Errorf("amqpretry: Config.DelayerFactory: %w", err)
-		}
-		chainDelayer = splitDelayer{loopBack: delayer, custom: custom.Delayer}
+	delayer := &Delayer{publisher: pub, topology: topo, marshaler: marshaler, queueName: cfg.QueueName, logger: cfg.Logger, routes: routes}
+	chainDelayer, modeClose, err := mode.delayer(delayer, DelayerDeps{
+		Publisher: pub, Marshaler: marshaler, QueueName: cfg.QueueName, Logger: cfg.Logger})
+	if err != nil {
+		_ = pub.Close()
+		return nil, err
 	}
+	policy := cfg.Policy
+	policy.Classifier = classifierWithAlive(policy.Classifier)
 	chain, err := router.New(router.Config{
+		Policy:          policy,
 		Delayer:         chainDelayer,
 		PoisonPublisher: &poisonPublisher{publisher: pub, topology: topo, marshaler: marshaler, logger: cfg.Logger},
 		PoisonTopic:     func(ctx context.Context) string { return topo.PoisonQueue(cfg.QueueName(ctx)) },
-		MaxAttempts:     cfg.MaxAttempts,
-		MaxRedeliveries: cfg.MaxRedeliveries,
-		FallbackPause:   cfg.FallbackPause,
-		Backoff:         cfg.Backoff,
-		Classifier:      classifierWithAlive(cfg.Classifier),
-		QueueName:       cfg.QueueName,
-		ErrorText:       cfg.ErrorText,
-		Observer:        cfg.Observer,
 		Logger:          cfg.Logger,
-		Pause:           cfg.Pause,
-		Tracing:         cfg.Tracing,
 
 		// The router's default sources, the same in every mode; with native
 		// delayed retry every redelivery (crashes too) is an attempt,
 		// counted by x-acquired-count.
-		RedeliveriesCounted: cfg.NativeDelayedRetry != nil,
+		RedeliveriesCounted: topo.native != nil,
 	})
 	if err != nil {
-		if custom.Close != nil {
-			_ = custom.Close()
+		if modeClose != nil {
+			_ = modeClose()
 		}
 		_ = pub.Close()
 		return nil, err
@@ -477,13 +353,13 @@ func New(cfg Config) (*Retry, error) {
 	// The chain nacks only what it could not settle, after a pause, and wants
 	// it requeued (kept in Q; the RedeliveryGuard counts the redelivery), not
 	// dead-lettered: classic dead-lettering is at-most-once. With
-	// DeadLetterFirstRetry the nack is the first retry: Q's DLX takes it.
-	sub.Consume.NoRequeueOnNack = cfg.DeadLetterFirstRetry
+	// DeadLetterFirst the nack is the first retry: Q's DLX takes it.
+	sub.Consume.NoRequeueOnNack = topo.deadLetterFirst
 	if cfg.QueueType == QueueTypeQuorum {
 		sub.Queue.Durable = true
 	}
-	return &Retry{crashQuarantine: cfg.CrashQuarantine, chain: chain, topology: topo, marshaler: marshaler, publisher: pub, delayer: delayer,
-		customClose: custom.Close, subscriber: sub, queueName: cfg.QueueName, late: newLateVerdicts(), logger: cfg.Logger}, nil
+	return &Retry{crashQuarantine: cfg.CrashQuarantine, chain: chain, topology: topo, marshaler: marshaler, publisher: pub,
+		modeClose: modeClose, subscriber: sub, queueName: cfg.QueueName, late: newLateVerdicts(), logger: cfg.Logger}, nil
 }
 
 // Middleware is the retry chain; pass it to (*message.Router).AddMiddleware
@@ -515,7 +391,7 @@ func (r *Retry) Middleware(h message.HandlerFunc) message.HandlerFunc {
 		if !deliveryAlive(msg) {
 			return nil, errDeliveryGone
 		}
-		if r.delayer.deadLetterFirst && msg.Metadata.Get(middleware.XDeathKey) != "" {
+		if r.topology.deadLetterFirst && msg.Metadata.Get(middleware.XDeathKey) != "" {
 			if ctx := msg.Context(); foreignDeaths(msg, r.queueName(ctx)) {
 				msg.SetContext(context.WithValue(ctx, foreignDeathsKey{}, true))
 			}
@@ -616,157 +492,15 @@ func (r *Retry) DeleteQueues(queue string) error {
 	return nil
 }
 
-// Close closes the Config.DelayerFactory's delayer (CustomDelayer.Close), if
+// Close closes the Custom mode's delayer (CustomDelayer.Close), if
 // any, then the retry publisher, waiting for publishes in flight, and
 // returns their errors joined. Close the router first.
 func (r *Retry) Close() error {
 	var cerr error
-	if r.customClose != nil {
-		cerr = r.customClose()
+	if r.modeClose != nil {
+		cerr = r.modeClose()
 	}
 	return errors.Join(cerr, r.publisher.Close())
-}
-
-// Delayer implements middleware.Delayer on RabbitMQ: it publishes the copy to
-// the wait queue of the tier TierFor(delay) of the message's originating
-// queue, with mandatory set, and returns once the broker confirmed it.
-type Delayer struct {
-	publisher *ConfirmPublisher
-	topology  *Topology
-	marshaler Marshaler
-	queueName func(ctx context.Context) string
-	logger    watermill.LoggerAdapter
-	// deadLetterFirst: first-tier retries are left to Q's dead-letter path.
-	deadLetterFirst bool
-	// native: retries within its range are left to Q's delayed retry.
-	native *NativeDelayedRetry
-	// routes checks the broker-side route before deadLetterFirst or native
-	// relies on it (nil: nothing to check).
-	routes *routeChecker
-}
-
-// Schedule publishes msg to its wait queue and waits for the confirm. A copy
-// whose headers exceed MaxCopyHeaderBytes is refused with an error wrapping
-// middleware.ErrCannotDelay (the message is then poisoned). With
-// Config.DeadLetterFirstRetry, a first-tier retry returns
-// middleware.ErrDeadLetter without publishing, unless the message carries
-// delivery carries x-death entries for Q that did not come from its way back
-// to Q (a producer's: foreignDeaths, marked by Retry.Middleware), which the
-// dead-letter path would keep; with
-// Config.NativeDelayedRetry, a retry in its range (NativeDelayedRetry) returns
-// middleware.ErrNativeRetry without publishing; either only while the
-// route checks out (see Config.DeadLetterFirstRetry) and ctx is not
-// middleware.WithCopyRequired, else it publishes. The
-// tier is TierFor(delay), or, when ctx carries a middleware.MinimumDelay (a
-// handler's RetryAfter), the smallest tier at or above it. A delay (or
-// RetryAfter) longer than the longest tier is held for the longest tier, and
-// the copy carries the rest (middleware.SetRemainingDelay): the
-// RedeliveryGuard sends it round again when it comes back, as many times as
-// needed, so the next attempt never runs earlier than asked. If the
-// wait queue or exchange is missing (returned as unroutable, or 404
-// NOT_FOUND), it redeclares the queue's topology and tries once more, so the
-// nack that follows a failure still finds the dead-letter path. It does not
-// stop when ctx is cancelled (router shutdown): the publish is bounded by the
-// publisher's ConfirmTimeout instead, so a retry in flight is not lost to a
-// shutdown.
-func (d *Delayer) Schedule(ctx context.Context, msg *message.Message, delay time.Duration) error {
-	q := d.queueName(ctx)
-	if err := d.topology.CheckNames(q); err != nil {
-		return err
-	}
-	tier := d.topology.TierFor(delay)
-	asked := delay
-	minimum, hasMinimum := middleware.MinimumDelay(ctx)
-	if hasMinimum {
-		// A handler's RetryAfter is a floor: round up, never down.
-		asked = max(delay, minimum)
-		tier, _ = d.topology.TierAtLeast(asked)
-	}
-	if delay <= 0 {
-		// Straight back to Q (the RedeliveryGuard's and the fallback's
-		// copies), with whatever remaining delay the copy's maker set.
-		return d.publish(ctx, msg, d.topology.naming.LoopBackExchange, q, q)
-	}
-	// Beyond the longest tier, the wait queue holds the copy for that tier
-	// and the copy carries the rest (middleware.RemainingDelayKey): the
-	// RedeliveryGuard sends it round again, so it never runs earlier than
-	// asked. Within the tiers a backoff delay is rounded to the nearest tier
-	// (TierFor), a RetryAfter up (TierAtLeast).
-	var remaining time.Duration
-	if n := len(d.topology.tiers); n > 0 && asked > d.topology.tiers[n-1] {
-		longest := d.topology.tiers[n-1]
-		remaining = asked - longest
-		d.logger.Debug("Retry delay exceeds the longest tier; held in several hops", watermill.LogFields{
-			"queue": q, "requested": asked.String(), "tier": tier.String(), "remaining": remaining.String(),
-		})
-	}
-	middleware.SetRemainingDelay(msg.Metadata, remaining)
-	if d.native != nil && !middleware.CopyRequired(ctx) {
-		if d.native.fits(delay, minimum) && d.routes.usable(q) {
-			return middleware.ErrNativeRetry // the nack with requeue puts it into Q's delayed state
-		}
-	}
-	if d.deadLetterFirst && remaining == 0 && tier == d.topology.tiers[0] && !middleware.CopyRequired(ctx) &&
-		ctx.Value(foreignDeathsKey{}) == nil && d.routes.usable(q) {
-		// The dead-lettered original carries no header: only a delay the
-		// first tier holds in full takes this path.
-		return middleware.ErrDeadLetter // Q's DLX routes to the first wait queue
-	}
-	wq := d.topology.naming.WaitQueue(q, tier)
-	return d.publish(ctx, msg, d.topology.naming.WaitExchange, wq, q)
-}
-
-// foreignDeathsKey marks, in a delivery's context (Retry.Middleware), a
-// delivery with foreignDeaths: its first-tier retry is a published copy,
-// not the dead-letter path.
-type foreignDeathsKey struct{}
-
-// foreignDeaths reports whether msg carries x-death entries for q that the
-// broker did not write on the way back to q (a producer's, or copied from
-// another message): the message is not on a retry route
-// (middleware.DeliveryRetryRouteKey). The dead-letter path would keep them
-// (RabbitMQ 3.x adds its own count to an x-death entry the message already
-// has), so that such a message's next delivery, back through the first wait
-// queue, would count them as attempts; a published copy, whose x-death is
-// stripped, counts only the attempts made here.
-func foreignDeaths(msg *message.Message, q string) bool {
-	if msg.Metadata.Get(middleware.DeliveryRetryRouteKey) == "true" {
-		return false
-	}
-	recs, err := middleware.ParseXDeath(msg.Metadata.Get(middleware.XDeathKey))
-	if err != nil {
-		return true
-	}
-	for _, r := range recs {
-		if r.Queue == q {
-			return true
-		}
-	}
-	return false
-}
-
-// publish marshals msg and publishes it to exchange with key (mandatory,
-// confirmed); if the target is missing it redeclares q's topology and tries
-// once more.
-func (d *Delayer) publish(ctx context.Context, msg *message.Message, exchange, key, q string) error {
-	p, err := d.marshaler.Marshal(msg)
-	if err != nil {
-		return fmt.Errorf("amqpretry: marshaling retry copy: %w", err)
-	}
-	if n := encodedHeaderBytes(p.Headers); n > MaxCopyHeaderBytes {
-		return fmt.Errorf("%w: the retry copy's headers take about %d bytes, more than the %d that stay deliverable once the broker adds x-death",
-			middleware.ErrCannotDelay, n, MaxCopyHeaderBytes)
-	}
-	pctx := context.WithoutCancel(ctx)
-	err = d.publisher.PublishRaw(pctx, exchange, key, p)
-	if err == nil || !topologyMissing(err) {
-		return err
-	}
-	d.logger.Error("Retry publish found no route; redeclaring topology", err, watermill.LogFields{"queue": q, "exchange": exchange, "routing_key": key})
-	if rerr := d.topology.Redeclare(d.publisher.Channel, q); rerr != nil {
-		return errors.Join(err, fmt.Errorf("amqpretry: redeclaring topology of %q: %w", q, rerr))
-	}
-	return d.publisher.PublishRaw(pctx, exchange, key, p)
 }
 
 // publisherConnectionName is the retry publisher's connection_name: the
@@ -789,14 +523,6 @@ func classifierWithAlive(c middleware.ClassifierConfig) middleware.ClassifierCon
 		return deliveryAlive(msg) && (user == nil || user(msg))
 	}
 	return c
-}
-
-func topologyMissing(err error) bool {
-	if errors.Is(err, ErrUnroutable) {
-		return true
-	}
-	var aerr *amqp.Error
-	return errors.As(err, &aerr) && aerr.Code == amqp.NotFound
 }
 
 // poisonPublisher publishes to the poison exchange with confirms; the topic is

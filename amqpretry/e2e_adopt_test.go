@@ -101,7 +101,7 @@ func TestE2E_AdoptQueueMismatches(t *testing.T) {
 			}
 			r, err := amqpretry.New(amqpretry.Config{
 				URI: uri, Subscriber: wamqp.NewDurableQueueConfig(uri), QueueType: amqpretry.QueueTypeQuorum,
-				Tiers: []time.Duration{100 * time.Millisecond}, AdoptQueue: &amqpretry.AdoptQueue{ManagementURL: mgmt},
+				Mode: amqpretry.Tiers(100 * time.Millisecond), AdoptQueue: &amqpretry.AdoptQueue{ManagementURL: mgmt},
 			})
 			if err != nil {
 				t.Fatal(err)
@@ -130,7 +130,7 @@ func TestE2E_AdoptQueueMismatches(t *testing.T) {
 // management API to apply and check it.
 func TestAdoptQueueNeedsManagementForNackModes(t *testing.T) {
 	cfg := amqpretry.Config{URI: "amqp://127.0.0.1:1/", Subscriber: wamqp.NewDurableQueueConfig("amqp://127.0.0.1:1/"),
-		QueueType: amqpretry.QueueTypeQuorum, DeadLetterFirstRetry: true, AdoptQueue: &amqpretry.AdoptQueue{}}
+		QueueType: amqpretry.QueueTypeQuorum, Mode: amqpretry.DeadLetterFirst(), AdoptQueue: &amqpretry.AdoptQueue{}}
 	if _, err := amqpretry.New(cfg); err == nil || !strings.Contains(err.Error(), "AdoptQueue.ManagementURL is empty") {
 		t.Errorf("New = %v, want the ManagementURL error", err)
 	}

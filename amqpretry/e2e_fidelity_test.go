@@ -359,7 +359,7 @@ func TestE2E_ForgedOriginIgnored(t *testing.T) {
 		viaDeadLetter bool
 	}{
 		{"classic", amqpretry.QueueTypeClassic, nil, false},
-		{"quorum-dead-letter-first", amqpretry.QueueTypeQuorum, []envOption{func(c *amqpretry.Config) { c.DeadLetterFirstRetry = true }}, true},
+		{"quorum-dead-letter-first", amqpretry.QueueTypeQuorum, []envOption{func(c *amqpretry.Config) { c.Mode = amqpretry.DeadLetterFirst() }}, true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			e := newEnv(t, tc.qt, tc.opts...)

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/rabbitretry/rabbitretry/internal/testkit"
+	"github.com/rabbitretry/rabbitretry/router"
 
 	"github.com/ThreeDotsLabs/watermill"
 	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v2/pkg/amqp"
@@ -69,9 +70,8 @@ func newEnv(t *testing.T, queueType string, opts ...envOption) *testEnv {
 	subCfg.Consume.Qos.PrefetchCount = 32
 
 	cfg := amqpretry.Config{
-		URI: uri, Subscriber: subCfg, QueueType: queueType, MaxAttempts: 3,
-		Backoff: fixedBackoff(100 * time.Millisecond),
-		Logger:  watermill.NopLogger{},
+		URI: uri, Subscriber: subCfg, QueueType: queueType, Policy: router.Policy{MaxAttempts: 3, Backoff: fixedBackoff(100 * time.Millisecond)},
+		Logger: watermill.NopLogger{},
 	}
 	for _, o := range opts {
 		o(&cfg)

@@ -20,7 +20,7 @@ import (
 func inspectRetry(t *testing.T, uri, queueType, queue string, tiers ...time.Duration) *amqpretry.Retry {
 	t.Helper()
 	r, err := amqpretry.New(amqpretry.Config{URI: uri, Subscriber: wamqp.NewDurableQueueConfig(uri), QueueType: queueType,
-		Tiers: tiers, Logger: watermill.NopLogger{}})
+		Mode: amqpretry.Tiers(tiers...), Logger: watermill.NopLogger{}})
 	if err != nil {
 		t.Fatal(err)
 	}

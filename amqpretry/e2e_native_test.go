@@ -16,6 +16,7 @@ import (
 
 	"github.com/rabbitretry/rabbitretry/amqpretry"
 	"github.com/rabbitretry/rabbitretry/middleware"
+	"github.com/rabbitretry/rabbitretry/router"
 )
 
 // broker43 skips the test unless the broker under test is RabbitMQ 4.3 or
@@ -50,14 +51,14 @@ func (s *seqBackoff) Reset() { s.i = 0 }
 func TestE2E_NativeDelayedRetry(t *testing.T) {
 	broker43(t)
 	const minDelay = 300 * time.Millisecond
-	native := &amqpretry.NativeDelayedRetry{Min: minDelay, Max: time.Second}
+	native := amqpretry.NativeDelayedRetry{Min: minDelay, Max: time.Second}
 	e := newEnv(t, amqpretry.QueueTypeQuorum, func(c *amqpretry.Config) {
 		c.MaxAttempts = 4
 		// Attempts 1 and 2: 300 ms (native); attempt 3: 2 s (> Max: wait queue).
 		c.Backoff = func() backoff.BackOff {
 			return &seqBackoff{ds: []time.Duration{minDelay, minDelay, 2 * time.Second}}
 		}
-		c.NativeDelayedRetry = native
+		c.Mode = amqpretry.NativeDelayed(native)
 	})
 	rec := newRecorder()
 	okUUID := watermill.NewUUID()
@@ -141,7 +142,7 @@ func TestE2E_NativeDelayedRetry(t *testing.T) {
 
 	// An existing Q declared with other delayed-retry arguments: *DeclareError.
 	cfg2 := amqpretry.Config{URI: e.uri, Subscriber: e.retry.SubscriberConfig(), QueueType: amqpretry.QueueTypeQuorum,
-		MaxAttempts: 4, NativeDelayedRetry: &amqpretry.NativeDelayedRetry{Min: 500 * time.Millisecond, Max: time.Second}}
+		Policy: router.Policy{MaxAttempts: 4}, Mode: amqpretry.NativeDelayed(amqpretry.NativeDelayedRetry{Min: 500 * time.Millisecond, Max: time.Second})}
 	r2, err := amqpretry.New(cfg2)
 	if err != nil {
 		t.Fatal(err)
@@ -176,8 +177,8 @@ func TestE2E_NativeDelayedRetryRefusedBefore43(t *testing.T) {
 	}
 	sub := wamqp.NewDurableQueueConfig(uri)
 	_, err = amqpretry.New(amqpretry.Config{URI: uri, Subscriber: sub, QueueType: amqpretry.QueueTypeQuorum,
-		NativeDelayedRetry: &amqpretry.NativeDelayedRetry{Min: time.Second}})
-	if err == nil || !strings.Contains(err.Error(), "4.3") || !strings.Contains(err.Error(), v) || !strings.Contains(err.Error(), "DeadLetterFirstRetry") {
+		Mode: amqpretry.NativeDelayed(amqpretry.NativeDelayedRetry{Min: time.Second})})
+	if err == nil || !strings.Contains(err.Error(), "4.3") || !strings.Contains(err.Error(), v) || !strings.Contains(err.Error(), "DeadLetterFirst") {
 		t.Fatalf("New on RabbitMQ %s: err = %v, want a refusal naming 4.3, the version and the alternatives", v, err)
 	}
 }

@@ -31,7 +31,8 @@ func TestE2E_RetryAfterBeyondLongestTier(t *testing.T) {
 		n     = 10
 		asked = 1500 * time.Millisecond
 	)
-	twoTiers := func(c *amqpretry.Config) { c.Tiers = []time.Duration{200 * time.Millisecond, 400 * time.Millisecond} }
+	two := []time.Duration{200 * time.Millisecond, 400 * time.Millisecond}
+	twoTiers := func(c *amqpretry.Config) { c.Mode = amqpretry.Tiers(two...) }
 	for _, v := range []struct {
 		name       string
 		queueType  string
@@ -46,13 +47,11 @@ func TestE2E_RetryAfterBeyondLongestTier(t *testing.T) {
 			c.Backoff = fixedBackoff(asked)
 		}, false, false},
 		{"quorum-deadletterfirst", amqpretry.QueueTypeQuorum, func(c *amqpretry.Config) {
-			c.Tiers = []time.Duration{400 * time.Millisecond}
-			c.DeadLetterFirstRetry = true
+			c.Mode = amqpretry.DeadLetterFirst(400 * time.Millisecond)
 		}, false, true},
 		{"quorum-native", amqpretry.QueueTypeQuorum, func(c *amqpretry.Config) {
-			twoTiers(c)
 			c.Backoff = fixedBackoff(asked)
-			c.NativeDelayedRetry = &amqpretry.NativeDelayedRetry{Min: 200 * time.Millisecond, Max: time.Second}
+			c.Mode = amqpretry.NativeDelayed(amqpretry.NativeDelayedRetry{Min: 200 * time.Millisecond, Max: time.Second, Tiers: two})
 		}, true, false},
 	} {
 		t.Run(v.name, func(t *testing.T) {

@@ -370,7 +370,7 @@ func TestE2E_BrokerHeadersUnmarshal(t *testing.T) {
 // per tier, no per-message TTL at the head of a shared queue.
 func TestE2E_NoHeadOfLineBlocking(t *testing.T) {
 	forEachQueueType(t, func(t *testing.T, qt string) {
-		e := newEnv(t, qt, func(c *amqpretry.Config) { c.Tiers = []time.Duration{200 * time.Millisecond, 5 * time.Second} })
+		e := newEnv(t, qt, func(c *amqpretry.Config) { c.Mode = amqpretry.Tiers(200*time.Millisecond, 5*time.Second) })
 		rec := newRecorder()
 		long := message.NewMessage(watermill.NewUUID(), []byte("long"))
 		short := message.NewMessage(watermill.NewUUID(), []byte("short"))
@@ -419,10 +419,10 @@ func TestE2E_ForgedRetryHeaders(t *testing.T) {
 	}{
 		{"classic", amqpretry.QueueTypeClassic, nil},
 		{"quorum", amqpretry.QueueTypeQuorum, nil},
-		{"quorum-dead-letter-first", amqpretry.QueueTypeQuorum, []envOption{func(c *amqpretry.Config) { c.DeadLetterFirstRetry = true }}},
+		{"quorum-dead-letter-first", amqpretry.QueueTypeQuorum, []envOption{func(c *amqpretry.Config) { c.Mode = amqpretry.DeadLetterFirst() }}},
 		{"quorum-native", amqpretry.QueueTypeQuorum, []envOption{func(c *amqpretry.Config) {
 			c.Backoff = testkit.ExactBackoff(200 * time.Millisecond) // 200 ms, 400 ms: both native
-			c.NativeDelayedRetry = &amqpretry.NativeDelayedRetry{Min: 200 * time.Millisecond, Max: 400 * time.Millisecond}
+			c.Mode = amqpretry.NativeDelayed(amqpretry.NativeDelayedRetry{Min: 200 * time.Millisecond, Max: 400 * time.Millisecond})
 		}}},
 	} {
 		t.Run(mode.name, func(t *testing.T) {
@@ -501,7 +501,7 @@ func forgedRetryHeaders(t *testing.T, mode, qt string, opts ...envOption) {
 // counted from x-death; later tiers are published copies. Attempts 1, 2, 3,
 // each no earlier than its tier; the other queue sees the message once.
 func TestE2E_DeadLetterFirstRetry(t *testing.T) {
-	e := newEnv(t, amqpretry.QueueTypeQuorum, func(c *amqpretry.Config) { c.DeadLetterFirstRetry = true })
+	e := newEnv(t, amqpretry.QueueTypeQuorum, func(c *amqpretry.Config) { c.Mode = amqpretry.DeadLetterFirst() })
 	recA, recB := newRecorder(), newRecorder()
 	qa := e.handle("a", func(msg *message.Message) error {
 		n := middleware.Attempt(msg)
@@ -538,8 +538,8 @@ func TestE2E_DeadLetterFirstRetry(t *testing.T) {
 		t.Fatalf("B saw the message %d times, want 1", n)
 	}
 	if _, err := amqpretry.New(amqpretry.Config{URI: e.uri, Subscriber: e.retry.SubscriberConfig(),
-		QueueType: amqpretry.QueueTypeClassic, DeadLetterFirstRetry: true}); err == nil || !strings.Contains(err.Error(), "DeadLetterFirstRetry") {
-		t.Errorf("DeadLetterFirstRetry with classic queues: err = %v, want a Validate error naming the field", err)
+		QueueType: amqpretry.QueueTypeClassic, Mode: amqpretry.DeadLetterFirst()}); err == nil || !strings.Contains(err.Error(), "DeadLetterFirst") {
+		t.Errorf("DeadLetterFirst with classic queues: err = %v, want a Validate error naming the field", err)
 	}
 }
 
@@ -551,9 +551,8 @@ func TestE2E_DeadLetterFirstRetry(t *testing.T) {
 // count that goes back.
 func TestE2E_DeadLetterFirstRetryOfACopy(t *testing.T) {
 	e := newEnv(t, amqpretry.QueueTypeQuorum, func(c *amqpretry.Config) {
-		c.DeadLetterFirstRetry = true
+		c.Mode = amqpretry.DeadLetterFirst(200*time.Millisecond, 500*time.Millisecond)
 		c.MaxAttempts = 5
-		c.Tiers = []time.Duration{200 * time.Millisecond, 500 * time.Millisecond}
 		c.Backoff = func() backoff.BackOff {
 			// 1 -> 2: dead-letter path; 2 -> 3: a copy in the 500 ms wait
 			// queue; 3 -> 4 and 4 -> 5: dead-letter path again.

@@ -18,7 +18,7 @@ import (
 // waiting_messages{queue, stage="1m"} 1 at scrape time, the poison queue as 0.
 func TestE2E_WaitingCollector(t *testing.T) {
 	e := newEnv(t, amqpretry.QueueTypeClassic, func(c *amqpretry.Config) {
-		c.Tiers = []time.Duration{time.Minute}
+		c.Mode = amqpretry.Tiers(time.Minute)
 		c.Backoff = fixedBackoff(time.Minute)
 	})
 	runs := newRecorder()

@@ -186,7 +186,7 @@ func argMillis(args map[string]any, key string) (time.Duration, bool) {
 //     Letter Exchanges", "Time-To-Live and Expiration"), whatever its name;
 //   - or is named "<Q>.wait.<d>" for a d that time.ParseDuration accepts:
 //     a wait queue of the default Naming.WaitQueue for a tier no longer
-//     configured (e.g. after Config.Tiers or MaxAttempts changed between
+//     configured (e.g. after the Mode's tiers or MaxAttempts changed between
 //     deploys).
 //
 // With a custom Naming.WaitQueue only the first rule finds orphans, which

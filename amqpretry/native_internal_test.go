@@ -10,35 +10,49 @@ import (
 )
 
 func TestNativeDelayedRetryValidate(t *testing.T) {
-	base := func(mut func(c *Config)) Config {
-		c := Config{Subscriber: wamqp.NewDurableQueueConfig("amqp://x/"), QueueType: QueueTypeQuorum,
-			NativeDelayedRetry: &NativeDelayedRetry{Min: time.Second, Max: 4 * time.Second}}
+	// base: the mode's settings n (mutated by nmut) in a quorum Config
+	// (mutated by mut).
+	type native = NativeDelayedRetry
+	base := func(mut func(c *Config), nmut ...func(n *native)) Config {
+		n := native{Min: time.Second, Max: 4 * time.Second}
+		for _, f := range nmut {
+			f(&n)
+		}
+		c := Config{Subscriber: wamqp.NewDurableQueueConfig("amqp://x/"), QueueType: QueueTypeQuorum, Mode: NativeDelayed(n)}
 		mut(&c)
 		c.setDefaults()
 		return c
 	}
-	if err := base(func(*Config) {}).Validate(); err != nil {
+	nop := func(*Config) {}
+	if err := base(nop).Validate(); err != nil {
 		t.Fatalf("valid config: %v", err)
 	}
-	if err := base(func(c *Config) { c.NativeDelayedRetry.Max = 0 }).Validate(); err != nil {
+	if err := base(nop, func(n *native) { n.Max = 0 }).Validate(); err != nil {
 		t.Fatalf("Max 0 (= Min): %v", err)
 	}
+	// (The old "dead-letter" case, NativeDelayedRetry with
+	// DeadLetterFirstRetry, cannot be written any more: one Mode value.)
 	for name, tc := range map[string]struct {
 		mut  func(c *Config)
+		nmut func(n *native)
 		want string
 	}{
-		"classic":       {func(c *Config) { c.QueueType = QueueTypeClassic }, "NativeDelayedRetry needs QueueType quorum"},
-		"dead-letter":   {func(c *Config) { c.DeadLetterFirstRetry = true }, "mutually exclusive"},
-		"min zero":      {func(c *Config) { c.NativeDelayedRetry.Min = 0 }, "NativeDelayedRetry.Min"},
-		"min sub-ms":    {func(c *Config) { c.NativeDelayedRetry.Min = 1500 * time.Microsecond }, "NativeDelayedRetry.Min"},
-		"max below min": {func(c *Config) { c.NativeDelayedRetry.Max = 500 * time.Millisecond }, "NativeDelayedRetry.Max"},
-		"max sub-ms":    {func(c *Config) { c.NativeDelayedRetry.Max = 2*time.Second + time.Microsecond }, "NativeDelayedRetry.Max"},
-		"max too long":  {func(c *Config) { c.NativeDelayedRetry.Max = MaxTTL + time.Millisecond }, "NativeDelayedRetry.Max"},
-		"user args": {func(c *Config) { c.Subscriber.Queue.Arguments = amqp.Table{"x-delayed-retry-min": int64(5)} },
+		"classic":       {func(c *Config) { c.QueueType = QueueTypeClassic }, nil, "NativeDelayed needs QueueType quorum"},
+		"min zero":      {nop, func(n *native) { n.Min = 0 }, "NativeDelayedRetry.Min"},
+		"min sub-ms":    {nop, func(n *native) { n.Min = 1500 * time.Microsecond }, "NativeDelayedRetry.Min"},
+		"max below min": {nop, func(n *native) { n.Max = 500 * time.Millisecond }, "NativeDelayedRetry.Max"},
+		"max sub-ms":    {nop, func(n *native) { n.Max = 2*time.Second + time.Microsecond }, "NativeDelayedRetry.Max"},
+		"max too long":  {nop, func(n *native) { n.Max = MaxTTL + time.Millisecond }, "NativeDelayedRetry.Max"},
+		"tier sub-ms":   {nop, func(n *native) { n.Tiers = []time.Duration{1500 * time.Microsecond} }, "Tiers[0]"},
+		"user args": {func(c *Config) { c.Subscriber.Queue.Arguments = amqp.Table{"x-delayed-retry-min": int64(5)} }, nil,
 			"x-delayed-retry-min, which NativeDelayedRetry manages"},
 	} {
 		t.Run(name, func(t *testing.T) {
-			err := base(tc.mut).Validate()
+			var nmut []func(*native)
+			if tc.nmut != nil {
+				nmut = append(nmut, tc.nmut)
+			}
+			err := base(tc.mut, nmut...).Validate()
 			if err == nil || !strings.Contains(err.Error(), tc.want) {
 				t.Errorf("err = %v, want one containing %q", err, tc.want)
 			}
@@ -46,7 +60,7 @@ func TestNativeDelayedRetryValidate(t *testing.T) {
 	}
 	// Off: a user's own arguments are not touched or refused.
 	c := base(func(c *Config) {
-		c.NativeDelayedRetry = nil
+		c.Mode = nil
 		c.Subscriber.Queue.Arguments = amqp.Table{"x-delayed-retry-min": int64(5)}
 	})
 	if err := c.Validate(); err != nil {
@@ -63,7 +77,7 @@ func TestCheckNativeSupport(t *testing.T) {
 		if (err == nil) != ok {
 			t.Errorf("version %q: err = %v, want ok=%v", v, err, ok)
 		}
-		if err != nil && (!strings.Contains(err.Error(), "4.3") || !strings.Contains(err.Error(), "DeadLetterFirstRetry")) {
+		if err != nil && (!strings.Contains(err.Error(), "4.3") || !strings.Contains(err.Error(), "DeadLetterFirst")) {
 			t.Errorf("version %q: error %q should say why (4.3) and what to use instead", v, err)
 		}
 	}

@@ -21,10 +21,10 @@ import (
 // Names of the broker-side retry routes (the route argument of
 // middleware.RouteObserver.RouteChecked).
 const (
-	// routeDeadLetterFirst is DeadLetterFirstRetry's route: the nack
+	// routeDeadLetterFirst is the DeadLetterFirst mode's route: the nack
 	// dead-letters the original into Q's first wait queue.
 	routeDeadLetterFirst = "dead-letter-first"
-	// routeNativeDelayedRetry is NativeDelayedRetry's route: the nack with
+	// routeNativeDelayedRetry is the NativeDelayed mode's route: the nack with
 	// requeue puts the original into Q's delayed state.
 	routeNativeDelayedRetry = "native-delayed-retry"
 )
@@ -44,7 +44,7 @@ const routeCheckTimeout = 3 * time.Second
 // queue's dead-letter buffer, a nack with requeue and no delayed-retry
 // keys comes back at once. What it checks, per originating queue Q:
 //
-//   - DeadLetterFirstRetry: Q's first wait queue exists (passive declare,
+//   - DeadLetterFirst: Q's first wait queue exists (passive declare,
 //     AMQP); with a management API, no policy or operator policy gives it
 //     a length limit (max-length, max-length-bytes): a full target with
 //     reject-publish holds at-least-once dead-letters in Q's dead-letter
@@ -247,14 +247,14 @@ func topPolicies(ps []namedPolicy, q string) []namedPolicy {
 }
 
 // newRouteChecker returns the checker of the broker-side route the
-// configuration relies on: DeadLetterFirstRetry's always, NativeDelayedRetry's
+// mode relies on: DeadLetterFirst's always, NativeDelayed's
 // on an adopted queue (a declared queue's x-delayed-retry-* arguments cannot
 // be overridden by a policy); nil when there is none.
 func newRouteChecker(cfg Config, topo *Topology, pub *ConfirmPublisher) (*routeChecker, error) {
 	route := routeDeadLetterFirst
 	switch {
-	case cfg.DeadLetterFirstRetry:
-	case cfg.NativeDelayedRetry != nil && cfg.AdoptQueue != nil:
+	case topo.deadLetterFirst:
+	case topo.native != nil && cfg.AdoptQueue != nil:
 		route = routeNativeDelayedRetry
 	default:
 		return nil, nil

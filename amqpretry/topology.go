@@ -176,7 +176,7 @@ type Topology struct {
 	// policy; open gives the side channel the passive declare runs on.
 	adopt *adopter
 	open  func() (*amqp.Channel, error)
-	// bindQueue and deliveredQueue come from Config.DelayerFactory's
+	// bindQueue and deliveredQueue come from the Custom mode's
 	// CustomDelayer (nil without one): bindQueue runs at the end of
 	// DeclareRetry, deliveredQueue lets the Marshaler recognise its copies.
 	bindQueue      func(ch *amqp.Channel, queue string) error
@@ -199,7 +199,7 @@ func newTopology(naming Naming, tiers []time.Duration, queueType string, deadLet
 		declared: map[string]declaredQueue{}}
 }
 
-// Tiers returns the delay tiers, ascending; none when Config.DelayerFactory
+// Tiers returns the delay tiers, ascending; none when a Custom mode (e.g. the cascade)
 // replaces the wait queues.
 func (t *Topology) Tiers() []time.Duration { return slices.Clone(t.tiers) }
 
@@ -212,7 +212,7 @@ func (t *Topology) Naming() Naming { return t.naming }
 // sqrt(b/a) (1.41 for doubling tiers), and jittered delays spread over
 // neighbouring tiers instead of piling into the next one up. A delay below
 // the shortest tier gets the shortest; above the longest, the longest.
-// With no tiers (Config.DelayerFactory) it returns 0.
+// With no tiers (a Custom mode) it returns 0.
 func (t *Topology) TierFor(d time.Duration) time.Duration {
 	if len(t.tiers) == 0 {
 		return 0
@@ -238,7 +238,7 @@ func (t *Topology) TierFor(d time.Duration) time.Duration {
 // ok is false when d exceeds the longest tier; the longest tier is returned
 // then (the Delayer holds the copy for it and the copy carries the rest,
 // middleware.RemainingDelayKey, so it is held again when it comes back).
-// With no tiers (Config.DelayerFactory) it returns 0, false.
+// With no tiers (a Custom mode) it returns 0, false.
 func (t *Topology) TierAtLeast(d time.Duration) (tier time.Duration, ok bool) {
 	if len(t.tiers) == 0 {
 		return 0, false
@@ -289,7 +289,7 @@ func (t *Topology) CheckNames(queue string) error {
 // originArgs are the arguments amqpretry sets on the originating queue Q.
 //
 // The library itself never dead-letters Q's messages (a failure it cannot
-// settle is nacked with requeue), except in DeadLetterFirstRetry mode, so
+// settle is nacked with requeue), except in the DeadLetterFirst mode, so
 // what Q's dead-letter exchange receives is what RabbitMQ itself removes:
 //   - classic Q: no dead-letter exchange. A per-message or queue TTL that
 //     expires in Q, or a max-length overflow, discards the message as the
@@ -300,10 +300,10 @@ func (t *Topology) CheckNames(queue string) error {
 //     4.0+ removes a message past the queue's delivery limit (default 20):
 //     it lands in the poison queue with x-death reason delivery_limit instead
 //     of being dropped ("Quorum Queues", "Dead Letter Exchanges").
-//   - DeadLetterFirstRetry (quorum only): dead-letter exchange = the
+//   - DeadLetterFirst mode (quorum only): dead-letter exchange = the
 //     default exchange, routing key Q's first wait queue: the library's nack
 //     is the first retry.
-//   - NativeDelayedRetry (quorum only): x-delayed-retry-type "all",
+//   - NativeDelayed mode (quorum only): x-delayed-retry-type "all",
 //     x-delayed-retry-min and -max (ms): the library's nack with requeue is
 //     a native retry.
 func (t *Topology) originArgs(queue string, user amqp.Table) amqp.Table {
@@ -479,8 +479,8 @@ func (t *Topology) queueExists(queue string) (bool, error) {
 // DeclareRetry declares Q's side of the retry topology (loop-back binding,
 // wait exchange and queues, poison exchange and queue, quarantine queue
 // bound to the loop-back exchange), not Q itself, then
-// runs the Config.DelayerFactory's BindQueue hook for Q, if any (with a
-// DelayerFactory there are no tiers, so no wait queue is declared). All
+// runs the Custom mode's BindQueue hook for Q, if any (with a
+// Custom mode there are no tiers, so no wait queue is declared). All
 // exchanges and queues are durable: RabbitMQ 4.3 refuses non-durable shared
 // queues, and waiting messages must survive a broker restart.
 func (t *Topology) DeclareRetry(ch *amqp.Channel, queue string) error {
@@ -520,7 +520,7 @@ func (t *Topology) DeclareRetry(ch *amqp.Channel, queue string) error {
 	}
 	if t.bindQueue != nil {
 		if err := t.bindQueue(ch, queue); err != nil {
-			return fmt.Errorf("amqpretry: binding %q to the custom delayer (Config.DelayerFactory): %w", queue, err)
+			return fmt.Errorf("amqpretry: binding %q to the custom delayer (a Custom mode): %w", queue, err)
 		}
 	}
 	return nil

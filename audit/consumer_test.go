@@ -23,6 +23,7 @@ import (
 	"github.com/rabbitretry/rabbitretry/audit/audittest"
 	"github.com/rabbitretry/rabbitretry/internal/testkit"
 	"github.com/rabbitretry/rabbitretry/middleware"
+	"github.com/rabbitretry/rabbitretry/router"
 )
 
 const routingKey = "order.created"
@@ -216,9 +217,8 @@ func (e *brokerEnv) retryConsumer(queue string, maxAttempts int, h message.NoPub
 		e.t.Fatal(err)
 	}
 	retry, err = amqpretry.New(amqpretry.Config{
-		URI: e.uri, Subscriber: subCfg, QueueType: amqpretry.QueueTypeQuorum, MaxAttempts: maxAttempts,
-		Backoff:  func() backoff.BackOff { return backoff.NewConstantBackOff(100 * time.Millisecond) },
-		Observer: middleware.Observers(rec), Logger: watermill.NopLogger{},
+		URI: e.uri, Subscriber: subCfg, QueueType: amqpretry.QueueTypeQuorum, Policy: router.Policy{MaxAttempts: maxAttempts, Backoff: func() backoff.BackOff { return backoff.NewConstantBackOff(100 * time.Millisecond) }, Observer: middleware.Observers(rec)},
+		Logger: watermill.NopLogger{},
 	})
 	if err != nil {
 		e.t.Fatal(err)

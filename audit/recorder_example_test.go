@@ -13,6 +13,7 @@ import (
 	"github.com/rabbitretry/rabbitretry/audit"
 	"github.com/rabbitretry/rabbitretry/audit/pgstore"
 	"github.com/rabbitretry/rabbitretry/middleware"
+	"github.com/rabbitretry/rabbitretry/router"
 )
 
 // Auditing an amqpretry consumer: the Recorder around the retry chain (and
@@ -33,7 +34,7 @@ func ExampleRecorder() {
 	retry, err = amqpretry.New(amqpretry.Config{
 		URI:        uri,
 		Subscriber: wamqp.NewDurableQueueConfig(uri),
-		Observer:   middleware.Observers(rec /* , metrics */),
+		Policy:     router.Policy{Observer: middleware.Observers(rec /* , metrics */)},
 	})
 	if err != nil {
 		log.Fatal(err)

@@ -114,8 +114,8 @@ func TestRecorderOutcomes(t *testing.T) {
 		return mem.Schedule(ctx, msg, d)
 	})
 	chain, err := router.New(router.Config{
-		Delayer: delayer, PoisonPublisher: ps, MaxAttempts: 3, Backoff: testkit.ExactBackoff(20 * time.Millisecond),
-		Observer: middleware.Observers(middleware.NopObserver{}, rec), FallbackPause: -1, Logger: logger,
+		Delayer: delayer, PoisonPublisher: ps, Policy: router.Policy{MaxAttempts: 3, Backoff: testkit.ExactBackoff(20 * time.Millisecond), Observer: middleware.Observers(middleware.NopObserver{}, rec), FallbackPause: -1},
+		Logger: logger,
 	})
 	if err != nil {
 		t.Fatal(err)

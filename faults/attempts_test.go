@@ -17,26 +17,20 @@ import (
 // Retry modes a deploy can switch between on one adopted quorum queue.
 var retryModes = map[string]envOption{
 	"native": func(_ *env, c *amqpretry.Config) {
-		plainMode(c)
 		// Every retry of the test (backoff 1 s, 2 s, 4 s) is native: held 1 s.
-		c.NativeDelayedRetry = &amqpretry.NativeDelayedRetry{Min: time.Second, Max: 4 * time.Second}
+		c.Mode = amqpretry.NativeDelayed(amqpretry.NativeDelayedRetry{Min: time.Second, Max: 4 * time.Second, Tiers: plainTiers})
 	},
-	"tiers": func(_ *env, c *amqpretry.Config) { plainMode(c) },
-	"dead-letter-first": func(_ *env, c *amqpretry.Config) {
-		plainMode(c)
-		c.DeadLetterFirstRetry = true
-	},
+	"tiers":             func(_ *env, c *amqpretry.Config) { plainMode(c) },
+	"dead-letter-first": func(_ *env, c *amqpretry.Config) { c.Mode = amqpretry.DeadLetterFirst(plainTiers...) },
 	"cascade": func(e *env, c *amqpretry.Config) {
-		plainMode(c)
-		c.Tiers = nil
-		c.DelayerFactory = cascade.DelayerFactory(testCascade(e))
+		c.Mode = cascade.Mode(testCascade(e))
 	},
 }
 
-func plainMode(c *amqpretry.Config) {
-	c.NativeDelayedRetry, c.DeadLetterFirstRetry, c.DelayerFactory = nil, false, nil
-	c.Tiers = []time.Duration{time.Second, 4 * time.Second}
-}
+// plainTiers are the wait-queue tiers of the modes that have them.
+var plainTiers = []time.Duration{time.Second, 4 * time.Second}
+
+func plainMode(c *amqpretry.Config) { c.Mode = amqpretry.Tiers(plainTiers...) }
 
 // testCascade is e's own delay cascade, deleted at the end of the test.
 func testCascade(e *env) cascade.Config {

@@ -25,6 +25,7 @@ import (
 	"github.com/rabbitretry/rabbitretry/audit"
 	"github.com/rabbitretry/rabbitretry/audit/pgstore"
 	"github.com/rabbitretry/rabbitretry/middleware"
+	"github.com/rabbitretry/rabbitretry/router"
 )
 
 const pgBin = "/usr/lib/postgresql/15/bin"
@@ -193,10 +194,9 @@ func TestAuditPostgresRestartMidStorm(t *testing.T) {
 	subCfg.Exchange = wamqp.ExchangeConfig{GenerateName: func(string) string { return exchange }, Type: "direct", Durable: true}
 	subCfg.QueueBind = wamqp.QueueBindConfig{GenerateRoutingKey: func(string) string { return routingKey }}
 	subCfg.Consume.Qos.PrefetchCount = 64
-	retry, err = amqpretry.New(amqpretry.Config{URI: uri, Subscriber: subCfg, QueueType: amqpretry.QueueTypeQuorum, MaxAttempts: maxAttempts,
-		Naming:   retryNaming,
-		Backoff:  func() backoff.BackOff { return backoff.NewConstantBackOff(200 * time.Millisecond) },
-		Observer: middleware.Observers(rec), Logger: watermill.NopLogger{}})
+	retry, err = amqpretry.New(amqpretry.Config{URI: uri, Subscriber: subCfg, QueueType: amqpretry.QueueTypeQuorum, Policy: router.Policy{MaxAttempts: maxAttempts, Backoff: func() backoff.BackOff { return backoff.NewConstantBackOff(200 * time.Millisecond) }, Observer: middleware.Observers(rec)},
+		Naming: retryNaming,
+		Logger: watermill.NopLogger{}})
 	if err != nil {
 		t.Fatal(err)
 	}

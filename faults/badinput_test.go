@@ -126,7 +126,7 @@ func TestBadInputConfig(t *testing.T) {
 	uri := brokerURI(t)
 	base := func() amqpretry.Config {
 		sc := wamqp.NewDurableQueueConfig(uri)
-		return amqpretry.Config{URI: uri, Subscriber: sc, Tiers: []time.Duration{time.Second}}
+		return amqpretry.Config{URI: uri, Subscriber: sc, Mode: amqpretry.Tiers(time.Second)}
 	}
 	manyTiers := make([]time.Duration, amqpretry.MaxTiers+1)
 	for i := range manyTiers {
@@ -137,15 +137,19 @@ func TestBadInputConfig(t *testing.T) {
 		mod     func(c *amqpretry.Config)
 		wantErr string // "" = valid
 	}{
-		{"tier zero", func(c *amqpretry.Config) { c.Tiers = []time.Duration{0} }, "Tiers[0]"},
-		{"tier negative", func(c *amqpretry.Config) { c.Tiers = []time.Duration{time.Second, -time.Second} }, "Tiers[1]"},
-		{"tier above MaxTTL", func(c *amqpretry.Config) { c.Tiers = []time.Duration{amqpretry.MaxTTL + time.Millisecond} }, "Tiers[0]"},
-		{"tier not whole ms", func(c *amqpretry.Config) { c.Tiers = []time.Duration{time.Second, 1500 * time.Microsecond} }, "Tiers[1]"},
-		{"tier at MaxTTL", func(c *amqpretry.Config) { c.Tiers = []time.Duration{amqpretry.MaxTTL} }, ""},
-		{"too many tiers", func(c *amqpretry.Config) { c.Tiers = manyTiers }, "Tiers has 33 tiers"},
+		{"tier zero", func(c *amqpretry.Config) { c.Mode = amqpretry.Tiers(0) }, "Tiers[0]"},
+		{"tier negative", func(c *amqpretry.Config) { c.Mode = amqpretry.Tiers(time.Second, -time.Second) }, "Tiers[1]"},
+		{"tier above MaxTTL", func(c *amqpretry.Config) {
+			c.Mode = amqpretry.Tiers(amqpretry.MaxTTL + time.Millisecond)
+		}, "Tiers[0]"},
+		{"tier not whole ms", func(c *amqpretry.Config) {
+			c.Mode = amqpretry.Tiers(time.Second, 1500*time.Microsecond)
+		}, "Tiers[1]"},
+		{"tier at MaxTTL", func(c *amqpretry.Config) { c.Mode = amqpretry.Tiers(amqpretry.MaxTTL) }, ""},
+		{"too many tiers", func(c *amqpretry.Config) { c.Mode = amqpretry.Tiers(manyTiers...) }, "Tiers has 33 tiers"},
 		{"MaxAttempts negative", func(c *amqpretry.Config) { c.MaxAttempts = -1 }, "MaxAttempts -1"},
 		{"MaxAttempts above cap", func(c *amqpretry.Config) { c.MaxAttempts = middleware.MaxAttemptsCap + 1 }, "MaxAttempts 1001"},
-		{"MaxAttempts 1", func(c *amqpretry.Config) { c.MaxAttempts = 1; c.Tiers = nil }, ""},
+		{"MaxAttempts 1", func(c *amqpretry.Config) { c.MaxAttempts = 1; c.Mode = nil }, ""},
 		{"queue type", func(c *amqpretry.Config) { c.QueueType = "stream" }, `QueueType "stream"`},
 		{"user DLX", func(c *amqpretry.Config) {
 			c.Subscriber.Queue.Arguments = amqp.Table{"x-dead-letter-exchange": "mine"}

@@ -33,8 +33,7 @@ func cascadeEnv(t *testing.T, opts ...envOption) (*env, cascade.Config) {
 	t.Helper()
 	ccfg := cascade.Config{Prefix: uniquePrefix(t) + ".cascade"}
 	e := newEnv(t, amqpretry.QueueTypeQuorum, append([]envOption{func(_ *env, c *amqpretry.Config) {
-		c.Tiers = nil
-		c.DelayerFactory = cascade.DelayerFactory(ccfg)
+		c.Mode = cascade.Mode(ccfg)
 	}}, opts...)...)
 	t.Cleanup(func() {
 		ch := e.admin.channel()

@@ -147,7 +147,7 @@ func TestSettingsChangeAcrossDeploys(t *testing.T) {
 	requireLong(t)
 	changes := []settingsChange{
 		{"tiers 1s,2s,4s -> 500ms,1s,2s", func(_ *env, c *amqpretry.Config) {
-			c.Tiers = []time.Duration{500 * time.Millisecond, time.Second, 2 * time.Second}
+			c.Mode = amqpretry.Tiers(500*time.Millisecond, time.Second, 2*time.Second)
 			c.Backoff = exactBackoff(500 * time.Millisecond)
 		}},
 		{"exchanges renamed", func(e *env, c *amqpretry.Config) { c.Naming = renamed(e, "v2") }},
@@ -159,7 +159,7 @@ func TestSettingsChangeAcrossDeploys(t *testing.T) {
 	forEachQueueType(t, func(t *testing.T, qt string) {
 		e := newEnv(t, qt, func(_ *env, c *amqpretry.Config) {
 			c.Backoff = exactBackoff(time.Second)
-			c.Tiers = []time.Duration{time.Second, 2 * time.Second, 4 * time.Second}
+			c.Mode = amqpretry.Tiers(time.Second, 2*time.Second, 4*time.Second)
 		})
 		evolve(t, e, 3000, changes)
 	})
@@ -176,14 +176,13 @@ func TestSettingsChangeAcrossDeploysByPolicy(t *testing.T) {
 	t.Run("DeadLetterFirstRetry", func(t *testing.T) {
 		e := newEnv(t, amqpretry.QueueTypeQuorum, func(_ *env, c *amqpretry.Config) {
 			c.Backoff = exactBackoff(time.Second)
-			c.Tiers = []time.Duration{time.Second, 2 * time.Second, 4 * time.Second}
-			c.DeadLetterFirstRetry = true
+			c.Mode = amqpretry.DeadLetterFirst(time.Second, 2*time.Second, 4*time.Second)
 			c.AdoptQueue = &amqpretry.AdoptQueue{ManagementURL: mgmt}
 		})
 		deletePolicyAtCleanup(t, mgmt, e.queue)
 		evolve(t, e, 3000, []settingsChange{
 			{"first tier 1s -> 500ms", func(_ *env, c *amqpretry.Config) {
-				c.Tiers = []time.Duration{500 * time.Millisecond, 2 * time.Second, 4 * time.Second}
+				c.Mode = amqpretry.DeadLetterFirst(500*time.Millisecond, 2*time.Second, 4*time.Second)
 				c.Backoff = exactBackoff(500 * time.Millisecond)
 			}},
 		})
@@ -195,15 +194,14 @@ func TestSettingsChangeAcrossDeploysByPolicy(t *testing.T) {
 		e := newEnv(t, amqpretry.QueueTypeQuorum, func(_ *env, c *amqpretry.Config) {
 			// Native for the 1 s retries, wait queues above: 2 s, 4 s.
 			c.Backoff = exactBackoff(time.Second)
-			c.Tiers = []time.Duration{2 * time.Second, 4 * time.Second}
 			c.MaxAttempts = 8 // room for the returns a stop costs (x-acquired-count)
-			c.NativeDelayedRetry = &amqpretry.NativeDelayedRetry{Min: time.Second, Max: time.Second}
+			c.Mode = amqpretry.NativeDelayed(amqpretry.NativeDelayedRetry{Min: time.Second, Max: time.Second, Tiers: []time.Duration{2 * time.Second, 4 * time.Second}})
 			c.AdoptQueue = &amqpretry.AdoptQueue{ManagementURL: mgmt}
 		})
 		deletePolicyAtCleanup(t, mgmt, e.queue)
 		evolve(t, e, 3000, []settingsChange{
 			{"native Min/Max 1s -> 500ms/1s", func(_ *env, c *amqpretry.Config) {
-				c.NativeDelayedRetry = &amqpretry.NativeDelayedRetry{Min: 500 * time.Millisecond, Max: time.Second}
+				c.Mode = amqpretry.NativeDelayed(amqpretry.NativeDelayedRetry{Min: 500 * time.Millisecond, Max: time.Second, Tiers: []time.Duration{2 * time.Second, 4 * time.Second}})
 			}},
 		})
 	})

@@ -13,6 +13,7 @@ import (
 
 	"github.com/rabbitretry/rabbitretry/amqpretry"
 	"github.com/rabbitretry/rabbitretry/middleware"
+	"github.com/rabbitretry/rabbitretry/router"
 )
 
 // FuzzAttemptCounter feeds arbitrary rabbitretry-attempt, x-death (the JSON
@@ -102,7 +103,7 @@ func FuzzConfigValidate(f *testing.F) {
 				tiers = append(tiers, time.Duration(tier1+int64(i))*time.Millisecond)
 			}
 		}
-		cfg := amqpretry.Config{URI: uri, Subscriber: wamqp.NewDurableQueueConfig(uri), MaxAttempts: maxAttempts, Tiers: tiers, QueueType: queueType}
+		cfg := amqpretry.Config{URI: uri, Subscriber: wamqp.NewDurableQueueConfig(uri), Policy: router.Policy{MaxAttempts: maxAttempts}, Mode: amqpretry.Tiers(tiers...), QueueType: queueType}
 		err := cfg.Validate()
 		if err == nil {
 			if maxAttempts < 1 || maxAttempts > middleware.MaxAttemptsCap {
@@ -136,7 +137,7 @@ func FuzzConfigValidate(f *testing.F) {
 			return b
 		}
 		def := amqpretry.DefaultTiers(policy, maxAttempts)
-		cfg.Tiers, cfg.QueueType = def, amqpretry.QueueTypeClassic
+		cfg.Mode, cfg.QueueType = amqpretry.Tiers(def...), amqpretry.QueueTypeClassic
 		if err := cfg.Validate(); err != nil {
 			t.Fatalf("DefaultTiers(initial %v, x%v, %d attempts) = %v: %v", initial, mult, maxAttempts, def, err)
 		}

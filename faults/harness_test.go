@@ -30,6 +30,7 @@ import (
 	"time"
 
 	"github.com/rabbitretry/rabbitretry/internal/testkit"
+	"github.com/rabbitretry/rabbitretry/router"
 
 	"github.com/ThreeDotsLabs/watermill"
 	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v2/pkg/amqp"
@@ -335,10 +336,9 @@ func newEnv(t *testing.T, queueType string, opts ...envOption) *env {
 		BackoffMultiplier: 1.5, BackoffMaxInterval: 2 * time.Second,
 	}
 	e.cfg = amqpretry.Config{
-		URI: uri, Subscriber: subCfg, QueueType: queueType, MaxAttempts: 5,
-		Backoff: exactBackoff(200 * time.Millisecond),
-		Tiers:   []time.Duration{200 * time.Millisecond, 400 * time.Millisecond},
-		Naming:  e.naming, Logger: e.logs,
+		URI: uri, Subscriber: subCfg, QueueType: queueType, Policy: router.Policy{MaxAttempts: 5, Backoff: exactBackoff(200 * time.Millisecond)},
+		Mode:   amqpretry.Tiers(envTiers...),
+		Naming: e.naming, Logger: e.logs,
 		ConfirmTimeout: 10 * time.Second,
 	}
 	for _, o := range opts {
@@ -359,8 +359,15 @@ func (e *env) quarantineQueue() string { return e.retry.Topology().QuarantineQue
 func (e *env) allQueues() []string {
 	return append(e.waitQueues(), e.queue, e.poisonQueue(), e.quarantineQueue())
 }
-func (e *env) depth(q string) int     { return e.admin.depth(q) }
-func (e *env) poisonDepth() int       { return e.admin.depth(e.poisonQueue()) }
+func (e *env) depth(q string) int { return e.admin.depth(q) }
+func (e *env) poisonDepth() int   { return e.admin.depth(e.poisonQueue()) }
+
+// envTiers are the wait-queue tiers of an env unless an option sets its Mode.
+var envTiers = []time.Duration{200 * time.Millisecond, 400 * time.Millisecond}
+
+// native reports whether e's retry mode is amqpretry.NativeDelayed.
+func (e *env) native() bool { return e.cfg.Mode != nil && e.cfg.Mode.String() == "native-delayed" }
+
 func (e *env) maxTier() time.Duration { return slices.Max(e.retry.Topology().Tiers()) }
 
 // declare declares the whole topology without consuming.
@@ -518,7 +525,7 @@ func (e *env) checkEmpty() {
 	if d := e.depth(e.quarantineQueue()); d > 0 {
 		e.t.Errorf("%d message(s) left in %s", d, e.quarantineQueue())
 	}
-	if e.cfg.NativeDelayedRetry != nil {
+	if e.native() {
 		// list_queues reports the queue's metrics, emitted every 5 s: a
 		// count above 0 may be an old one, so wait for it to reach 0.
 		held := -1

@@ -33,7 +33,7 @@ func TestNativeDelayedRetryConnectionDrop(t *testing.T) {
 	haveRabbitmqctl(t)
 	e := newEnv(t, amqpretry.QueueTypeQuorum, func(_ *env, c *amqpretry.Config) {
 		c.MaxAttempts = 8
-		c.NativeDelayedRetry = &amqpretry.NativeDelayedRetry{Min: 200 * time.Millisecond, Max: 400 * time.Millisecond}
+		c.Mode = amqpretry.NativeDelayed(amqpretry.NativeDelayedRetry{Min: 200 * time.Millisecond, Max: 400 * time.Millisecond, Tiers: envTiers})
 	})
 	acc, _ := runStorm(t, e, storm{pause: 150 * time.Millisecond, work: 4 * time.Millisecond, allowPhantoms: true}, func(*ledger) {
 		dropSubscriberConnection(t, e, 2)
@@ -61,7 +61,7 @@ func nativeEnv(t *testing.T) *env {
 	}
 	return newEnv(t, amqpretry.QueueTypeQuorum, func(_ *env, c *amqpretry.Config) {
 		c.MaxAttempts = 8
-		c.NativeDelayedRetry = &amqpretry.NativeDelayedRetry{Min: 200 * time.Millisecond, Max: 400 * time.Millisecond}
+		c.Mode = amqpretry.NativeDelayed(amqpretry.NativeDelayedRetry{Min: 200 * time.Millisecond, Max: 400 * time.Millisecond, Tiers: envTiers})
 	})
 }
 

@@ -103,7 +103,7 @@ func TestLoopBackExchangeDeleted(t *testing.T) {
 	requireLong(t)
 	forEachQueueType(t, func(t *testing.T, qt string) {
 		e := newEnv(t, qt, func(_ *env, c *amqpretry.Config) {
-			c.Tiers = []time.Duration{2 * time.Second}
+			c.Mode = amqpretry.Tiers(2 * time.Second)
 			c.Backoff = exactBackoff(2 * time.Second)
 		})
 		const n = 50

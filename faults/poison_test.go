@@ -26,7 +26,7 @@ func TestPoisonPublishFails(t *testing.T) {
 	e := newEnv(t, "classic", func(_ *env, c *amqpretry.Config) {
 		c.FallbackPause = 50 * time.Millisecond
 		c.MaxAttempts = 2
-		c.Tiers = []time.Duration{200 * time.Millisecond}
+		c.Mode = amqpretry.Tiers(200 * time.Millisecond)
 	})
 	l := newLedger()
 	e.declare()

@@ -133,7 +133,7 @@ func restartMidStorm(t *testing.T, e *env) {
 		e.start(planHandler(l, staticPlan(plan), 2*time.Millisecond, nil))
 
 		waitingAt := func() int {
-			if e.cfg.NativeDelayedRetry != nil {
+			if e.native() {
 				return l.awaitingRetry()
 			}
 			sum := 0

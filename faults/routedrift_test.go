@@ -149,9 +149,9 @@ func TestAdoptPolicyDrift(t *testing.T) {
 					c.MaxAttempts = 3
 					c.AdoptQueue = &amqpretry.AdoptQueue{ManagementURL: mgmt}
 					if m.native {
-						c.NativeDelayedRetry = &amqpretry.NativeDelayedRetry{Min: 200 * time.Millisecond}
+						c.Mode = amqpretry.NativeDelayed(amqpretry.NativeDelayedRetry{Min: 200 * time.Millisecond, Tiers: envTiers})
 					} else {
-						c.DeadLetterFirstRetry = true
+						c.Mode = amqpretry.DeadLetterFirst(envTiers...)
 					}
 				})
 				deletePolicyAtCleanup(t, mgmt, e.queue)
@@ -216,7 +216,7 @@ func TestDeadLetterFirstWaitQueueRefuses(t *testing.T) {
 			}
 			e := newEnv(t, amqpretry.QueueTypeQuorum, func(_ *env, c *amqpretry.Config) {
 				c.MaxAttempts = 3
-				c.DeadLetterFirstRetry = true
+				c.Mode = amqpretry.DeadLetterFirst(envTiers...)
 				c.ManagementURL = mgmt
 			})
 			l := newTimedLedger()
@@ -267,7 +267,7 @@ func TestFallbackNeverEarlierThanRetryAfter(t *testing.T) {
 	forEachQueueType(t, func(t *testing.T, qt string) {
 		e := newEnv(t, qt, func(_ *env, c *amqpretry.Config) {
 			c.MaxAttempts = 3
-			c.Tiers = []time.Duration{200 * time.Millisecond, 2 * time.Second}
+			c.Mode = amqpretry.Tiers(200*time.Millisecond, 2*time.Second)
 		})
 		e.declare()
 		var pattern []string

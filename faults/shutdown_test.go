@@ -27,7 +27,7 @@ import (
 func TestGracefulShutdown(t *testing.T) {
 	requireLong(t)
 	e := newEnv(t, "classic", func(_ *env, c *amqpretry.Config) {
-		c.Tiers = []time.Duration{3 * time.Second}
+		c.Mode = amqpretry.Tiers(3 * time.Second)
 		c.Backoff = exactBackoff(3 * time.Second)
 	})
 	l := newLedger()

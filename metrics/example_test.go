@@ -40,7 +40,7 @@ func Example() {
 	chain, err := router.New(router.Config{
 		Delayer:         delayer,
 		PoisonPublisher: pubSub,
-		Observer:        m, // retries, poisonings and drops
+		Policy:          router.Policy{Observer: m}, // retries, poisonings and drops
 	})
 	if err != nil {
 		log.Fatal(err)

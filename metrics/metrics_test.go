@@ -78,10 +78,7 @@ func newHarness(t *testing.T, opts harnessOpts) *harness {
 	chain, err := router.New(router.Config{
 		Delayer:         delayer,
 		PoisonPublisher: poisonPub,
-		MaxAttempts:     3,
-		FallbackPause:   5 * time.Millisecond,
-		Backoff:         func() backoff.BackOff { return backoff.NewConstantBackOff(retryDelay) },
-		Observer:        h.m,
+		Policy:          router.Policy{MaxAttempts: 3, FallbackPause: 5 * time.Millisecond, Backoff: func() backoff.BackOff { return backoff.NewConstantBackOff(retryDelay) }, Observer: h.m},
 		Logger:          logger,
 	})
 	if err != nil {

@@ -14,7 +14,7 @@ import (
 
 func benchChain(b *testing.B, d middleware.Delayer) *router.Chain {
 	b.Helper()
-	c, err := router.New(router.Config{Delayer: d, PoisonPublisher: nopPublisher{}, MaxAttempts: 5})
+	c, err := router.New(router.Config{Delayer: d, PoisonPublisher: nopPublisher{}, Policy: router.Policy{MaxAttempts: 5}})
 	if err != nil {
 		b.Fatal(err)
 	}

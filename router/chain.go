@@ -40,11 +40,9 @@ package router
 import (
 	"context"
 	"errors"
-	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
-	"github.com/cenkalti/backoff/v4"
 
 	"github.com/rabbitretry/rabbitretry/middleware"
 	"github.com/rabbitretry/rabbitretry/poison"
@@ -61,15 +59,10 @@ type Config struct {
 	PoisonPublisher message.Publisher
 	// PoisonTopic names the poison topic per message. Default "poison".
 	PoisonTopic func(ctx context.Context) string
-	// MaxAttempts is the total number of attempts including the first.
-	// Default 5; range [1, middleware.MaxAttemptsCap].
-	MaxAttempts int
-	// Backoff makes a fresh backoff policy. Default middleware.DefaultBackoff
-	// (exponential from 1 s, factor 2, ±50% jitter, 5 min cap).
-	Backoff func() backoff.BackOff
-	// Classifier configures error classification. Default: DefaultRules,
-	// everything else transient.
-	Classifier middleware.ClassifierConfig
+	// Policy is the retry policy (attempts, backoff, classification,
+	// error text, redeliveries, fallback pause, Pause, Tracing, Observer),
+	// shared with amqpretry.Config. Defaults: Policy.WithDefaults.
+	Policy
 	// AttemptSources are summed into the attempt number. Default: the
 	// attempt header of the library's own copies for QueueName
 	// (middleware.HeaderSource), x-death rejections from QueueName on
@@ -81,51 +74,12 @@ type Config struct {
 	// MaxAttempts only by its nacks runs once more as the last attempt
 	// instead of being poisoned without running.
 	AttemptSources []middleware.AttemptSource
-	// QueueName names the originating queue of a message. Default: the
-	// router's subscribe topic.
-	QueueName func(ctx context.Context) string
-	// ErrorText renders errors into headers; use it to redact secrets.
-	// Default: err.Error() cut to 1 KiB.
-	ErrorText func(error) string
-	// MaxRedeliveries bounds the broker redeliveries (crashes, consumer
-	// timeouts, returns) a message may cause: the one that brings its count
-	// to MaxRedeliveries poisons it with class
-	// middleware.ClassRedeliveryLimit (attributable ones only when the
-	// Delayer is a middleware.Quarantiner; see middleware.RedeliveryGuard).
-	// Default middleware.DefaultMaxRedeliveries.
-	MaxRedeliveries int
 	// RedeliveriesCounted: AttemptSources count every broker redelivery as
 	// an attempt (middleware.AcquiredCountSource), so the RedeliveryGuard
 	// lets redelivered messages run (see
 	// middleware.RedeliveryGuardConfig.RedeliveriesCounted) and
 	// MaxRedeliveries is not used. Default false.
 	RedeliveriesCounted bool
-	// FallbackPause is how long a message whose retry or poison copy was not
-	// held waits before the fallback copy (or the requeue), so a refusing
-	// broker is not hammered. Default DefaultFallbackPause (1 s); negative:
-	// no pause (tests). A failed retry whose handler asked for a longer
-	// delay (middleware.RetryAfter) waits that delay instead, up to one
-	// minute (the delivery stays unacked meanwhile): the fallback copy goes
-	// straight back to the queue, so the next attempt never runs earlier
-	// than asked. A longer RetryAfter is handed to the Delayer once more
-	// after the pause; if that fails too, the copy goes back to the queue
-	// carrying the remaining delay (middleware.RemainingDelayKey), and the
-	// RedeliveryGuard holds it again before it runs.
-	FallbackPause time.Duration
-	// Pause, when set, pauses consumption while a dependency is down instead
-	// of charging attempts (see middleware.Pause): it goes just inside the
-	// Classifier. Its Delayer defaults to Config.Delayer, its Counts to "the
-	// Classifier would retry it", its Logger to Config.Logger, and its
-	// Observer to Config.Observer when that implements
-	// middleware.PauseObserver (metrics.Metrics does). Default nil (off).
-	Pause *middleware.PauseConfig
-	// Tracing, when set, makes an OpenTelemetry span per attempt and keeps
-	// all attempts of a message in one trace (see middleware.Tracing): it
-	// goes outermost, and its span events are added to Observer. Its
-	// MaxAttempts and QueueName default to this Config's. Default nil (off).
-	Tracing *middleware.TracingConfig
-	// Observer is told of retries, poisonings and drops (e.g. metrics).
-	Observer middleware.Observer
 	// Logger receives structured logs (use watermill.NewSlogLogger for slog).
 	// Default NopLogger.
 	Logger watermill.LoggerAdapter
@@ -163,29 +117,12 @@ func New(cfg Config) (*Chain, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
+	cfg.Policy = cfg.Policy.WithDefaults()
 	queueName := cfg.QueueName
 	if queueName == nil {
 		queueName = message.SubscribeTopicFromCtx
 	}
-	var tracing *middleware.Tracing
-	if cfg.Tracing != nil {
-		tc := *cfg.Tracing
-		if tc.MaxAttempts == 0 {
-			tc.MaxAttempts = cfg.MaxAttempts
-			if tc.MaxAttempts == 0 {
-				tc.MaxAttempts = middleware.DefaultMaxAttempts
-			}
-		}
-		if tc.QueueName == nil {
-			tc.QueueName = queueName
-		}
-		tracing = middleware.NewTracing(tc)
-		if cfg.Observer != nil {
-			cfg.Observer = middleware.Observers(cfg.Observer, tracing.Observer())
-		} else {
-			cfg.Observer = tracing.Observer()
-		}
-	}
+	tracing := cfg.newTracing(queueName)
 	sources := cfg.AttemptSources
 	if len(sources) == 0 {
 		// One counting rule for every retry mode: this queue's own evidence
@@ -255,6 +192,29 @@ func New(cfg Config) (*Chain, error) {
 		}
 	}
 	return &Chain{Counter: counter, Forwarder: fwd, Guard: guard, Republisher: rep, Classifier: classifier, Pause: pause, Tracing: tracing, fallback: fb}, nil
+}
+
+// newTracing returns the Tracing middleware of c.Tracing (nil: none), its
+// MaxAttempts and QueueName defaulted to c's, and adds its span events to
+// c.Observer.
+func (c *Config) newTracing(queueName func(ctx context.Context) string) *middleware.Tracing {
+	if c.Tracing == nil {
+		return nil
+	}
+	tc := *c.Tracing
+	if tc.MaxAttempts == 0 {
+		tc.MaxAttempts = c.MaxAttempts // defaulted
+	}
+	if tc.QueueName == nil {
+		tc.QueueName = queueName
+	}
+	tracing := middleware.NewTracing(tc)
+	if c.Observer != nil {
+		c.Observer = middleware.Observers(c.Observer, tracing.Observer())
+	} else {
+		c.Observer = tracing.Observer()
+	}
+	return tracing
 }
 
 func newPause(pc middleware.PauseConfig, cfg Config, classifier *middleware.Classifier) (*middleware.Pause, error) {

@@ -28,7 +28,7 @@ func TestFailsTwiceThenSucceeds(t *testing.T) {
 	const initial = 50 * time.Millisecond
 	var seen calls
 	succeeded := make(chan string, 10)
-	e := newEnv(t, router.Config{MaxAttempts: 5, Backoff: exactBackoff(initial)}, func(msg *message.Message) ([]*message.Message, error) {
+	e := newEnv(t, router.Config{Policy: router.Policy{MaxAttempts: 5, Backoff: exactBackoff(initial)}}, func(msg *message.Message) ([]*message.Message, error) {
 		c := seen.record(msg)
 		if c.attempt < 3 {
 			return nil, fmt.Errorf("attempt %d: %w", c.attempt, errTransient)
@@ -86,7 +86,7 @@ func TestFailsTwiceThenSucceeds(t *testing.T) {
 
 func TestTransientExhaustedIsPoisoned(t *testing.T) {
 	var seen calls
-	e := newEnv(t, router.Config{MaxAttempts: 3}, func(msg *message.Message) ([]*message.Message, error) {
+	e := newEnv(t, router.Config{Policy: router.Policy{MaxAttempts: 3}}, func(msg *message.Message) ([]*message.Message, error) {
 		seen.record(msg)
 		return nil, errTransient
 	})
@@ -135,7 +135,7 @@ func TestTransientExhaustedIsPoisoned(t *testing.T) {
 
 func TestPermanentPoisonedAtOnce(t *testing.T) {
 	var seen calls
-	e := newEnv(t, router.Config{MaxAttempts: 5}, func(msg *message.Message) ([]*message.Message, error) {
+	e := newEnv(t, router.Config{Policy: router.Policy{MaxAttempts: 5}}, func(msg *message.Message) ([]*message.Message, error) {
 		seen.record(msg)
 		return nil, middleware.Permanent(errors.New("customer does not exist"))
 	})
@@ -176,7 +176,7 @@ func TestMalformedPoisonedAtOnce(t *testing.T) {
 func TestRetryAfterHonouredEndToEnd(t *testing.T) {
 	var seen calls
 	done := make(chan struct{})
-	e := newEnv(t, router.Config{Backoff: exactBackoff(20 * time.Millisecond)}, func(msg *message.Message) ([]*message.Message, error) {
+	e := newEnv(t, router.Config{Policy: router.Policy{Backoff: exactBackoff(20 * time.Millisecond)}}, func(msg *message.Message) ([]*message.Message, error) {
 		c := seen.record(msg)
 		if c.attempt == 1 {
 			return nil, middleware.RetryAfter(errTransient, 150*time.Millisecond)
@@ -218,7 +218,7 @@ func TestDropEndToEnd(t *testing.T) {
 
 func TestRecovererPanicIsRetriedThenPoisoned(t *testing.T) {
 	var seen calls
-	e := newEnv(t, router.Config{MaxAttempts: 3}, func(msg *message.Message) ([]*message.Message, error) {
+	e := newEnv(t, router.Config{Policy: router.Policy{MaxAttempts: 3}}, func(msg *message.Message) ([]*message.Message, error) {
 		c := seen.record(msg)
 		panic(fmt.Sprintf("nil map write on attempt %d", c.attempt))
 	}, wmw.Recoverer)
@@ -255,7 +255,7 @@ func TestRecovererPanicIsRetriedThenPoisoned(t *testing.T) {
 func TestRecovererPanicOnceThenSuccess(t *testing.T) {
 	var seen calls
 	done := make(chan struct{})
-	e := newEnv(t, router.Config{MaxAttempts: 3}, func(msg *message.Message) ([]*message.Message, error) {
+	e := newEnv(t, router.Config{Policy: router.Policy{MaxAttempts: 3}}, func(msg *message.Message) ([]*message.Message, error) {
 		if seen.record(msg).attempt == 1 {
 			panic("boom")
 		}
@@ -329,12 +329,12 @@ func TestManyMessagesRandomFailures(t *testing.T) {
 	successes := map[string]int{}
 	var badAttempt atomic.Value
 	var successCount atomic.Int64
-	e := newEnv(t, router.Config{MaxAttempts: maxAttempts, Backoff: func() backoff.BackOff {
+	e := newEnv(t, router.Config{Policy: router.Policy{MaxAttempts: maxAttempts, Backoff: func() backoff.BackOff {
 		b := exactBackoff(10 * time.Millisecond)().(*backoff.ExponentialBackOff)
 		b.RandomizationFactor = 0.5
 		b.MaxInterval = 40 * time.Millisecond
 		return b
-	}}, func(msg *message.Message) ([]*message.Message, error) {
+	}}}, func(msg *message.Message) ([]*message.Message, error) {
 		i, err := strconv.Atoi(string(msg.Payload))
 		if err != nil {
 			return nil, middleware.Permanent(err)
@@ -434,7 +434,7 @@ func TestShutdownNeverPoisonsTransient(t *testing.T) {
 			const n = 10
 			entered := make(chan string, 1)
 			var blockerErr atomic.Value
-			e := newEnv(t, router.Config{MaxAttempts: 2, Backoff: exactBackoff(10 * time.Second)}, func(msg *message.Message) ([]*message.Message, error) {
+			e := newEnv(t, router.Config{Policy: router.Policy{MaxAttempts: 2, Backoff: exactBackoff(10 * time.Second)}}, func(msg *message.Message) ([]*message.Message, error) {
 				if string(msg.Payload) == "blocker" {
 					select { // gochannel redelivers a nacked message, even while closing
 					case entered <- msg.UUID:
@@ -499,8 +499,7 @@ func TestChainDirect(t *testing.T) {
 	d := &fakeDelayer{}
 	pub := &poisonRecorder{Publisher: nopPublisher{}}
 	chain, err := router.New(router.Config{
-		Delayer: d, PoisonPublisher: pub, MaxAttempts: 3, Backoff: exactBackoff(100 * time.Millisecond),
-		QueueName: func(context.Context) string { return "q" },
+		Delayer: d, PoisonPublisher: pub, Policy: router.Policy{MaxAttempts: 3, Backoff: exactBackoff(100 * time.Millisecond), QueueName: func(context.Context) string { return "q" }},
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -564,9 +563,9 @@ func TestChainClassifierConfigUsed(t *testing.T) {
 	errNotFound := errors.New("not found")
 	d := &fakeDelayer{}
 	pub := &poisonRecorder{Publisher: nopPublisher{}}
-	chain, err := router.New(router.Config{Delayer: d, PoisonPublisher: pub, Classifier: middleware.ClassifierConfig{
+	chain, err := router.New(router.Config{Delayer: d, PoisonPublisher: pub, Policy: router.Policy{Classifier: middleware.ClassifierConfig{
 		Rules: []middleware.Rule{{Class: "not-found", Match: middleware.MatchIs(errNotFound), Action: middleware.ActionPoison}},
-	}, ErrorText: func(err error) string { return "redacted" }, PoisonTopic: func(context.Context) string { return "dlq" }})
+	}, ErrorText: func(err error) string { return "redacted" }}, PoisonTopic: func(context.Context) string { return "dlq" }})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -596,9 +595,9 @@ func TestConfigValidate(t *testing.T) {
 	}{
 		{"no delayer", router.Config{PoisonPublisher: pub}, "Delayer"},
 		{"no poison publisher", router.Config{Delayer: d}, "PoisonPublisher"},
-		{"negative max attempts", router.Config{Delayer: d, PoisonPublisher: pub, MaxAttempts: -1}, "MaxAttempts"},
-		{"max attempts above cap", router.Config{Delayer: d, PoisonPublisher: pub, MaxAttempts: 1001}, "MaxAttempts"},
-		{"bad classifier rule", router.Config{Delayer: d, PoisonPublisher: pub, Classifier: middleware.ClassifierConfig{Rules: []middleware.Rule{{Class: "x"}}}}, "Rules[0].Match"},
+		{"negative max attempts", router.Config{Delayer: d, PoisonPublisher: pub, Policy: router.Policy{MaxAttempts: -1}}, "MaxAttempts"},
+		{"max attempts above cap", router.Config{Delayer: d, PoisonPublisher: pub, Policy: router.Policy{MaxAttempts: 1001}}, "MaxAttempts"},
+		{"bad classifier rule", router.Config{Delayer: d, PoisonPublisher: pub, Policy: router.Policy{Classifier: middleware.ClassifierConfig{Rules: []middleware.Rule{{Class: "x"}}}}}, "Rules[0].Match"},
 		{"bad attempt source", router.Config{Delayer: d, PoisonPublisher: pub, AttemptSources: []middleware.AttemptSource{{Name: "x"}}}, "Sources[0].Previous"},
 	}
 	for _, tc := range tests {
@@ -622,7 +621,7 @@ func TestConfigValidate(t *testing.T) {
 func TestForeignCountsNeverDecideFirstRun(t *testing.T) {
 	const maxAttempts = 3
 	var seen calls
-	e := newEnv(t, router.Config{MaxAttempts: maxAttempts}, func(msg *message.Message) ([]*message.Message, error) {
+	e := newEnv(t, router.Config{Policy: router.Policy{MaxAttempts: maxAttempts}}, func(msg *message.Message) ([]*message.Message, error) {
 		seen.record(msg)
 		return nil, errTransient
 	})
@@ -690,7 +689,7 @@ func TestRetryAfterLongerThanDelayerHoldsEndToEnd(t *testing.T) {
 	}
 	var seen calls
 	done := make(chan struct{})
-	e := newEnvWrapped(t, router.Config{MaxRedeliveries: 1}, wrap, func(msg *message.Message) ([]*message.Message, error) {
+	e := newEnvWrapped(t, router.Config{Policy: router.Policy{MaxRedeliveries: 1}}, wrap, func(msg *message.Message) ([]*message.Message, error) {
 		c := seen.record(msg)
 		if c.attempt == 1 {
 			return nil, middleware.RetryAfter(errTransient, asked)

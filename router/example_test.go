@@ -7,11 +7,13 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
+	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v2/pkg/amqp"
 	"github.com/ThreeDotsLabs/watermill/message"
 	wmw "github.com/ThreeDotsLabs/watermill/message/router/middleware"
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 	"github.com/cenkalti/backoff/v4"
 
+	"github.com/rabbitretry/rabbitretry/amqpretry"
 	"github.com/rabbitretry/rabbitretry/middleware"
 	"github.com/rabbitretry/rabbitretry/router"
 )
@@ -39,8 +41,7 @@ func ExampleChain() {
 	chain, err := router.New(router.Config{
 		Delayer:         delayer,
 		PoisonPublisher: poisonPubSub,
-		MaxAttempts:     3,
-		Backoff:         func() backoff.BackOff { return backoff.NewConstantBackOff(20 * time.Millisecond) },
+		Policy:          router.Policy{MaxAttempts: 3, Backoff: func() backoff.BackOff { return backoff.NewConstantBackOff(20 * time.Millisecond) }},
 	})
 	if err != nil {
 		panic(err)
@@ -98,4 +99,33 @@ func ExampleChain() {
 	// flaky: attempt 3 ok
 	// bad: attempt 1 refused
 	// poisoned order-2: class=permanent attempts=1 reason="no such customer"
+}
+
+// ExamplePolicy: one retry policy for a broker-free test chain and for
+// amqpretry.New, defined once (router.Config and amqpretry.Config both
+// embed router.Policy).
+func ExamplePolicy() {
+	policy := router.Policy{
+		MaxAttempts: 3,
+		Backoff:     func() backoff.BackOff { return backoff.NewConstantBackOff(20 * time.Millisecond) },
+	}
+
+	// In a test: gochannel and an in-memory Delayer.
+	pubSub := gochannel.NewGoChannel(gochannel.Config{Persistent: true}, watermill.NopLogger{})
+	defer pubSub.Close()
+	delayer, err := middleware.NewMemoryDelayer(pubSub, nil, nil)
+	if err != nil {
+		panic(err)
+	}
+	defer delayer.Close()
+	chain, err := router.New(router.Config{Policy: policy, Delayer: delayer, PoisonPublisher: pubSub})
+	if err != nil {
+		panic(err)
+	}
+
+	// In the service: the same value.
+	retryCfg := amqpretry.Config{Policy: policy, Subscriber: wamqp.NewDurableQueueConfig("amqp://localhost/")}
+
+	fmt.Println(chain.Republisher.MaxAttempts(), retryCfg.MaxAttempts)
+	// Output: 3 3
 }

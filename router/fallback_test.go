@@ -40,8 +40,7 @@ func (d *tierDelayer) Schedule(_ context.Context, msg *message.Message, delay ti
 func newFallbackChain(t *testing.T, d middleware.Delayer, pub message.Publisher) *router.Chain {
 	t.Helper()
 	c, err := router.New(router.Config{
-		Delayer: d, PoisonPublisher: pub, MaxAttempts: 3, FallbackPause: 30 * time.Millisecond,
-		Backoff: exactBackoff(time.Second), QueueName: func(context.Context) string { return "q" },
+		Delayer: d, PoisonPublisher: pub, Policy: router.Policy{MaxAttempts: 3, FallbackPause: 30 * time.Millisecond, Backoff: exactBackoff(time.Second), QueueName: func(context.Context) string { return "q" }},
 	})
 	if err != nil {
 		t.Fatal(err)

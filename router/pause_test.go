@@ -38,8 +38,7 @@ func TestPause_DependencyOutageChargesNothing(t *testing.T) {
 	var mu sync.Mutex
 	succeeded := map[string]int{}
 	e := newEnv(t, router.Config{
-		MaxAttempts: 3, Observer: obs,
-		Pause: &middleware.PauseConfig{ProbeInterval: 20 * time.Millisecond, MaxProbeInterval: 50 * time.Millisecond},
+		Policy: router.Policy{MaxAttempts: 3, Observer: obs, Pause: &middleware.PauseConfig{ProbeInterval: 20 * time.Millisecond, MaxProbeInterval: 50 * time.Millisecond}},
 	}, func(msg *message.Message) ([]*message.Message, error) {
 		runs.record(msg)
 		if down.Load() {
@@ -95,8 +94,7 @@ func TestPause_WatermillCircuitBreakerNotCounted(t *testing.T) {
 	cb := wmw.NewCircuitBreaker(gobreaker.Settings{Name: "gateway", Timeout: 30 * time.Millisecond,
 		ReadyToTrip: func(c gobreaker.Counts) bool { return c.ConsecutiveFailures >= 2 }})
 	e := newEnv(t, router.Config{
-		MaxAttempts: 2, Observer: obs,
-		Pause: &middleware.PauseConfig{ProbeInterval: 10 * time.Millisecond, MaxProbeInterval: 40 * time.Millisecond},
+		Policy: router.Policy{MaxAttempts: 2, Observer: obs, Pause: &middleware.PauseConfig{ProbeInterval: 10 * time.Millisecond, MaxProbeInterval: 40 * time.Millisecond}},
 		// The breaker's own failures (before it opens) are transient
 		// errors: the Pause counts them by failure rate only if asked.
 	}, func(msg *message.Message) ([]*message.Message, error) {
@@ -136,9 +134,8 @@ func TestPause_FailureRate(t *testing.T) {
 	var mu sync.Mutex
 	ok := map[string]bool{}
 	e := newEnv(t, router.Config{
-		MaxAttempts: 5, Observer: obs, Backoff: exactBackoff(time.Hour),
-		Pause: &middleware.PauseConfig{FailureRatio: 0.5, MinRequests: 5,
-			ProbeInterval: 10 * time.Millisecond, MaxProbeInterval: 30 * time.Millisecond},
+		Policy: router.Policy{MaxAttempts: 5, Observer: obs, Backoff: exactBackoff(time.Hour), Pause: &middleware.PauseConfig{FailureRatio: 0.5, MinRequests: 5,
+			ProbeInterval: 10 * time.Millisecond, MaxProbeInterval: 30 * time.Millisecond}},
 	}, func(msg *message.Message) ([]*message.Message, error) {
 		runs.record(msg)
 		if string(msg.Payload) == "bad" {
@@ -182,9 +179,8 @@ func TestPause_MaxHoldHandsBackUncharged(t *testing.T) {
 	var down atomic.Bool
 	down.Store(true)
 	e := newEnv(t, router.Config{
-		MaxAttempts: 2, Observer: obs,
-		Pause: &middleware.PauseConfig{ProbeInterval: 20 * time.Millisecond, MaxProbeInterval: 20 * time.Millisecond,
-			MaxHold: 100 * time.Millisecond},
+		Policy: router.Policy{MaxAttempts: 2, Observer: obs, Pause: &middleware.PauseConfig{ProbeInterval: 20 * time.Millisecond, MaxProbeInterval: 20 * time.Millisecond,
+			MaxHold: 100 * time.Millisecond}},
 	}, func(msg *message.Message) ([]*message.Message, error) {
 		runs.record(msg)
 		if down.Load() {
@@ -211,7 +207,7 @@ func TestPause_MaxHoldHandsBackUncharged(t *testing.T) {
 // TestPause_Validate names the bad field.
 func TestPause_Validate(t *testing.T) {
 	_, err := router.New(router.Config{Delayer: &fakeDelayer{}, PoisonPublisher: nopPublisher{},
-		Pause: &middleware.PauseConfig{FailureRatio: 2}})
+		Policy: router.Policy{Pause: &middleware.PauseConfig{FailureRatio: 2}}})
 	if err == nil || !strings.Contains(err.Error(), "FailureRatio") {
 		t.Fatalf("err = %v, want FailureRatio named", err)
 	}

@@ -143,16 +143,16 @@
 //
 // # With amqpretry.New
 //
-// DelayerFactory plugs the cascade into amqpretry.New
-// (amqpretry.Config.DelayerFactory): retries with a positive delay go
+// Mode plugs the cascade into amqpretry.New as its retry mode
+// (amqpretry.Config.Mode: cascade.Mode(cfg), an amqpretry.Custom mode
+// around DelayerFactory): retries with a positive delay go
 // through the cascade, exact to the grain, and no wait queue is declared;
 // zero-delay copies (fallback, RedeliveryGuard) keep amqpretry's loop-back
 // exchange; the subscriber's topology builder declares the cascade and
 // binds each originating queue on every (re)connect; and the Retry's
 // Marshaler counts a delivery from the cascade (DeliveredQueue) as a
 // retry-path delivery, so the origin metadata of the first failure is
-// kept. New then refuses Tiers, DeadLetterFirstRetry and
-// NativeDelayedRetry.
+// kept.
 //
 // # Operators
 //

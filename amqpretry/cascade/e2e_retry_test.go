@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"strconv"
-	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -19,6 +18,7 @@ import (
 	"github.com/rabbitretry/rabbitretry/amqpretry/cascade"
 	"github.com/rabbitretry/rabbitretry/internal/testkit"
 	"github.com/rabbitretry/rabbitretry/middleware"
+	"github.com/rabbitretry/rabbitretry/router"
 )
 
 // retryLateTolerance bounds how late a retry may come back through the
@@ -77,8 +77,8 @@ func newRetryEnv(t *testing.T, maxAttempts int, policy func() backoff.BackOff, o
 	subCfg.Exchange = wamqp.ExchangeConfig{GenerateName: func(string) string { return e.exchange }, Type: "direct", Durable: true}
 	subCfg.QueueBind = wamqp.QueueBindConfig{GenerateRoutingKey: func(string) string { return routingKey }}
 	r, err := amqpretry.New(amqpretry.Config{
-		URI: uri, Subscriber: subCfg, MaxAttempts: maxAttempts, Backoff: policy,
-		DelayerFactory: cascade.DelayerFactory(e.cascade), FallbackPause: -1,
+		URI: uri, Subscriber: subCfg, Policy: router.Policy{MaxAttempts: maxAttempts, Backoff: policy, FallbackPause: -1},
+		Mode:           cascade.Mode(e.cascade),
 		ConfirmTimeout: 20 * time.Second,
 	})
 	if err != nil {
@@ -390,27 +390,6 @@ func TestExhaustedPoisons(t *testing.T) {
 	}
 	if n := len(orders.all()); n != 2 {
 		t.Errorf("handler ran %d times, want 2", n)
-	}
-}
-
-// TestConfigRefusesTierModes: New refuses the cascade together with
-// DeadLetterFirstRetry, NativeDelayedRetry or Tiers, naming the field.
-func TestConfigRefusesTierModes(t *testing.T) {
-	sub := wamqp.NewDurableQueueConfig("amqp://guest:guest@127.0.0.1:1/")
-	for field, mod := range map[string]func(*amqpretry.Config){
-		"DeadLetterFirstRetry": func(c *amqpretry.Config) { c.DeadLetterFirstRetry = true; c.QueueType = amqpretry.QueueTypeQuorum },
-		"NativeDelayedRetry": func(c *amqpretry.Config) {
-			c.NativeDelayedRetry = &amqpretry.NativeDelayedRetry{}
-			c.QueueType = amqpretry.QueueTypeQuorum
-		},
-		"Tiers": func(c *amqpretry.Config) { c.Tiers = []time.Duration{time.Second} },
-	} {
-		cfg := amqpretry.Config{Subscriber: sub, DelayerFactory: cascade.DelayerFactory(cascade.Config{})}
-		mod(&cfg)
-		_, err := amqpretry.New(cfg)
-		if err == nil || !strings.Contains(err.Error(), "amqpretry.Config."+field) || !strings.Contains(err.Error(), "DelayerFactory") {
-			t.Errorf("%s with DelayerFactory: %v, want an error naming both", field, err)
-		}
 	}
 }
 

@@ -15,11 +15,11 @@ import (
 
 // amqpretry.New with the delay cascade instead of wait-queue tiers: a
 // RetryAfter(37s) comes back after 37 s, not after the next tier up.
-func ExampleDelayerFactory() {
+func ExampleMode() {
 	uri := "amqp://guest:guest@localhost:5672/"
 	retry, err := amqpretry.New(amqpretry.Config{
-		Subscriber:     wamqp.NewDurableQueueConfig(uri),
-		DelayerFactory: cascade.DelayerFactory(cascade.Config{}), // 100 ms grain, quorum level queues
+		Subscriber: wamqp.NewDurableQueueConfig(uri),
+		Mode:       cascade.Mode(cascade.Config{}), // 100 ms grain, quorum level queues
 	})
 	if err != nil {
 		panic(err)

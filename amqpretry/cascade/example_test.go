@@ -57,7 +57,7 @@ func Example_retry() {
 		Delayer:         delayer, // or middleware.NewRepublisher(middleware.RepublisherConfig{Delayer: delayer})
 		PoisonPublisher: poisonPub,
 		PoisonTopic:     func(ctx context.Context) string { return message.SubscribeTopicFromCtx(ctx) + ".poison" },
-		MaxAttempts:     6,
+		Policy:          router.Policy{MaxAttempts: 6},
 		Logger:          logger,
 	})
 	if err != nil {

@@ -8,20 +8,24 @@ import (
 	"github.com/rabbitretry/rabbitretry/amqpretry"
 )
 
-// DelayerFactory returns an amqpretry.DelayerFactory that makes amqpretry.New
+// Mode is the retry mode (amqpretry.Config.Mode) that makes amqpretry.New
 // schedule its retries through the delay cascade instead of per-queue wait
-// queues:
+// queues: amqpretry.Custom(DelayerFactory(cfg)).
 //
 //	retry, err := amqpretry.New(amqpretry.Config{
-//		Subscriber:     wamqp.NewDurableQueueConfig(uri),
-//		DelayerFactory: cascade.DelayerFactory(cascade.Config{}),
+//		Subscriber: wamqp.NewDurableQueueConfig(uri),
+//		Mode:       cascade.Mode(cascade.Config{}),
 //	})
 //
-// A retry then waits exactly its delay, max(computed backoff, the
+// See DelayerFactory for what it does.
+func Mode(cfg Config) amqpretry.Mode { return amqpretry.Custom(DelayerFactory(cfg)) }
+
+// DelayerFactory returns the amqpretry.DelayerFactory behind Mode: the
+// cascade as an amqpretry.Custom mode. A retry then waits exactly its delay, max(computed backoff, the
 // handler's middleware.RetryAfter), rounded up to cfg.Grain (100 ms by
 // default), in the vhost's shared level queues, and comes back to its
 // originating queue Q only; no wait queue is declared for Q (see
-// amqpretry.Config.DelayerFactory for what New then refuses).
+// amqpretry.Custom).
 //
 // cfg.Publisher and cfg.URI must be empty: the Delayer publishes with the
 // Retry's publisher. cfg.Marshaler (if zero), cfg.QueueName and cfg.Logger

@@ -43,8 +43,7 @@ func TestRouterRetry(t *testing.T) {
 	poison := gochannel.NewGoChannel(gochannel.Config{}, watermill.NopLogger{})
 	t.Cleanup(func() { _ = poison.Close() })
 	chain, err := router.New(router.Config{
-		Delayer: d, PoisonPublisher: poison, MaxAttempts: 4,
-		Backoff: testkit.ExactBackoff(200 * time.Millisecond), FallbackPause: -1,
+		Delayer: d, PoisonPublisher: poison, Policy: router.Policy{MaxAttempts: 4, Backoff: testkit.ExactBackoff(200 * time.Millisecond), FallbackPause: -1},
 	})
 	if err != nil {
 		t.Fatal(err)

@@ -33,6 +33,7 @@ import (
 	"github.com/rabbitretry/rabbitretry/amqpretry"
 	"github.com/rabbitretry/rabbitretry/amqpretry/cascade"
 	"github.com/rabbitretry/rabbitretry/middleware"
+	"github.com/rabbitretry/rabbitretry/router"
 )
 
 func main() {
@@ -68,9 +69,9 @@ func run() error {
 		failPercent = flag.Int("fail-percent", 30, "share of UUIDs failing transiently once or twice")
 		work        = flag.Duration("work", time.Millisecond, "simulated work per attempt")
 		out         = flag.String("out", "", "file the handled UUIDs are appended to")
-		nativeMin   = flag.Duration("native-min", 0, "NativeDelayedRetry.Min (0: mode off; RabbitMQ 4.3+ quorum queues)")
+		nativeMin   = flag.Duration("native-min", 0, "amqpretry.NativeDelayed mode with this NativeDelayedRetry.Min (0: mode off; RabbitMQ 4.3+ quorum queues)")
 		nativeMax   = flag.Duration("native-max", 0, "NativeDelayedRetry.Max (0: Min)")
-		cascadePfx  = flag.String("cascade-prefix", "", "retry through the delay cascade with this cascade.Config.Prefix (cascade.DelayerFactory; -tiers is then ignored)")
+		cascadePfx  = flag.String("cascade-prefix", "", "retry through the delay cascade with this cascade.Config.Prefix (cascade.Mode; -tiers is then ignored)")
 		prefetch    = flag.Int("prefetch", 16, "Qos.PrefetchCount of the subscriber")
 		crashOn     = flag.String("crash-payload", "", "the process SIGKILLs itself when it handles a message with this payload (faults.TestCrashLoop)")
 		maxRedeliv  = flag.Int("max-redeliveries", 0, "MaxRedeliveries (0: default)")
@@ -108,26 +109,22 @@ func run() error {
 	subCfg.Exchange = wamqp.ExchangeConfig{GenerateName: func(string) string { return *exchange }, Type: "direct", Durable: true}
 	subCfg.QueueBind = wamqp.QueueBindConfig{GenerateRoutingKey: func(string) string { return *routingKey }}
 	subCfg.Consume.Qos.PrefetchCount = *prefetch
-	var native *amqpretry.NativeDelayedRetry
-	if *nativeMin > 0 {
-		native = &amqpretry.NativeDelayedRetry{Min: *nativeMin, Max: *nativeMax}
-	}
-	var delayerFactory amqpretry.DelayerFactory
-	if *cascadePfx != "" {
-		delayerFactory = cascade.DelayerFactory(cascade.Config{Prefix: *cascadePfx})
-		tiers = nil // New refuses Tiers with a DelayerFactory
+	mode := amqpretry.Tiers(tiers...)
+	switch {
+	case *nativeMin > 0 && *cascadePfx != "":
+		return errors.New("-native-min and -cascade-prefix choose two retry modes; choose one")
+	case *nativeMin > 0:
+		mode = amqpretry.NativeDelayed(amqpretry.NativeDelayedRetry{Min: *nativeMin, Max: *nativeMax, Tiers: tiers})
+	case *cascadePfx != "":
+		mode = cascade.Mode(cascade.Config{Prefix: *cascadePfx}) // -tiers is ignored
 	}
 	retry, err := amqpretry.New(amqpretry.Config{
-		DelayerFactory:     delayerFactory,
-		NativeDelayedRetry: native,
-		URI:                *uri, Subscriber: subCfg, QueueType: *queueType, MaxAttempts: *maxAttempts,
-		Backoff: func() backoff.BackOff {
+		Mode: mode,
+		URI:  *uri, Subscriber: subCfg, QueueType: *queueType, Policy: router.Policy{MaxAttempts: *maxAttempts, Backoff: func() backoff.BackOff {
 			b := backoff.NewExponentialBackOff()
 			b.InitialInterval, b.Multiplier, b.RandomizationFactor, b.MaxElapsedTime = *initial, 2, 0, 0
 			return b
-		},
-		Tiers:           tiers,
-		MaxRedeliveries: *maxRedeliv,
+		}, MaxRedeliveries: *maxRedeliv},
 		CrashQuarantine: *quarantine,
 		Naming: amqpretry.Naming{
 			LoopBackExchange: *prefix + ".loopback", WaitExchange: *prefix + ".wait", PoisonExchange: *prefix + ".poison",

@@ -22,6 +22,7 @@ import (
 	"github.com/rabbitretry/rabbitretry/amqpretry"
 	"github.com/rabbitretry/rabbitretry/internal/cliflags"
 	"github.com/rabbitretry/rabbitretry/middleware"
+	"github.com/rabbitretry/rabbitretry/router"
 
 	"github.com/rabbitretry/rabbitretry/internal/redact"
 )
@@ -209,12 +210,9 @@ func runContext(ctx context.Context, args []string, stdout, stderr io.Writer) in
 	}
 
 	cfg := amqpretry.Config{
-		URI: o.uri, Subscriber: wamqp.NewDurableQueueConfig(o.uri), QueueType: o.queueType, MaxAttempts: o.maxAttempts,
-		Tiers: tiers, Backoff: middleware.DefaultBackoff, Logger: watermill.NopLogger{},
+		URI: o.uri, Subscriber: wamqp.NewDurableQueueConfig(o.uri), QueueType: o.queueType, Policy: router.Policy{MaxAttempts: o.maxAttempts, Backoff: middleware.DefaultBackoff},
+		Mode: amqpretry.Tiers(tiers...), Logger: watermill.NopLogger{},
 		Naming: amqpretry.Naming{WaitExchange: o.waitEx, PoisonExchange: o.poisonEx, LoopBackExchange: o.loopBackEx},
-	}
-	if len(cfg.Tiers) == 0 && o.maxAttempts >= 1 && o.maxAttempts <= middleware.MaxAttemptsCap {
-		cfg.Tiers = amqpretry.DefaultTiers(middleware.DefaultBackoff, o.maxAttempts)
 	}
 	if err := cfg.Validate(); err != nil {
 		return usageErr(stderr, "%s", strings.TrimPrefix(err.Error(), "amqpretry."))

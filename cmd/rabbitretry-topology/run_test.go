@@ -79,7 +79,7 @@ func TestShowAndTidy(t *testing.T) {
 	uri := testkit.URI(t)
 	q := testkit.UniqueName(t, "it.topocmd")
 	r, err := amqpretry.New(amqpretry.Config{URI: uri, Subscriber: wamqp.NewDurableQueueConfig(uri),
-		Tiers: []time.Duration{time.Second, 30 * time.Second}, Logger: watermill.NopLogger{}})
+		Mode: amqpretry.Tiers(time.Second, 30*time.Second), Logger: watermill.NopLogger{}})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -47,6 +47,7 @@ import (
 	"github.com/rabbitretry/rabbitretry/audit"
 	"github.com/rabbitretry/rabbitretry/audit/pgstore"
 	"github.com/rabbitretry/rabbitretry/middleware"
+	"github.com/rabbitretry/rabbitretry/router"
 )
 
 // config is what main reads from flags; the test fills it directly.
@@ -277,10 +278,8 @@ func run(ctx context.Context, cfg config) (sum summary, err error) {
 		defer cancel()
 		_ = rec.Close(cctx)
 	}()
-	retry, err := amqpretry.New(amqpretry.Config{URI: cfg.URI, Subscriber: subCfg, MaxAttempts: 3, Logger: logger,
-		Backoff:  func() backoff.BackOff { return backoff.NewConstantBackOff(200 * time.Millisecond) },
-		Observer: rec, // with metrics too: middleware.Observers(m, rec)
-	})
+	retry, err := amqpretry.New(amqpretry.Config{URI: cfg.URI, Subscriber: subCfg, Policy: router.Policy{MaxAttempts: 3, Backoff: func() backoff.BackOff { return backoff.NewConstantBackOff(200 * time.Millisecond) }, Observer: rec}, Logger: logger}) // with metrics too: middleware.Observers(m, rec)
+
 	if err != nil {
 		return sum, err
 	}

@@ -17,6 +17,7 @@ import (
 	"github.com/rabbitretry/rabbitretry/amqpretry"
 	"github.com/rabbitretry/rabbitretry/audit"
 	"github.com/rabbitretry/rabbitretry/audit/pgstore"
+	"github.com/rabbitretry/rabbitretry/router"
 )
 
 // auditRuns is how many drains each variant (without / with audit) runs,
@@ -137,7 +138,7 @@ func (b *bench) scenarioAudit() (err error) {
 		defer cancel()
 		_ = rec.Close(cctx)
 	}()
-	retry, _, closeAll, err := e.retryConsumer(amqpretry.Config{Subscriber: subCfg, Naming: e.naming("audit"), Logger: e.logger, Observer: rec}, q)
+	retry, _, closeAll, err := e.retryConsumer(amqpretry.Config{Subscriber: subCfg, Naming: e.naming("audit"), Logger: e.logger, Policy: router.Policy{Observer: rec}}, q)
 	if err != nil {
 		return err
 	}

@@ -21,7 +21,7 @@ const nativeNA = "n/a (needs RabbitMQ 4.3+)"
 
 // nativeSupported reports whether the bench's broker has quorum-queue
 // delayed retry (RabbitMQ 4.3+), from the server's "version" connection
-// property: amqpretry.New refuses Config.NativeDelayedRetry below 4.3, and
+// property: amqpretry.New refuses the NativeDelayed mode below 4.3, and
 // the native rows then say nativeNA instead of failing the run.
 func (e *env) nativeSupported() bool {
 	v, _ := e.admin.Properties["version"].(string)

@@ -25,6 +25,7 @@ import (
 	"github.com/rabbitretry/rabbitretry/amqpretry"
 	"github.com/rabbitretry/rabbitretry/amqpretry/cascade"
 	"github.com/rabbitretry/rabbitretry/middleware"
+	"github.com/rabbitretry/rabbitretry/router"
 )
 
 // The "cascade" scenario (issue #12): amqpretry's per-queue tiered wait
@@ -32,8 +33,8 @@ import (
 // same broker, in four parts:
 //
 //  1. accuracy: three variants run at the same time, each on its own queue:
-//     tiers (amqpretry.Config.Tiers = cascadeAccuracyTiers), the cascade
-//     (amqpretry.Config.DelayerFactory = cascade.DelayerFactory) and
+//     tiers (amqpretry.Config.Mode = amqpretry.Tiers(cascadeAccuracyTiers...)), the cascade
+//     (amqpretry.Config.Mode = cascade.Mode(...)) and
 //     scheduled messages (cascade.Publisher with delay.Message(msg,
 //     delay.For(d)), read by a raw amqp091 consumer). For each delay band
 //     (cascadeBands, 1 s .. 10 min; -cascade-max-delay cuts the list) N
@@ -317,7 +318,7 @@ func (b *bench) cascadeAccuracy(res *cascadeResult) (err error) {
 	// tiers
 	qT := e.name("cas", "tiers", watermillShort())
 	retryT, subT, closeT, err := e.retryConsumer(amqpretry.Config{Subscriber: subCfg(), Naming: e.naming("cas-tiers"), Logger: e.logger,
-		Tiers: cascadeAccuracyTiers, Backoff: constant}, qT)
+		Mode: amqpretry.Tiers(cascadeAccuracyTiers...), Policy: router.Policy{Backoff: constant}}, qT)
 	if err != nil {
 		return err
 	}
@@ -332,7 +333,7 @@ func (b *bench) cascadeAccuracy(res *cascadeResult) (err error) {
 	// cascade
 	qC := e.name("cas", "cascade", watermillShort())
 	retryC, subC, closeC, err := e.retryConsumer(amqpretry.Config{Subscriber: subCfg(), Naming: e.naming("cas-cascade"), Logger: e.logger,
-		DelayerFactory: cascade.DelayerFactory(cc), Backoff: constant}, qC)
+		Mode: cascade.Mode(cc), Policy: router.Policy{Backoff: constant}}, qC)
 	if err != nil {
 		return err
 	}
@@ -532,7 +533,7 @@ func (b *bench) newFillVariant(res *cascadeResult, variant string) (*fillVariant
 	v := &fillVariant{name: variant, q: e.name("cas", "fill", variant)}
 	q := v.q
 	cfg := amqpretry.Config{Subscriber: wamqp.NewDurableQueueConfig(e.uri), Logger: e.logger, Naming: e.naming("cas-fill-" + variant),
-		QueueName: func(context.Context) string { return q }}
+		Policy: router.Policy{QueueName: func(context.Context) string { return q }}}
 	tiers := strings.HasPrefix(variant, "tiers")
 	levelType := amqpretry.QueueTypeQuorum
 	if variant == "cascade-classic" {
@@ -540,12 +541,12 @@ func (b *bench) newFillVariant(res *cascadeResult, variant string) (*fillVariant
 	}
 	cc, _ := e.cascadeConfig(levelType)
 	if tiers {
-		cfg.Tiers = cascadeMemTiers
+		cfg.Mode = amqpretry.Tiers(cascadeMemTiers...)
 		if variant == "tiers-quorum" {
 			cfg.QueueType = amqpretry.QueueTypeQuorum
 		}
 	} else {
-		cfg.DelayerFactory = cascade.DelayerFactory(cc)
+		cfg.Mode = cascade.Mode(cc)
 	}
 	retry, _, closeAll, err := e.retryConsumer(cfg, q) // declares q's topology and, for the cascade, the levels and q's binding
 	if err != nil {
@@ -901,7 +902,7 @@ dead-lettered back through the loop-back exchange); a handler's
 (the default backoff's doubling tiers extended to 32 s, then round values to
 10 min; amqpretry's default tiers for MaxAttempts 5 are 1/2/4/8 s and would
 clamp every RetryAfter above 8 s to 8 s). **Cascade**:
-` + "`amqpretry.Config{DelayerFactory: cascade.DelayerFactory(cascade.Config{})}`" + `, the
+` + "`amqpretry.Config{Mode: cascade.Mode(cascade.Config{})}`" + `, the
 defaults (26 quorum level queues, 100 ms grain, at-least-once
 dead-lettering), under the run's prefix.
 

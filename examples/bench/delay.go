@@ -15,6 +15,7 @@ import (
 
 	"github.com/rabbitretry/rabbitretry/amqpretry"
 	"github.com/rabbitretry/rabbitretry/middleware"
+	"github.com/rabbitretry/rabbitretry/router"
 )
 
 type delayTier struct {
@@ -70,8 +71,8 @@ func (b *bench) delayTiers() (err error) {
 	cfg.Consume.Qos.PrefetchCount = 256
 	retry, sub, closeAll, err := e.retryConsumer(amqpretry.Config{
 		Subscriber: cfg, Naming: e.naming("delay"), Logger: e.logger,
-		Tiers:   []time.Duration{200 * time.Millisecond, time.Second, 3 * time.Second},
-		Backoff: func() backoff.BackOff { return backoff.NewConstantBackOff(time.Millisecond) },
+		Mode:   amqpretry.Tiers(200*time.Millisecond, time.Second, 3*time.Second),
+		Policy: router.Policy{Backoff: func() backoff.BackOff { return backoff.NewConstantBackOff(time.Millisecond) }},
 	}, q)
 	if err != nil {
 		return err

@@ -13,6 +13,7 @@ import (
 
 	"github.com/rabbitretry/rabbitretry/amqpretry"
 	"github.com/rabbitretry/rabbitretry/middleware"
+	"github.com/rabbitretry/rabbitretry/router"
 )
 
 // delayNativeHold is Min = Max of the native delayed retry measured here.
@@ -51,10 +52,10 @@ func (b *bench) delayNative() (err error) {
 	cfg.Consume.Qos.PrefetchCount = 256
 	retry, sub, closeAll, err := e.retryConsumer(amqpretry.Config{
 		Subscriber: cfg, Naming: e.naming("delaynative"), Logger: e.logger,
-		QueueType:          amqpretry.QueueTypeQuorum,
-		NativeDelayedRetry: &amqpretry.NativeDelayedRetry{Min: delayNativeHold, Max: delayNativeHold},
-		Tiers:              []time.Duration{delayNativeHold},
-		Backoff:            func() backoff.BackOff { return backoff.NewConstantBackOff(delayNativeHold) },
+		QueueType: amqpretry.QueueTypeQuorum,
+		Mode: amqpretry.NativeDelayed(amqpretry.NativeDelayedRetry{Min: delayNativeHold, Max: delayNativeHold,
+			Tiers: []time.Duration{delayNativeHold}}),
+		Policy: router.Policy{Backoff: func() backoff.BackOff { return backoff.NewConstantBackOff(delayNativeHold) }},
 	}, q)
 	if err != nil {
 		return err

@@ -28,7 +28,7 @@
 //	             publishes per delayed message, scheduling throughput, and
 //	             broker/client memory with 100,000 messages waiting
 //
-// The native delayed retry (amqpretry.Config.NativeDelayedRetry) needs
+// The native delayed retry (amqpretry.NativeDelayed mode) needs
 // RabbitMQ 4.3+; on an older broker its rows say "n/a (needs RabbitMQ
 // 4.3+)" and the rest runs as usual.
 //

@@ -11,6 +11,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitretry/rabbitretry/amqpretry"
+	"github.com/rabbitretry/rabbitretry/router"
 )
 
 // mgmtQueueStats are the figures the management API reports for a queue
@@ -100,11 +101,10 @@ func (b *bench) memoryNative() (err error) {
 	cfg.Consume.Qos.PrefetchCount = 256
 	tr := newTracker(n)
 	retry, sub, closeAll, err := e.retryConsumer(amqpretry.Config{Subscriber: cfg, Naming: e.naming("memnative"), Logger: e.logger,
-		QueueType:          amqpretry.QueueTypeQuorum,
-		NativeDelayedRetry: &amqpretry.NativeDelayedRetry{Min: memoryNativeHold, Max: memoryNativeHold},
-		Tiers:              []time.Duration{memoryNativeHold},
-		Backoff:            func() backoff.BackOff { return backoff.NewConstantBackOff(memoryNativeHold) },
-		Observer:           retryObserver{t: tr},
+		QueueType: amqpretry.QueueTypeQuorum,
+		Mode: amqpretry.NativeDelayed(amqpretry.NativeDelayedRetry{Min: memoryNativeHold, Max: memoryNativeHold,
+			Tiers: []time.Duration{memoryNativeHold}}),
+		Policy: router.Policy{Backoff: func() backoff.BackOff { return backoff.NewConstantBackOff(memoryNativeHold) }, Observer: retryObserver{t: tr}},
 	}, q)
 	if err != nil {
 		return err

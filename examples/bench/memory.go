@@ -92,7 +92,7 @@ func (b *bench) memoryWaitQueue() (err error) {
 	cfg := wamqp.NewDurableQueueConfig(e.uri)
 	cfg.Consume.Qos.PrefetchCount = 256
 	retry, err := amqpretry.New(amqpretry.Config{Subscriber: cfg, Naming: e.naming("mem"), Logger: e.logger,
-		Tiers: []time.Duration{memoryTier}})
+		Mode: amqpretry.Tiers(memoryTier)})
 	if err != nil {
 		return err
 	}

@@ -15,6 +15,7 @@ import (
 
 	"github.com/rabbitretry/rabbitretry/amqpretry"
 	"github.com/rabbitretry/rabbitretry/middleware"
+	"github.com/rabbitretry/rabbitretry/router"
 )
 
 // retryTier is the single wait tier of the retry-path scenario: long enough
@@ -104,16 +105,15 @@ func (b *bench) retryLib(mode string, n, handlers int) (run retryPathRun, err er
 	tr := newTracker(n)
 	rc := amqpretry.Config{
 		Subscriber: cfg, Naming: e.naming("retry"), Logger: e.logger,
-		Tiers:    []time.Duration{retryTier},
-		Backoff:  func() backoff.BackOff { return backoff.NewConstantBackOff(retryTier) },
-		Observer: retryObserver{t: tr},
+		Mode:   amqpretry.Tiers(retryTier),
+		Policy: router.Policy{Backoff: func() backoff.BackOff { return backoff.NewConstantBackOff(retryTier) }, Observer: retryObserver{t: tr}},
 	}
 	switch mode {
 	case "rabbitretry":
 	case "rabbitretry-dl":
-		rc.QueueType, rc.DeadLetterFirstRetry = amqpretry.QueueTypeQuorum, true
+		rc.QueueType, rc.Mode = amqpretry.QueueTypeQuorum, amqpretry.DeadLetterFirst(retryTier)
 	case "rabbitretry-native":
-		rc.QueueType, rc.NativeDelayedRetry = amqpretry.QueueTypeQuorum, &amqpretry.NativeDelayedRetry{Min: retryTier, Max: retryTier}
+		rc.QueueType, rc.Mode = amqpretry.QueueTypeQuorum, amqpretry.NativeDelayed(amqpretry.NativeDelayedRetry{Min: retryTier, Max: retryTier, Tiers: []time.Duration{retryTier}})
 	default:
 		return run, fmt.Errorf("unknown retry path mode %q", mode)
 	}

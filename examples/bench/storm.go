@@ -104,7 +104,7 @@ func (b *bench) stormOnce(variant string, failures bool, n, handlers int) (run s
 		// Quorum queues with DeadLetterFirstRetry: first-tier retries are
 		// nacks that the broker dead-letters into the first wait queue.
 		retry, err := amqpretry.New(amqpretry.Config{Subscriber: cfg, Naming: e.naming("storm"), Logger: e.logger,
-			QueueType: amqpretry.QueueTypeQuorum, DeadLetterFirstRetry: true})
+			QueueType: amqpretry.QueueTypeQuorum, Mode: amqpretry.DeadLetterFirst()})
 		if err != nil {
 			return run, err
 		}
@@ -113,9 +113,8 @@ func (b *bench) stormOnce(variant string, failures bool, n, handlers int) (run s
 		cfg = retry.SubscriberConfig()
 		mws = append(mws, retry.Middleware)
 	case "rabbitretry-native":
-		nd := stormNative
 		retry, err := amqpretry.New(amqpretry.Config{Subscriber: cfg, Naming: e.naming("storm"), Logger: e.logger,
-			QueueType: amqpretry.QueueTypeQuorum, NativeDelayedRetry: &nd})
+			QueueType: amqpretry.QueueTypeQuorum, Mode: amqpretry.NativeDelayed(stormNative)})
 		if err != nil {
 			return run, err
 		}

@@ -49,6 +49,7 @@ import (
 
 	"github.com/rabbitretry/rabbitretry/amqpretry"
 	"github.com/rabbitretry/rabbitretry/middleware"
+	"github.com/rabbitretry/rabbitretry/router"
 )
 
 // config is what run needs; main fills it from flags and AMQP_URI.
@@ -473,8 +474,8 @@ func run(ctx context.Context, cfg config) (*summary, error) {
 
 	t := newTally()
 	retry, err := amqpretry.New(amqpretry.Config{
-		URI: cfg.URI, Subscriber: subCfg, MaxAttempts: cfg.MaxAttempts, Backoff: backoffPolicy, Tiers: tiers,
-		Observer: observer{t: t}, Logger: logger,
+		URI: cfg.URI, Subscriber: subCfg, Policy: router.Policy{MaxAttempts: cfg.MaxAttempts, Backoff: backoffPolicy, Observer: observer{t: t}}, Mode: amqpretry.Tiers(tiers...),
+		Logger: logger,
 	})
 	if err != nil {
 		return nil, fmt.Errorf("%w (is RabbitMQ up? scripts/ensure-broker.sh)", err)

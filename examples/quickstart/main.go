@@ -228,6 +228,12 @@ func main() {
 	}
 }
 
+// retryPolicy is the one retry policy both backends run with (the broker's
+// amqpretry.New and the in-process router.New): defined once.
+func retryPolicy(s *story) router.Policy {
+	return router.Policy{MaxAttempts: 4, Backoff: backoffPolicy, Observer: observer{s: s}}
+}
+
 // backoffPolicy: 200 ms, 400 ms, 800 ms with ±20% jitter: short enough for a demo.
 func backoffPolicy() backoff.BackOff {
 	b := backoff.NewExponentialBackOff()
@@ -250,8 +256,8 @@ func runAMQP(s *story, uri string, n int, timeout time.Duration) error {
 	subCfg.Consume.Qos.PrefetchCount = 16
 
 	retry, err := amqpretry.New(amqpretry.Config{
-		URI: uri, Subscriber: subCfg, MaxAttempts: 4, Backoff: backoffPolicy,
-		Observer: observer{s: s}, Logger: logger,
+		URI: uri, Subscriber: subCfg, Policy: retryPolicy(s),
+		Logger: logger,
 	})
 	if err != nil {
 		return fmt.Errorf("%w (start RabbitMQ with `make broker`, or use -backend=gochannel)", err)
@@ -300,7 +306,7 @@ func runGoChannel(s *story, n int, timeout time.Duration) error {
 	defer delayer.Close()
 	chain, err := router.New(router.Config{
 		Delayer: delayer, PoisonPublisher: ps, PoisonTopic: func(context.Context) string { return "mailer.poison" },
-		MaxAttempts: 4, Backoff: backoffPolicy, Observer: observer{s: s}, Logger: logger,
+		Policy: retryPolicy(s), Logger: logger,
 	})
 	if err != nil {
 		return err

@@ -3,6 +3,7 @@ package amqpretry
 import (
 	"context"
 	"errors"
+	"fmt"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -12,7 +13,41 @@ import (
 	"github.com/rabbitretry/rabbitretry/middleware"
 )
 
-// DelayerDeps is what New hands a Config.DelayerFactory: the pieces of the
+// Custom is the retry mode that replaces the wait queues by another delay
+// mechanism for every retry with a positive delay, e.g. the delay cascade
+// (cascade.Mode), which delivers after the exact delay (to its grain)
+// instead of rounding it to a tier. New calls factory once, after
+// connecting the retry publisher (see DelayerFactory, CustomDelayer); its
+// error is returned wrapped. Copies with no delay (the fallback's and the
+// RedeliveryGuard's) still go back to their queue through the loop-back
+// exchange. No wait queue is declared (Topology has no tiers: TierFor
+// returns 0). Wait queues declared by an earlier deploy with tiers are left
+// alone (Topology.Inspect reports them as orphans; TidyOrphans deletes them
+// once empty). A nil factory is refused by Validate.
+func Custom(factory DelayerFactory) Mode { return customMode{factory: factory} }
+
+type customMode struct{ factory DelayerFactory }
+
+func (customMode) String() string { return "custom" }
+
+func (m customMode) validate(*Config) error {
+	if m.factory == nil {
+		return errors.New("amqpretry.Config.Mode Custom has a nil DelayerFactory")
+	}
+	return nil
+}
+
+func (customMode) configure(*Config, *Topology) {} // no wait queue
+
+func (m customMode) delayer(base *Delayer, deps DelayerDeps) (middleware.Delayer, func() error, error) {
+	custom, err := buildCustomDelayer(m.factory, deps, base.topology)
+	if err != nil {
+		return nil, nil, fmt.Errorf("amqpretry: Config.Mode Custom: %w", err)
+	}
+	return splitDelayer{loopBack: base, custom: custom.Delayer}, custom.Close, nil
+}
+
+// DelayerDeps is what New hands a Custom mode's DelayerFactory: the pieces of the
 // Retry a delay mechanism of its own needs to publish retry copies.
 type DelayerDeps struct {
 	// Publisher is the Retry's confirm publisher (mandatory, publisher
@@ -68,10 +103,10 @@ type CustomDelayer struct {
 	Close func() error
 }
 
-// DelayerFactory builds a CustomDelayer for New (Config.DelayerFactory).
+// DelayerFactory builds a CustomDelayer for New (the Custom mode).
 // It is called once, after the retry publisher is connected; an error
 // makes New fail (the publisher is closed). The delay cascade provides one:
-// cascade.DelayerFactory.
+// cascade.DelayerFactory (cascade.Mode wraps it in Custom).
 type DelayerFactory func(DelayerDeps) (CustomDelayer, error)
 
 // splitDelayer sends copies with no delay through amqpretry's loop-back
@@ -93,7 +128,7 @@ func (s splitDelayer) Schedule(ctx context.Context, msg *message.Message, delay 
 	return s.custom.Schedule(ctx, msg, delay)
 }
 
-// buildCustomDelayer runs cfg.DelayerFactory and wires its hooks into topo.
+// buildCustomDelayer runs factory and wires its hooks into topo.
 func buildCustomDelayer(factory DelayerFactory, deps DelayerDeps, topo *Topology) (CustomDelayer, error) {
 	cd, err := factory(deps)
 	if err != nil {
@@ -103,7 +138,7 @@ func buildCustomDelayer(factory DelayerFactory, deps DelayerDeps, topo *Topology
 		if cd.Close != nil {
 			_ = cd.Close()
 		}
-		return CustomDelayer{}, errors.New("amqpretry.Config.DelayerFactory returned no Delayer")
+		return CustomDelayer{}, errors.New("the DelayerFactory returned no Delayer")
 	}
 	topo.bindQueue = cd.BindQueue
 	topo.deliveredQueue = cd.DeliveredQueue
