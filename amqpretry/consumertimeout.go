@@ -2,8 +2,8 @@ package amqpretry
 
 import (
 	"context"
-	"errors"
 	"fmt"
+	"maps"
 	"math"
 	"net/http"
 	"strconv"
@@ -67,10 +67,10 @@ const DefaultBrokerConsumerTimeout = 30 * time.Minute
 //
 // Each originating queue's deadline is worked out when its topology is
 // declared (a subscription starts) and logged; with a management API it is
-// read again at most every minute. Warnings (Error level) are logged when
-// HandlerTimeout exceeds the deadline, and when the consumer timeout cannot
-// be determined (BrokerConsumerTimeout not set and nothing more specific
-// applies: the 30-minute default is assumed).
+// read again at most every minute. A warning is logged at Error level when
+// HandlerTimeout exceeds the deadline, and at Info level when the consumer
+// timeout cannot be determined (BrokerConsumerTimeout not set and nothing
+// more specific applies: RabbitMQ's 30-minute default is assumed).
 type HandlerDeadline struct {
 	// Disabled turns the deadline off: handlers get the subscriber's
 	// context unchanged. Default false.
@@ -327,8 +327,10 @@ func (d *deadlines) resolve(q string) time.Duration {
 	}
 	d.logger.Info("Handler deadline derived from the queue's consumer timeout", fields)
 	if ct.assumed && first {
-		d.logger.Error("Consumer timeout of the queue cannot be determined; assuming RabbitMQ's default 30 min", errors.New(
-			"no x-consumer-timeout consumer or queue argument nor consumer-timeout policy applies (or no management API to read policies), and the broker's consumer_timeout is not reported by any API: set Config.HandlerDeadline.BrokerConsumerTimeout to the broker's value"), fields)
+		// Info, not Error: the normal case of a broker left at its default.
+		warn := maps.Clone(fields)
+		warn["hint"] = "no x-consumer-timeout consumer or queue argument nor consumer-timeout policy applies (or no management API to read policies), and no API reports the broker's consumer_timeout: set Config.HandlerDeadline.BrokerConsumerTimeout to the broker's value"
+		d.logger.Info("Warning: the queue's consumer timeout cannot be determined; assuming RabbitMQ's default 30 min", warn)
 	}
 	if h := d.cfg.HandlerTimeout; h > 0 && deadline > 0 && h > deadline {
 		fields["handler_timeout"] = h.String()

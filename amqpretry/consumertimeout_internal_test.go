@@ -65,7 +65,7 @@ func TestHandlerDeadlineValidate(t *testing.T) {
 	}
 }
 
-// logRec records Error-level log messages.
+// logRec records Error-level log messages and Info-level warnings.
 type logRec struct {
 	watermill.NopLogger
 	mu   sync.Mutex
@@ -76,6 +76,14 @@ func (l *logRec) Error(msg string, err error, _ watermill.LogFields) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	l.errs = append(l.errs, msg+": "+err.Error())
+}
+
+func (l *logRec) Info(msg string, f watermill.LogFields) {
+	if strings.HasPrefix(msg, "Warning") {
+		l.mu.Lock()
+		defer l.mu.Unlock()
+		l.errs = append(l.errs, msg+": "+f["hint"].(string))
+	}
 }
 
 func (l *logRec) all() string {

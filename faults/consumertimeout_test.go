@@ -332,8 +332,8 @@ func TestConsumerTimeoutHandlerDeadline(t *testing.T) {
 			if w := e.logs.find("error", "Configured handler timeout exceeds"); len(w) == 0 {
 				t.Errorf("no warning that HandlerTimeout 10s exceeds the 4s deadline")
 			}
-			if w := e.logs.find("error", "cannot be determined"); len(w) != 0 {
-				t.Errorf("the consumer timeout was known, yet: %v", w[0].Err)
+			if w := e.logs.find("", "cannot be determined"); len(w) != 0 {
+				t.Errorf("the consumer timeout was known, yet: %v", w[0].Fields)
 			}
 		})
 	}
