@@ -17,11 +17,11 @@ import (
 	"github.com/rabbitretry/rabbitretry/internal/mgmt"
 )
 
-// DefaultBrokerConsumerTimeout is RabbitMQ's default consumer_timeout
+// defaultBrokerConsumerTimeout is RabbitMQ's default consumer_timeout
 // (rabbitmq.conf), 30 minutes: how long a consumer may hold an unacked
 // delivery before the broker takes it back ("Delivery Acknowledgement
 // Timeout").
-const DefaultBrokerConsumerTimeout = 30 * time.Minute
+const defaultBrokerConsumerTimeout = 30 * time.Minute
 
 // HandlerDeadline configures the deadline the retry chain puts on each
 // handler's context (Config.HandlerDeadline), derived from the originating
@@ -77,7 +77,7 @@ type HandlerDeadline struct {
 	Disabled bool
 	// BrokerConsumerTimeout is the broker's own consumer_timeout
 	// (rabbitmq.conf), used when neither the consumer, the queue's arguments
-	// nor a policy sets one. Zero: DefaultBrokerConsumerTimeout (30 min) is
+	// nor a policy sets one. Zero: RabbitMQ's default, 30 min, is
 	// assumed and a warning says it could not be determined; negative: the
 	// broker has none (consumer_timeout disabled), so no deadline applies
 	// unless the queue or consumer sets one.
@@ -143,7 +143,7 @@ func effectiveTimeout(in timeoutInputs) consumerTimeout {
 	perQueue := !known || major > 3 || (major == 3 && minor >= 12)
 	broker := consumerTimeout{timeout: in.brokerDefault, source: "the broker's consumer_timeout (HandlerDeadline.BrokerConsumerTimeout)"}
 	if in.brokerDefault == 0 {
-		broker = consumerTimeout{timeout: DefaultBrokerConsumerTimeout, source: "RabbitMQ's default consumer_timeout (assumed)", assumed: true}
+		broker = consumerTimeout{timeout: defaultBrokerConsumerTimeout, source: "RabbitMQ's default consumer_timeout (assumed)", assumed: true}
 	} else if in.brokerDefault < 0 {
 		broker = consumerTimeout{source: "none (HandlerDeadline.BrokerConsumerTimeout negative)"}
 	}

@@ -20,7 +20,7 @@ func TestEffectiveTimeout(t *testing.T) {
 		assumed bool
 	}{
 		{"4.3 classic: none", timeoutInputs{version: "4.3.6", queueType: QueueTypeClassic, queueArg: int64(5000)}, 0, false},
-		{"4.3 quorum: broker default assumed", timeoutInputs{version: "4.3.6", queueType: QueueTypeQuorum}, DefaultBrokerConsumerTimeout, true},
+		{"4.3 quorum: broker default assumed", timeoutInputs{version: "4.3.6", queueType: QueueTypeQuorum}, defaultBrokerConsumerTimeout, true},
 		{"4.3 quorum: broker default given", timeoutInputs{version: "4.3.6", queueType: QueueTypeQuorum, brokerDefault: time.Hour}, time.Hour, false},
 		{"4.3 quorum: broker has none", timeoutInputs{version: "4.3.6", queueType: QueueTypeQuorum, brokerDefault: -1}, 0, false},
 		{"consumer argument wins", timeoutInputs{version: "4.3.6", queueType: QueueTypeQuorum, consumerArg: int32(90000), queueArg: int64(5000), policy: float64(4000)}, 90 * time.Second, false},
@@ -28,7 +28,7 @@ func TestEffectiveTimeout(t *testing.T) {
 		{"policy below queue argument", timeoutInputs{version: "4.3.6", queueType: QueueTypeQuorum, queueArg: int64(9000), policy: float64(4000)}, 4 * time.Second, false},
 		{"policy alone (JSON number)", timeoutInputs{version: "4.2.1", queueType: QueueTypeClassic, policy: float64(60000)}, time.Minute, false},
 		{"3.13 classic: queue argument", timeoutInputs{version: "3.13.7", queueType: QueueTypeClassic, queueArg: "7000"}, 7 * time.Second, false},
-		{"3.10 ignores arguments", timeoutInputs{version: "3.10.8", queueType: QueueTypeClassic, queueArg: int64(5000), consumerArg: int64(5000)}, DefaultBrokerConsumerTimeout, true},
+		{"3.10 ignores arguments", timeoutInputs{version: "3.10.8", queueType: QueueTypeClassic, queueArg: int64(5000), consumerArg: int64(5000)}, defaultBrokerConsumerTimeout, true},
 		{"unknown version: arguments apply", timeoutInputs{queueType: QueueTypeClassic, queueArg: int64(5000)}, 5 * time.Second, false},
 		{"bad values ignored", timeoutInputs{version: "4.3.6", queueType: QueueTypeQuorum, queueArg: "soon", policy: int64(-3), brokerDefault: time.Hour}, time.Hour, false},
 	} {
