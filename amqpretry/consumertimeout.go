@@ -333,6 +333,7 @@ func (d *deadlines) resolve(q string) time.Duration {
 		d.logger.Info("Warning: the queue's consumer timeout cannot be determined; assuming RabbitMQ's default 30 min", warn)
 	}
 	if h := d.cfg.HandlerTimeout; h > 0 && deadline > 0 && h > deadline {
+		fields = maps.Clone(fields)
 		fields["handler_timeout"] = h.String()
 		d.logger.Error("Configured handler timeout exceeds the queue's handler deadline", fmt.Errorf(
 			"HandlerDeadline.HandlerTimeout %v is longer than the deadline %v (consumer timeout %v from %s, minus the margin): handlers are cut short at the deadline and retried; raise the consumer timeout or shorten the handler timeout",
