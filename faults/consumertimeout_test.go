@@ -205,7 +205,8 @@ func TestConsumerTimeoutSlowSuccess(t *testing.T) {
 // context (issue 18, item 3, the handler deadline): quorum queue with a
 // consumer timeout of 5 s (queue argument, or a policy read through the
 // management API), a handler that takes 8 s unless its context ends first,
-// 5 fast messages prefetched behind it. The chain's deadline (5 s minus the
+// 5 fast messages prefetched behind it (also with the consumer's own
+// x-consumer-timeout on basic.consume). The chain's deadline (5 s minus the
 // 1 s margin) ends the slow run as a counted transient failure: its retry
 // copy is confirmed and the original acked before the broker's timeout, so
 // the broker never takes a delivery back. Must hold: no message whose
@@ -219,6 +220,7 @@ func TestConsumerTimeoutHandlerDeadline(t *testing.T) {
 	for _, tc := range []struct {
 		name       string
 		policy     bool // the timeout comes from a policy, not a queue argument
+		consumer   bool // the timeout comes from basic.consume's x-consumer-timeout
 		slowRuns   int  // how many runs of the slow message are slow
 		wantRuns   int
 		wantPoison int
@@ -226,6 +228,7 @@ func TestConsumerTimeoutHandlerDeadline(t *testing.T) {
 		{name: "argument/always-slow", slowRuns: 1 << 30, wantRuns: 3, wantPoison: 1},
 		{name: "argument/slow-once", slowRuns: 1, wantRuns: 2, wantPoison: 0},
 		{name: "policy/slow-once", policy: true, slowRuns: 1, wantRuns: 2, wantPoison: 0},
+		{name: "consumer-argument/slow-once", consumer: true, slowRuns: 1, wantRuns: 2, wantPoison: 0},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			var base string
@@ -233,10 +236,13 @@ func TestConsumerTimeoutHandlerDeadline(t *testing.T) {
 				base = testkit.HaveMgmt(t)
 			}
 			e := newEnv(t, amqpretry.QueueTypeQuorum, func(_ *env, c *amqpretry.Config) {
-				if !tc.policy {
-					c.Subscriber.Queue.Arguments = map[string]any{"x-consumer-timeout": int64(5000)}
-				} else {
+				switch {
+				case tc.policy:
 					c.ManagementURL = base
+				case tc.consumer:
+					c.Subscriber.Consume.Arguments = map[string]any{"x-consumer-timeout": int64(5000)}
+				default:
+					c.Subscriber.Queue.Arguments = map[string]any{"x-consumer-timeout": int64(5000)}
 				}
 				c.Subscriber.Consume.Qos.PrefetchCount = 8
 				c.MaxAttempts = 3
