@@ -3,6 +3,9 @@ package amqpretry
 import (
 	"context"
 	"errors"
+	"fmt"
+	"net/http"
+	"net/http/httptest"
 	"strings"
 	"sync"
 	"testing"
@@ -148,4 +151,43 @@ func TestDeadlineWrap(t *testing.T) {
 	if _, err := none.wrap(nil, plain)(msg); err != nil {
 		t.Errorf("disabled: %v", err)
 	}
+}
+
+// With a management API the policy is read from the queue record
+// (?disable_stats=true) and read again once the cached value is older
+// than deadlineRefresh: an operator's policy change reaches the deadline.
+func TestDeadlineFollowsPolicy(t *testing.T) {
+	var mu sync.Mutex
+	policyMs := 10000
+	var paths []string
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		mu.Lock()
+		defer mu.Unlock()
+		paths = append(paths, r.URL.RequestURI())
+		fmt.Fprintf(w, `{"type":"quorum","arguments":{"x-queue-type":"quorum"},"effective_policy_definition":{"consumer-timeout":%d}}`, policyMs)
+	}))
+	defer srv.Close()
+	mc, err := newMgmtClient(&AdoptQueue{ManagementURL: "http://guest:guest@" + strings.TrimPrefix(srv.URL, "http://")}, "ManagementURL")
+	if err != nil {
+		t.Fatal(err)
+	}
+	d := &deadlines{version: "4.3.6", queueType: QueueTypeClassic, mgmt: mc, vhost: "/", logger: watermill.NopLogger{},
+		entries: map[string]*deadlineEntry{}}
+	if got := d.forQueue("q"); got != 9*time.Second {
+		t.Fatalf("deadline %v, want 9s (policy 10 s, the queue record says quorum)", got)
+	}
+	mu.Lock()
+	policyMs = 4000
+	if len(paths) != 1 || paths[0] != "/api/queues/%2F/q?disable_stats=true" {
+		t.Errorf("requests %v, want the queue record only", paths)
+	}
+	mu.Unlock()
+	if got := d.forQueue("q"); got != 9*time.Second {
+		t.Errorf("deadline %v before the refresh interval, want the cached 9s", got)
+	}
+	d.mu.Lock()
+	d.entries["q"].at = time.Now().Add(-deadlineRefresh - time.Second)
+	d.mu.Unlock()
+	d.forQueue("q") // starts the refresh
+	waitFor(t, 5*time.Second, "refreshed deadline", func() bool { return d.forQueue("q") == 3*time.Second })
 }
