@@ -528,6 +528,10 @@ func New(cfg Config) (*Retry, error) {
 //     acked, a failure retried or poisoned as usual), and the redelivery
 //     is not counted as a crash. Another process runs it again
 //     (at-least-once).
+//
+// Before either happens, the handler's context carries the queue's
+// deadline (Config.HandlerDeadline): a handler that honours it fails in
+// time for its retry to be counted and the delivery acked.
 func (r *Retry) Middleware(h message.HandlerFunc) message.HandlerFunc {
 	inner := r.chain.Middleware(recordVerdict(r.deadlines.wrap(r.queueName, h)))
 	return func(msg *message.Message) ([]*message.Message, error) {
