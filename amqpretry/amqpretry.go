@@ -112,6 +112,12 @@ type Config struct {
 	// "Blocked Connection Notifications") retry and poison publishes fail at
 	// once with ErrBlocked instead. Default 30 s.
 	ConfirmTimeout time.Duration
+	// HandlerDeadline puts a deadline on each handler's context, below the
+	// originating queue's effective consumer timeout, so that a handler
+	// that runs too long ends as a counted retry before the broker takes
+	// its delivery back (see HandlerDeadline). Default: on, with the
+	// margins HandlerDeadline gives.
+	HandlerDeadline HandlerDeadline
 	// Logger receives structured logs. Default NopLogger.
 	Logger watermill.LoggerAdapter
 }
@@ -152,6 +158,9 @@ func (c Config) Validate() error {
 		return err
 	}
 	if err := c.validateManagement(); err != nil {
+		return err
+	}
+	if err := c.HandlerDeadline.Validate(); err != nil {
 		return err
 	}
 	if c.PublisherChannels < 0 {
@@ -255,6 +264,7 @@ type Retry struct {
 	crashQuarantine bool
 	queueName       func(ctx context.Context) string
 	late            *lateVerdicts
+	deadlines       *deadlines // nil: HandlerDeadline.Disabled
 	logger          watermill.LoggerAdapter
 }
 
@@ -294,8 +304,10 @@ func New(cfg Config) (*Retry, error) {
 	if err != nil {
 		return nil, fmt.Errorf("amqpretry: connecting the retry publisher: %w", err)
 	}
+	var brokerVersion string
 	if props, err := pub.serverProperties(); err == nil {
-		if v, _ := props["version"].(string); classicTimeoutIgnored(v, cfg.QueueType) {
+		brokerVersion, _ = props["version"].(string)
+		if v := brokerVersion; classicTimeoutIgnored(v, cfg.QueueType) {
 			fields := watermill.LogFields{"broker_version": v, "queue_type": cfg.QueueType}
 			if t, ok := explicitConsumerTimeout(cfg.Subscriber); ok {
 				fields["x_consumer_timeout"] = t
@@ -317,6 +329,14 @@ func New(cfg Config) (*Retry, error) {
 	if err != nil {
 		_ = pub.Close()
 		return nil, err
+	}
+	dl, err := newDeadlines(cfg, brokerVersion)
+	if err != nil {
+		_ = pub.Close()
+		return nil, err
+	}
+	if dl != nil {
+		topo.onBuilt = func(q string) { dl.resolve(q) }
 	}
 	delayer := &Delayer{publisher: pub, topology: topo, marshaler: marshaler, queueName: cfg.QueueName, logger: cfg.Logger, routes: routes}
 	chainDelayer, modeClose, err := mode.delayer(delayer, DelayerDeps{
@@ -359,7 +379,7 @@ func New(cfg Config) (*Retry, error) {
 		sub.Queue.Durable = true
 	}
 	return &Retry{crashQuarantine: cfg.CrashQuarantine, chain: chain, topology: topo, marshaler: marshaler, publisher: pub,
-		modeClose: modeClose, subscriber: sub, queueName: cfg.QueueName, late: newLateVerdicts(), logger: cfg.Logger}, nil
+		modeClose: modeClose, subscriber: sub, queueName: cfg.QueueName, late: newLateVerdicts(), deadlines: dl, logger: cfg.Logger}, nil
 }
 
 // Middleware is the retry chain; pass it to (*message.Router).AddMiddleware
@@ -384,12 +404,19 @@ func New(cfg Config) (*Retry, error) {
 //     acked, a failure retried or poisoned as usual), and the redelivery
 //     is not counted as a crash. Another process runs it again
 //     (at-least-once).
+//
+// Before either happens, the handler's context carries the queue's
+// deadline (Config.HandlerDeadline): a handler that honours it fails in
+// time for its retry to be counted and the delivery acked.
 func (r *Retry) Middleware(h message.HandlerFunc) message.HandlerFunc {
-	inner := r.chain.Middleware(recordVerdict(h))
+	inner := r.chain.Middleware(recordVerdict(r.deadlines.wrap(r.queueName, h)))
 	return func(msg *message.Message) ([]*message.Message, error) {
 		defer forgetDelivery(msg)
 		if !deliveryAlive(msg) {
 			return nil, errDeliveryGone
+		}
+		if r.deadlines != nil {
+			markStart(msg)
 		}
 		if r.topology.deadLetterFirst && msg.Metadata.Get(middleware.XDeathKey) != "" {
 			if ctx := msg.Context(); foreignDeaths(msg, r.queueName(ctx)) {

@@ -184,6 +184,9 @@ type Topology struct {
 
 	// quarantines: the quarantine subscriptions of this process, per Q.
 	quarantines quarantines
+	// onBuilt, if set, runs at the end of BuildTopology (the handler
+	// deadline of Q is worked out and logged then: Config.HandlerDeadline).
+	onBuilt func(queue string)
 
 	mu       sync.Mutex
 	declared map[string]declaredQueue // originating queue -> how BuildTopology declared it
@@ -420,6 +423,9 @@ func (t *Topology) BuildTopology(ch *amqp.Channel, queueName, exchangeName strin
 	t.mu.Lock()
 	t.declared[queueName] = declaredQueue{exchange: exchangeName, config: config}
 	t.mu.Unlock()
+	if t.onBuilt != nil {
+		t.onBuilt(queueName)
+	}
 	return nil
 }
 

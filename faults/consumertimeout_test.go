@@ -2,6 +2,8 @@ package faults
 
 import (
 	"os"
+	"regexp"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -11,6 +13,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/rabbitretry/rabbitretry/amqpretry"
+	"github.com/rabbitretry/rabbitretry/internal/testkit"
 	"github.com/rabbitretry/rabbitretry/middleware"
 )
 
@@ -196,4 +199,155 @@ func TestConsumerTimeoutSlowSuccess(t *testing.T) {
 	if acc.Handled != len(all) {
 		t.Errorf("%d of %d handled", acc.Handled, len(all))
 	}
+}
+
+// A handler slower than the queue's consumer timeout that honours its
+// context (issue 18, item 3, the handler deadline): quorum queue with a
+// consumer timeout of 5 s (queue argument, or a policy read through the
+// management API), a handler that takes 8 s unless its context ends first,
+// 5 fast messages prefetched behind it (also with the consumer's own
+// x-consumer-timeout on basic.consume). The chain's deadline (5 s minus the
+// 1 s margin) ends the slow run as a counted transient failure: its retry
+// copy is confirmed and the original acked before the broker's timeout, so
+// the broker never takes a delivery back. Must hold: no message whose
+// handler succeeded is poisoned; the slow message runs at most MaxAttempts
+// times, at attempts 1, 2, 3 (every overrun counted); the fast ones run
+// once; the consumer is never cancelled.
+func TestConsumerTimeoutHandlerDeadline(t *testing.T) {
+	if !brokerAtLeast43() {
+		t.Skip("the consumer timeout by queue argument or policy, with basic.cancel instead of a channel close, is RabbitMQ 4.3 quorum-queue behaviour")
+	}
+	for _, tc := range []struct {
+		name       string
+		policy     bool // the timeout comes from a policy, not a queue argument
+		consumer   bool // the timeout comes from basic.consume's x-consumer-timeout
+		slowRuns   int  // how many runs of the slow message are slow
+		wantRuns   int
+		wantPoison int
+	}{
+		{name: "argument/always-slow", slowRuns: 1 << 30, wantRuns: 3, wantPoison: 1},
+		{name: "argument/slow-once", slowRuns: 1, wantRuns: 2, wantPoison: 0},
+		{name: "policy/slow-once", policy: true, slowRuns: 1, wantRuns: 2, wantPoison: 0},
+		{name: "consumer-argument/slow-once", consumer: true, slowRuns: 1, wantRuns: 2, wantPoison: 0},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var base string
+			if tc.policy {
+				base = testkit.HaveMgmt(t)
+			}
+			e := newEnv(t, amqpretry.QueueTypeQuorum, func(_ *env, c *amqpretry.Config) {
+				switch {
+				case tc.policy:
+					c.ManagementURL = base
+				case tc.consumer:
+					c.Subscriber.Consume.Arguments = map[string]any{"x-consumer-timeout": int64(5000)}
+				default:
+					c.Subscriber.Queue.Arguments = map[string]any{"x-consumer-timeout": int64(5000)}
+				}
+				c.Subscriber.Consume.Qos.PrefetchCount = 8
+				c.MaxAttempts = 3
+				c.HandlerDeadline.HandlerTimeout = 10 * time.Second // for the warning
+			})
+			if tc.policy {
+				// Set before the queue exists, so that the deadline is
+				// known from the first declare.
+				name := e.prefix + ".consumer-timeout"
+				putPolicy(t, base, name, "^"+regexp.QuoteMeta(e.queue)+"$", 50, map[string]any{"consumer-timeout": 5000})
+				e.declare()
+				awaitPolicy(t, base, e.queue, name)
+			} else {
+				e.declare()
+			}
+			slowUUIDs, slowPs := newMessages(1, func(int) []byte { return []byte("slow") })
+			okUUIDs, okPs := newMessages(5, nil)
+			l := newLedger()
+			runs := map[string]int{}
+			var mu sync.Mutex
+			var inflight atomic.Int32
+			e.start(func(msg *message.Message) error {
+				inflight.Add(1)
+				defer inflight.Add(-1)
+				l.attempt(msg.UUID, middleware.Attempt(msg))
+				mu.Lock()
+				runs[msg.UUID]++
+				n := runs[msg.UUID]
+				mu.Unlock()
+				if string(msg.Payload) == "slow" && n <= tc.slowRuns {
+					select {
+					case <-time.After(8 * time.Second): // slow work, past the 5 s consumer timeout
+					case <-msg.Context().Done():
+						return msg.Context().Err()
+					}
+				}
+				l.success(msg.UUID)
+				return nil
+			})
+			e.publish(slowPs...)
+			e.publish(okPs...)
+			all := append(append([]string{}, slowUUIDs...), okUUIDs...)
+			settled := e.settle(len(all), func() int {
+				if inflight.Load() > 0 {
+					return 0
+				}
+				return l.handled()
+			}, 120*time.Second)
+			e.stop()
+			poisoned, _ := e.poisoned()
+			acc := account(t, all, l.successes(), poisoned)
+			if !settled {
+				t.Errorf("did not settle")
+			}
+			e.checkEmpty()
+			mu.Lock()
+			defer mu.Unlock()
+			slow := slowUUIDs[0]
+			t.Logf("slow message ran %d times (attempts %v); runs %v", runs[slow], l.attemptsOf(slow), runs)
+			for u, n := range poisoned {
+				if l.successes()[u] > 0 {
+					t.Errorf("%s succeeded and was poisoned %d times", u, n)
+				}
+			}
+			if r := runs[slow]; r != tc.wantRuns {
+				t.Errorf("slow message ran %d times, want %d (MaxAttempts %d)", r, tc.wantRuns, e.cfg.MaxAttempts)
+			}
+			if got, want := l.attemptsOf(slow), []int{1, 2, 3}[:tc.wantRuns]; !slices.Equal(got, want) {
+				t.Errorf("slow message ran at attempts %v, want %v (every overrun counted)", got, want)
+			}
+			extra := 0
+			for _, u := range okUUIDs {
+				extra += runs[u] - 1
+			}
+			if extra != 0 {
+				t.Errorf("the fast messages ran %d extra times", extra)
+			}
+			if acc.Poisoned != tc.wantPoison || acc.Handled != len(all)-tc.wantPoison || acc.Duplicates != 0 {
+				t.Errorf("account %+v, want %d handled, %d poisoned, 0 duplicates", acc, len(all)-tc.wantPoison, tc.wantPoison)
+			}
+			if n := len(e.logs.find("", "took its delivery back")) + len(e.logs.find("", "delivery was taken back")); n != 0 {
+				t.Errorf("%d log lines say the broker took a delivery back; the deadline should have come first", n)
+			}
+			if len(e.logs.find("info", "Handler overran its deadline")) != runs[slow]-boolInt(tc.wantPoison == 0) {
+				t.Errorf("overrun log lines %d, want one per slow run", len(e.logs.find("info", "Handler overran its deadline")))
+			}
+			derived := e.logs.find("info", "Handler deadline derived")
+			if len(derived) == 0 || derived[len(derived)-1].Fields["handler_deadline"] != "4s" {
+				t.Errorf("derived deadline logs %+v, want handler_deadline 4s", derived)
+			} else {
+				t.Logf("deadline: %v", derived[len(derived)-1].Fields)
+			}
+			if w := e.logs.find("error", "Configured handler timeout exceeds"); len(w) == 0 {
+				t.Errorf("no warning that HandlerTimeout 10s exceeds the 4s deadline")
+			}
+			if w := e.logs.find("", "cannot be determined"); len(w) != 0 {
+				t.Errorf("the consumer timeout was known, yet: %v", w[0].Fields)
+			}
+		})
+	}
+}
+
+func boolInt(b bool) int {
+	if b {
+		return 1
+	}
+	return 0
 }
