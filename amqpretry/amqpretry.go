@@ -23,6 +23,7 @@ import (
 	"github.com/cenkalti/backoff/v4"
 	amqp "github.com/rabbitmq/amqp091-go"
 
+	"github.com/rabbitretry/rabbitretry/confirm"
 	"github.com/rabbitretry/rabbitretry/middleware"
 	"github.com/rabbitretry/rabbitretry/router"
 )
@@ -38,9 +39,9 @@ type Config struct {
 	// The publisher dials it with the subscriber's connection settings, as
 	// watermill-amqp does (Subscriber.Connection.AmqpConfig, else
 	// Subscriber.Connection.TLSConfig: TLS, heartbeat, Dial and so the dial
-	// timeout, vhost, SASL, client properties; see PublisherConfig.AmqpConfig),
+	// timeout, vhost, SASL, client properties; see confirm.Config.AmqpConfig),
 	// under its own connection_name (the subscriber's connection_name +
-	// ".retry-publisher", else DefaultPublisherConnectionName). Setting
+	// ".retry-publisher", else confirm.DefaultConnectionName). Setting
 	// both TLSConfig and AmqpConfig.TLSClientConfig is an error.
 	URI string
 	// Subscriber is the watermill-amqp config of the subscriber(s) whose
@@ -187,7 +188,7 @@ type Config struct {
 	// Default 2.
 	PublisherChannels int
 	// ConfirmTimeout bounds the wait for a publisher confirm, and every
-	// socket write of the retry publisher (PublisherConfig.ConfirmTimeout).
+	// socket write of the retry publisher (confirm.Config.ConfirmTimeout).
 	// While the broker blocks publishers (a memory or disk alarm, RabbitMQ
 	// "Blocked Connection Notifications") retry and poison publishes fail at
 	// once with ErrBlocked instead. Default 30 s.
@@ -341,7 +342,7 @@ type Retry struct {
 	chain     *router.Chain
 	topology  *Topology
 	marshaler Marshaler
-	publisher *ConfirmPublisher
+	publisher *confirm.Publisher
 	delayer   *Delayer
 	// customClose: the DelayerFactory's CustomDelayer.Close, if any.
 	customClose func() error
@@ -388,14 +389,14 @@ func New(cfg Config) (*Retry, error) {
 	if err != nil {
 		return nil, err
 	}
-	pub, err := NewConfirmPublisher(PublisherConfig{
+	pub, err := confirm.New(confirm.Config{
 		URI: cfg.URI, AmqpConfig: pubAmqp, ConnectionName: publisherConnectionName(cfg.Subscriber.Connection),
 		Channels: cfg.PublisherChannels, ConfirmTimeout: cfg.ConfirmTimeout, Logger: cfg.Logger,
 	})
 	if err != nil {
 		return nil, fmt.Errorf("amqpretry: connecting the retry publisher: %w", err)
 	}
-	if props, err := pub.serverProperties(); err == nil {
+	if props, err := serverProperties(pub); err == nil {
 		if v, _ := props["version"].(string); classicTimeoutIgnored(v, cfg.QueueType) {
 			fields := watermill.LogFields{"broker_version": v, "queue_type": cfg.QueueType}
 			if t, ok := explicitConsumerTimeout(cfg.Subscriber); ok {
@@ -408,7 +409,7 @@ func New(cfg Config) (*Retry, error) {
 		}
 	}
 	if cfg.NativeDelayedRetry != nil {
-		props, err := pub.serverProperties()
+		props, err := serverProperties(pub)
 		if err == nil {
 			err = checkNativeSupport(props)
 		}
@@ -593,7 +594,7 @@ func (r *Retry) Topology() *Topology { return r.topology }
 func (r *Retry) Marshaler() Marshaler { return r.marshaler }
 
 // Publisher returns the confirm publisher used for retries and poison.
-func (r *Retry) Publisher() *ConfirmPublisher { return r.publisher }
+func (r *Retry) Publisher() *confirm.Publisher { return r.publisher }
 
 // QueueName returns the originating queue for a subscribe topic.
 func (r *Retry) QueueName(topic string) string { return r.subscriber.Queue.GenerateName(topic) }
@@ -631,7 +632,7 @@ func (r *Retry) Close() error {
 // the wait queue of the tier TierFor(delay) of the message's originating
 // queue, with mandatory set, and returns once the broker confirmed it.
 type Delayer struct {
-	publisher *ConfirmPublisher
+	publisher *confirm.Publisher
 	topology  *Topology
 	marshaler Marshaler
 	queueName func(ctx context.Context) string
@@ -772,14 +773,14 @@ func (d *Delayer) publish(ctx context.Context, msg *message.Message, exchange, k
 // publisherConnectionName is the retry publisher's connection_name: the
 // subscriber's own name with ".retry-publisher" appended when it sets one
 // (so an operator sees which service a publisher belongs to), else
-// DefaultPublisherConnectionName.
+// confirm.DefaultConnectionName.
 func publisherConnectionName(c wamqp.ConnectionConfig) string {
 	if c.AmqpConfig != nil {
 		if name, ok := c.AmqpConfig.Properties["connection_name"].(string); ok && name != "" {
 			return name + ".retry-publisher"
 		}
 	}
-	return DefaultPublisherConnectionName
+	return confirm.DefaultConnectionName
 }
 
 // classifierWithAlive adds deliveryAlive to c.DeliveryAlive.
@@ -792,7 +793,7 @@ func classifierWithAlive(c middleware.ClassifierConfig) middleware.ClassifierCon
 }
 
 func topologyMissing(err error) bool {
-	if errors.Is(err, ErrUnroutable) {
+	if errors.Is(err, confirm.ErrUnroutable) {
 		return true
 	}
 	var aerr *amqp.Error
@@ -805,7 +806,7 @@ func topologyMissing(err error) bool {
 // redeclares the originating queue's topology (named by OriginalQueueKey) and
 // tries once more; a failure is returned, so the original is nacked.
 type poisonPublisher struct {
-	publisher *ConfirmPublisher
+	publisher *confirm.Publisher
 	topology  *Topology
 	marshaler Marshaler
 	logger    watermill.LoggerAdapter

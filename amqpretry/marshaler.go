@@ -14,6 +14,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	amqp "github.com/rabbitmq/amqp091-go"
 
+	"github.com/rabbitretry/rabbitretry/confirm"
 	"github.com/rabbitretry/rabbitretry/middleware"
 )
 
@@ -181,7 +182,7 @@ func (m Marshaler) Unmarshal(d amqp.Delivery) (*message.Message, error) {
 		if err != nil {
 			return nil, fmt.Errorf("amqpretry: unmarshaling delivery: %w", err)
 		}
-		delete(msg.Metadata, PublishIDHeader)
+		delete(msg.Metadata, confirm.PublishIDHeader)
 		return m.finishUnmarshal(msg, d, nil, nil, nil), nil
 	}
 	var problems []string
@@ -265,7 +266,7 @@ func onlyPlainStringHeaders(h amqp.Table) bool {
 		switch k {
 		case middleware.XDeathKey, middleware.XDeliveryCountKey, middleware.XAcquiredCountKey:
 			return false
-		case PublishIDHeader:
+		case confirm.PublishIDHeader:
 		default:
 			if droppedOnUnmarshal(k) {
 				return false
@@ -334,9 +335,9 @@ func isBrokerOwnedOrDeliveryOnly(k string) bool {
 }
 
 // publishOnly reports whether k belongs to one publish or one Unmarshal of
-// this package: PublishIDHeader (ConfirmPublisher's) and TypedHeadersKey.
+// this package: PublishIDHeader (confirm.Publisher's) and TypedHeadersKey.
 func publishOnly(k string) bool {
-	return k == PublishIDHeader || k == TypedHeadersKey
+	return k == confirm.PublishIDHeader || k == TypedHeadersKey
 }
 
 // droppedOnUnmarshal reports whether Unmarshal drops an incoming header k

@@ -14,6 +14,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	amqp "github.com/rabbitmq/amqp091-go"
 
+	"github.com/rabbitretry/rabbitretry/confirm"
 	"github.com/rabbitretry/rabbitretry/middleware"
 )
 
@@ -67,7 +68,7 @@ func brokerDelivery() amqp.Delivery {
 			"num":                    int32(5),
 			"flag":                   true,
 			"ts":                     xdeathTestTime,
-			PublishIDHeader:          "abc-0-1",
+			confirm.PublishIDHeader:  "abc-0-1",
 		},
 	}
 }
@@ -117,7 +118,7 @@ func TestMarshalerUnmarshalBrokerHeaders(t *testing.T) {
 			t.Errorf("metadata %q = %q (present %v), want %q", k, got, ok, v)
 		}
 	}
-	for _, k := range []string{PublishIDHeader, middleware.HeaderErrorKey, wamqp.DefaultMessageUUIDHeaderKey} {
+	for _, k := range []string{confirm.PublishIDHeader, middleware.HeaderErrorKey, wamqp.DefaultMessageUUIDHeaderKey} {
 		if v, ok := msg.Metadata[k]; ok {
 			t.Errorf("metadata %q = %q should be absent", k, v)
 		}
@@ -248,7 +249,7 @@ func TestMarshalerMarshalStripsDeliveryHeaders(t *testing.T) {
 		"x-last-death-queue", "x-last-death-reason", "x-last-death-exchange", "x-delivery-count",
 		middleware.XDeathKey, middleware.XDeliveryCountKey,
 		middleware.DeliveryExchangeKey, middleware.DeliveryRoutingKeyKey,
-		middleware.HeaderErrorKey, PublishIDHeader,
+		middleware.HeaderErrorKey, confirm.PublishIDHeader,
 	}
 	for _, k := range stripped {
 		msg.Metadata.Set(k, "v")
@@ -463,13 +464,13 @@ func FuzzMarshalerUnmarshal(f *testing.F) {
 	f.Add(wamqp.DefaultMessageUUIDHeaderKey, "u2", int64(0), "u1", []byte("b"), "Q", int64(0))
 	f.Fuzz(func(t *testing.T, key, sval string, ival int64, uuid string, body []byte, dq string, dcount int64) {
 		headers := amqp.Table{
-			key:                  sval,
-			"int-" + key:         ival,
-			"x-death":            []interface{}{amqp.Table{"queue": dq, "reason": "rejected", "count": dcount, "time": time.Unix(ival%(1<<40), 0)}},
-			"x-delivery-count":   ival,
-			PublishIDHeader:      sval,
-			"nested":             amqp.Table{key: []interface{}{sval, ival, body}},
-			"x-last-death-queue": dq,
+			key:                     sval,
+			"int-" + key:            ival,
+			"x-death":               []interface{}{amqp.Table{"queue": dq, "reason": "rejected", "count": dcount, "time": time.Unix(ival%(1<<40), 0)}},
+			"x-delivery-count":      ival,
+			confirm.PublishIDHeader: sval,
+			"nested":                amqp.Table{key: []interface{}{sval, ival, body}},
+			"x-last-death-queue":    dq,
 		}
 		if key != wamqp.DefaultMessageUUIDHeaderKey {
 			headers[wamqp.DefaultMessageUUIDHeaderKey] = uuid
@@ -595,7 +596,7 @@ func assertCleanCopy(t *testing.T, msg *message.Message) amqp.Publishing {
 	for k := range p.Headers {
 		if k == "x-death" || k == "x-delivery-count" || strings.HasPrefix(k, "x-first-death-") ||
 			strings.HasPrefix(k, "x-last-death-") || k == middleware.DeliveryExchangeKey ||
-			k == middleware.DeliveryRoutingKeyKey || k == middleware.HeaderErrorKey || k == PublishIDHeader {
+			k == middleware.DeliveryRoutingKeyKey || k == middleware.HeaderErrorKey || k == confirm.PublishIDHeader {
 			t.Errorf("publishing still carries %q = %v", k, p.Headers[k])
 		}
 	}

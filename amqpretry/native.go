@@ -8,6 +8,7 @@ import (
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
+	"github.com/rabbitretry/rabbitretry/confirm"
 )
 
 // Queue arguments of RabbitMQ 4.3's native delayed retry (quorum queues).
@@ -137,12 +138,12 @@ func parseMajorMinor(v string) (major, minor int, ok bool) {
 
 // serverProperties returns the broker's connection properties, from the
 // retry publisher's connection.
-func (p *ConfirmPublisher) serverProperties() (amqp.Table, error) {
-	pc, err := p.connection()
+func serverProperties(p *confirm.Publisher) (amqp.Table, error) {
+	c, err := p.Connection()
 	if err != nil {
 		return nil, err
 	}
-	return pc.c.Properties, nil
+	return c.Properties, nil
 }
 
 // acquiredCount converts an x-acquired-count value like DeliveryCount.

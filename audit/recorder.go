@@ -15,6 +15,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitretry/rabbitretry/amqpretry"
+	"github.com/rabbitretry/rabbitretry/confirm"
 	"github.com/rabbitretry/rabbitretry/middleware"
 
 	"github.com/rabbitretry/rabbitretry/internal/redact"
@@ -40,13 +41,13 @@ type RecorderConfig struct {
 	// URI is the AMQP URI of the broker the records are published to.
 	// Required unless Publisher is set.
 	URI string
-	// Publisher, when set, publishes the records (a ConfirmPublisher shared
+	// Publisher, when set, publishes the records (a confirm.Publisher shared
 	// with other code; amqpretry's own is made after the Recorder, which
 	// its Config.Observer needs, so it cannot be passed here); the Recorder
-	// does not close it. Default: the Recorder's own ConfirmPublisher on URI
+	// does not close it. Default: the Recorder's own confirm.Publisher on URI
 	// (mandatory publishes with publisher confirms, reconnecting, connection
 	// name "rabbitretry-audit-recorder"), closed by Close.
-	Publisher *amqpretry.ConfirmPublisher
+	Publisher *confirm.Publisher
 	// UserID is the AMQP user-id property of every record: the RabbitMQ
 	// user the records are published as. RabbitMQ checks it against the
 	// publishing connection's user and refuses a mismatch (channel error
@@ -219,7 +220,7 @@ type RecorderStats struct {
 // harmless: Store.Write is idempotent).
 type Recorder struct {
 	cfg      RecorderConfig
-	pub      *amqpretry.ConfirmPublisher
+	pub      *confirm.Publisher
 	send     func(ctx context.Context, msgs []amqp.Publishing) error // pub's PublishRawBatch; tests replace it
 	ownPub   bool
 	records  chan Attempt
@@ -252,7 +253,7 @@ func NewRecorder(cfg RecorderConfig) (*Recorder, error) {
 	r := newRecorder(cfg)
 	r.pub = cfg.Publisher
 	if r.pub == nil {
-		pub, err := amqpretry.NewConfirmPublisher(amqpretry.PublisherConfig{URI: cfg.URI, ConnectionName: "rabbitretry-audit-recorder", Logger: cfg.Logger})
+		pub, err := confirm.New(confirm.Config{URI: cfg.URI, ConnectionName: "rabbitretry-audit-recorder", Logger: cfg.Logger})
 		if err != nil {
 			return nil, fmt.Errorf("audit: connecting the recorder's publisher: %w", err)
 		}
@@ -639,7 +640,7 @@ func (r *Recorder) publish(batch []Attempt) bool {
 		r.cfg.Logger.Error("Publishing audit records failed; retrying (records held in memory)", err, watermill.LogFields{
 			"records": len(msgs), "retry_in": wait.String(),
 		})
-		if r.pub != nil && (errors.Is(err, amqpretry.ErrUnroutable) || errors.Is(err, amqpretry.ErrChannelClosed)) {
+		if r.pub != nil && (errors.Is(err, confirm.ErrUnroutable) || errors.Is(err, confirm.ErrChannelClosed)) {
 			// The audit queue or exchange may have been deleted: declare again.
 			if derr := r.declare(); derr != nil {
 				r.cfg.Logger.Error("Declaring the audit topology again failed", derr, nil)

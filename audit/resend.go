@@ -18,7 +18,7 @@ import (
 	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v2/pkg/amqp"
 	amqp "github.com/rabbitmq/amqp091-go"
 
-	"github.com/rabbitretry/rabbitretry/amqpretry"
+	"github.com/rabbitretry/rabbitretry/confirm"
 	"github.com/rabbitretry/rabbitretry/middleware"
 
 	"github.com/rabbitretry/rabbitretry/internal/mgmt"
@@ -55,7 +55,7 @@ const (
 const resendPageSize = 1000
 
 // resendBatch is the most messages published pipelined before their
-// confirms are awaited (amqpretry.ConfirmPublisher.PublishRawBatch).
+// confirms are awaited (confirm.Publisher.PublishRawBatch).
 const resendBatch = 256
 
 // ResendMode says where Resend publishes a message.
@@ -123,7 +123,7 @@ type ResenderConfig struct {
 	// Default "_watermill_message_uuid" (watermill-amqp's default).
 	UUIDHeaderKey string
 	// ConfirmTimeout bounds the wait for each publisher confirm (default
-	// 30 s, amqpretry.PublisherConfig.ConfirmTimeout).
+	// 30 s, confirm.Config.ConfirmTimeout).
 	ConfirmTimeout time.Duration
 	// ConnectionName is the client-provided connection name. Default
 	// DefaultResenderConnectionName.
@@ -288,7 +288,7 @@ type Resender struct {
 	cfg ResenderConfig
 
 	mu     sync.Mutex
-	pub    *amqpretry.ConfirmPublisher
+	pub    *confirm.Publisher
 	closed bool
 }
 
@@ -314,14 +314,14 @@ func (r *Resender) Close() error {
 	return nil
 }
 
-func (r *Resender) publisher() (*amqpretry.ConfirmPublisher, error) {
+func (r *Resender) publisher() (*confirm.Publisher, error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if r.closed {
 		return nil, ErrResenderClosed
 	}
 	if r.pub == nil {
-		p, err := amqpretry.NewConfirmPublisher(amqpretry.PublisherConfig{
+		p, err := confirm.New(confirm.Config{
 			URI:            r.cfg.URI,
 			ConnectionName: r.cfg.ConnectionName,
 			ConfirmTimeout: r.cfg.ConfirmTimeout,
@@ -409,7 +409,7 @@ type pager interface {
 // one.
 //
 // Every publish is mandatory and waits for its publisher confirm
-// (amqpretry.ConfirmPublisher; RabbitMQ "Publishers" and "Consumer
+// (confirm.Publisher; RabbitMQ "Publishers" and "Consumer
 // Acknowledgements and Publisher Confirms"): a message the broker returns
 // (no queue bound for it: amqpretry.ErrUnroutable), nacks, or refuses for
 // a missing exchange is reported as failed in its ResendResult and Resend
@@ -429,7 +429,7 @@ type pager interface {
 // Messages are published oldest first (Limit keeps the newest matches),
 // runs of consecutive messages to the same exchange and routing key
 // pipelined on one channel (up to 256 awaiting confirms,
-// ConfirmPublisher.PublishRawBatch), so a queue receives them in their
+// confirm.Publisher.PublishRawBatch), so a queue receives them in their
 // original order.
 //
 // Errors (with the partial report): ErrEmptyFilter, ErrBroadResend,
@@ -464,7 +464,7 @@ func (r *Resender) Resend(ctx context.Context, f Filter, opts ResendOptions) (Re
 		}
 	}
 
-	var pub *amqpretry.ConfirmPublisher
+	var pub *confirm.Publisher
 	if !opts.DryRun {
 		if pub, err = r.publisher(); err != nil {
 			return rep, err
@@ -723,7 +723,7 @@ func (r *Resender) collect(ctx context.Context, f Filter, limit int) ([]Message,
 // perMessage: errors caused by the message or its destination, after
 // which Resend goes on with the next message.
 func perMessage(err error) bool {
-	if errors.Is(err, amqpretry.ErrUnroutable) || errors.Is(err, amqpretry.ErrNacked) {
+	if errors.Is(err, confirm.ErrUnroutable) || errors.Is(err, confirm.ErrNacked) {
 		return true
 	}
 	var ae *amqp.Error
@@ -732,7 +732,7 @@ func perMessage(err error) bool {
 
 // checkExchange passively declares exchange on a fresh channel
 // (exchange.declare passive=true: 404 NOT_FOUND closes that channel only).
-func checkExchange(pub *amqpretry.ConfirmPublisher, exchange string) error {
+func checkExchange(pub *confirm.Publisher, exchange string) error {
 	if exchange == "" {
 		return nil // the default exchange always exists
 	}

@@ -14,6 +14,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitretry/rabbitretry/amqpretry"
+	"github.com/rabbitretry/rabbitretry/confirm"
 )
 
 // Defaults of Config.
@@ -87,9 +88,9 @@ type Config struct {
 	// Publisher publishes the delayed messages (mandatory, with publisher
 	// confirms) and opens the channels for declarations. Set it, or URI.
 	// NewDelayer and NewPublisher do not close it.
-	Publisher *amqpretry.ConfirmPublisher
+	Publisher *confirm.Publisher
 	// URI, when Publisher is nil, is the AMQP URI NewDelayer and
-	// NewPublisher dial their own ConfirmPublisher with (closed by Close).
+	// NewPublisher dial their own confirm.Publisher with (closed by Close).
 	// Setting both Publisher and URI is an error.
 	URI string
 	// Marshaler converts watermill messages to AMQP publishings. Its zero

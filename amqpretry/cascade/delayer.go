@@ -13,6 +13,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitretry/rabbitretry/amqpretry"
+	"github.com/rabbitretry/rabbitretry/confirm"
 	"github.com/rabbitretry/rabbitretry/middleware"
 )
 
@@ -20,7 +21,7 @@ import (
 // the publisher and what has been declared.
 type core struct {
 	cfg    Config
-	pub    *amqpretry.ConfirmPublisher
+	pub    *confirm.Publisher
 	ownPub bool
 
 	mu       sync.Mutex
@@ -72,7 +73,7 @@ func newCore(cfg Config) (*core, error) {
 		if cfg.URI == "" {
 			return nil, errors.New("cascade.Config: Publisher and URI are both empty; set one")
 		}
-		c.pub, err = amqpretry.NewConfirmPublisher(amqpretry.PublisherConfig{URI: cfg.URI, Logger: cfg.Logger})
+		c.pub, err = confirm.New(confirm.Config{URI: cfg.URI, Logger: cfg.Logger})
 		if err != nil {
 			return nil, fmt.Errorf("cascade: connecting the publisher: %w", err)
 		}
@@ -331,7 +332,7 @@ func (c *core) send(ctx context.Context, msg *message.Message, n uint64, queue s
 }
 
 func topologyMissing(err error) bool {
-	if errors.Is(err, amqpretry.ErrUnroutable) {
+	if errors.Is(err, confirm.ErrUnroutable) {
 		return true
 	}
 	var aerr *amqp.Error

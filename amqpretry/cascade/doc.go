@@ -98,7 +98,7 @@
 // ErrSettingsMismatch naming both before binding anything.
 //
 // Publishing is mandatory with publisher confirms (amqpretry's
-// ConfirmPublisher, "Consumer Acknowledgements and Publisher Confirms"):
+// confirm.Publisher, "Consumer Acknowledgements and Publisher Confirms"):
 // Schedule and Publish return nil only once the broker holds the message
 // in a level queue, or, for a zero delay, in the destination. Mandatory
 // only checks the first hop, so the destination's binding is made before

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/rabbitretry/rabbitretry/amqpretry"
+	"github.com/rabbitretry/rabbitretry/confirm"
 	"github.com/rabbitretry/rabbitretry/middleware"
 
 	"github.com/ThreeDotsLabs/watermill/components/delay"
@@ -63,7 +64,7 @@ func TestMessageDelay(t *testing.T) {
 // TestHeaderLimit: a copy whose headers could not survive the x-death
 // entries the levels add is refused before anything is published.
 func TestHeaderLimit(t *testing.T) {
-	d, err := NewDelayer(Config{Publisher: &amqpretry.ConfirmPublisher{}, QueueName: func(context.Context) string { return "orders" }})
+	d, err := NewDelayer(Config{Publisher: &confirm.Publisher{}, QueueName: func(context.Context) string { return "orders" }})
 	if err != nil {
 		t.Fatal(err)
 	}

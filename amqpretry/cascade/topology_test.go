@@ -14,7 +14,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	amqp "github.com/rabbitmq/amqp091-go"
 
-	"github.com/rabbitretry/rabbitretry/amqpretry"
+	"github.com/rabbitretry/rabbitretry/confirm"
 	"github.com/rabbitretry/rabbitretry/internal/testkit"
 )
 
@@ -195,7 +195,7 @@ func TestLengthLimitPolicyOnLevels(t *testing.T) {
 		switch {
 		case err == nil:
 			accepted++
-		case errors.Is(err, amqpretry.ErrNacked):
+		case errors.Is(err, confirm.ErrNacked):
 			nacked++
 		default:
 			t.Fatalf("Schedule %d: %v", i, err)

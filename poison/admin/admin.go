@@ -10,8 +10,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	amqp "github.com/rabbitmq/amqp091-go"
 
-	"github.com/rabbitretry/rabbitretry/amqpretry"
-
+	"github.com/rabbitretry/rabbitretry/confirm"
 	"github.com/rabbitretry/rabbitretry/internal/redact"
 )
 
@@ -26,7 +25,7 @@ const (
 type Admin struct {
 	cfg    Config
 	logger watermill.LoggerAdapter
-	pub    *amqpretry.ConfirmPublisher
+	pub    *confirm.Publisher
 
 	mu     sync.Mutex
 	closed bool
@@ -64,7 +63,7 @@ func newAdmin(cfg Config, name string) (*Admin, error) {
 		return nil, err
 	}
 	uri := cfg.URI
-	pub, err := amqpretry.NewConfirmPublisher(amqpretry.PublisherConfig{
+	pub, err := confirm.New(confirm.Config{
 		Dial: func() (*amqp.Connection, error) {
 			props := amqp.NewConnectionProperties()
 			props.SetClientConnectionName(name)
@@ -119,7 +118,7 @@ func (a *Admin) channel() (*amqp.Channel, error) {
 	}
 	ch, err := a.pub.Channel()
 	if err != nil {
-		if errors.Is(err, amqpretry.ErrClosed) {
+		if errors.Is(err, confirm.ErrClosed) {
 			return nil, ErrClosed
 		}
 		return nil, fmt.Errorf("poison/admin: opening a channel: %w", err)

@@ -10,7 +10,7 @@ import (
 
 	amqp "github.com/rabbitmq/amqp091-go"
 
-	"github.com/rabbitretry/rabbitretry/amqpretry"
+	"github.com/rabbitretry/rabbitretry/confirm"
 	"github.com/rabbitretry/rabbitretry/poison/admin"
 )
 
@@ -348,7 +348,7 @@ func TestReplayDryRunSkipAndUnroutable(t *testing.T) {
 	var unroutable bool
 	for _, e := range res.Errors {
 		var me *admin.MessageError
-		if errors.As(e, &me) && me.UUID == "unbound" && errors.Is(e, amqpretry.ErrUnroutable) {
+		if errors.As(e, &me) && me.UUID == "unbound" && errors.Is(e, confirm.ErrUnroutable) {
 			unroutable = true
 		}
 	}

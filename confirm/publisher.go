@@ -1,4 +1,4 @@
-package amqpretry
+package confirm
 
 import (
 	"context"
@@ -15,17 +15,16 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
-	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v2/pkg/amqp"
 	"github.com/cenkalti/backoff/v4"
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitretry/rabbitretry/internal/redact"
 )
 
-// PublishIDHeader is the AMQP header that ConfirmPublisher adds to every
+// PublishIDHeader is the AMQP header that Publisher adds to every
 // message it publishes. Its value is a string "<instance>-<channel-index>-<seq>"
-// that is unique per publish attempt within one ConfirmPublisher (the
-// <instance> part is random per ConfirmPublisher, so values from different
+// that is unique per publish attempt within one Publisher (the
+// <instance> part is random per Publisher, so values from different
 // publishers practically never collide).
 //
 // The header exists so that a basic.return (which carries the returned
@@ -40,14 +39,14 @@ import (
 // logical messages; use amqp.Publishing.MessageId for that.
 const PublishIDHeader = "rabbitretry-publish-id"
 
-// DefaultPublisherConnectionName is the client-provided connection name
+// DefaultConnectionName is the client-provided connection name
 // (client property connection_name; RabbitMQ "Connections" guide,
 // "Client-Provided Connection Name": shown by rabbitmqctl list_connections
 // and the management UI) of the publisher's connections unless
-// PublisherConfig.ConnectionName sets another.
-const DefaultPublisherConnectionName = "rabbitretry-confirm-publisher"
+// Config.ConnectionName sets another.
+const DefaultConnectionName = "rabbitretry-confirm-publisher"
 
-// Sentinel errors returned (wrapped) by ConfirmPublisher. Test with errors.Is.
+// Sentinel errors returned (wrapped) by Publisher. Test with errors.Is.
 var (
 	// ErrUnroutable means the broker returned the message with basic.return
 	// because it was published with mandatory=true and no queue was bound
@@ -55,26 +54,26 @@ var (
 	// "Unroutable Message Handling"). The message was NOT enqueued anywhere.
 	// The wrapping error names the exchange, routing key and the broker's
 	// reply code and text (typically 312 NO_ROUTE).
-	ErrUnroutable = errors.New("amqpretry: message unroutable (returned by broker)")
+	ErrUnroutable = errors.New("confirm: message unroutable (returned by broker)")
 
 	// ErrNacked means the broker answered the publish with basic.nack
 	// (RabbitMQ "Consumer Acknowledgements and Publisher Confirms": a nack is
 	// sent when the broker could not take responsibility for the message, e.g.
 	// a queue with x-overflow=reject-publish is full, or an internal error in
 	// the queue process). The message must be treated as not published.
-	ErrNacked = errors.New("amqpretry: publish nacked by broker")
+	ErrNacked = errors.New("confirm: publish nacked by broker")
 
 	// ErrConfirmTimeout means no publisher confirm (basic.ack / basic.nack)
-	// arrived within PublisherConfig.ConfirmTimeout after the message was
+	// arrived within Config.ConfirmTimeout after the message was
 	// written to the channel. The message may or may not have been enqueued;
 	// callers must treat it as failed (e.g. not ack the message they were
 	// forwarding) and may republish, accepting a possible duplicate.
-	ErrConfirmTimeout = errors.New("amqpretry: timed out waiting for publisher confirm")
+	ErrConfirmTimeout = errors.New("confirm: timed out waiting for publisher confirm")
 
-	// ErrClosed is returned by every ConfirmPublisher method called after
+	// ErrClosed is returned by every Publisher method called after
 	// Close, and (wrapped together with ErrChannelClosed) for publishes that
 	// were still waiting for a confirm when Close gave up waiting.
-	ErrClosed = errors.New("amqpretry: publisher closed")
+	ErrClosed = errors.New("confirm: publisher closed")
 
 	// ErrChannelClosed means the AMQP channel (or its connection) closed after
 	// the message was written but before its confirm arrived: for instance the
@@ -86,7 +85,7 @@ var (
 	// errors.As to get its Code, e.g. 404). Other publishes in flight on the
 	// same channel fail with this error too; the channel is reopened
 	// automatically on the next publish.
-	ErrChannelClosed = errors.New("amqpretry: channel closed before publish was confirmed")
+	ErrChannelClosed = errors.New("confirm: channel closed before publish was confirmed")
 
 	// ErrBlocked means the broker is blocking this publisher's connection
 	// (RabbitMQ "Blocked Connection Notifications" and "Memory and Disk
@@ -100,18 +99,18 @@ var (
 	// fails with ErrBlocked too; its outcome is then unknown (the broker may
 	// enqueue it once it unblocks), as with ErrConfirmTimeout. The wrapping
 	// error carries the broker's reason, e.g. "low on memory".
-	ErrBlocked = errors.New("amqpretry: broker is blocking publishers (connection.blocked)")
+	ErrBlocked = errors.New("confirm: broker is blocking publishers (connection.blocked)")
 
 	// ErrWriteTimeout means writing the message to the connection's socket
-	// did not finish within PublisherConfig.ConfirmTimeout (at least 1 s; the
+	// did not finish within Config.ConfirmTimeout (at least 1 s; the
 	// deadline applies to each write of a frame): the broker stopped
 	// reading (flow control, see ErrBlocked) or the network stalled. The
 	// connection is closed (amqp091-go closes it on a write error), so the
 	// partly written message is discarded by the broker; every other publish
 	// in flight on the connection fails with ErrChannelClosed, and the next
 	// publish redials. Only connections the publisher dials itself (URI /
-	// AmqpConfig, not PublisherConfig.Dial) have this write deadline.
-	ErrWriteTimeout = errors.New("amqpretry: writing the message to the broker timed out")
+	// AmqpConfig, not Config.Dial) have this write deadline.
+	ErrWriteTimeout = errors.New("confirm: writing the message to the broker timed out")
 )
 
 const (
@@ -151,10 +150,10 @@ const (
 	minIOTimeout = time.Second
 )
 
-// PublisherConfig configures a ConfirmPublisher. Zero values are replaced by
+// Config configures a Publisher. Zero values are replaced by
 // the defaults documented on each field (see setDefaults); Validate reports
 // the first invalid field by name.
-type PublisherConfig struct {
+type Config struct {
 	// URI is the AMQP URI of the broker, e.g.
 	// "amqp://guest:guest@127.0.0.1:5672/"; amqps:// for TLS (RabbitMQ
 	// "TLS Support"), with the optional query parameters amqp091-go parses
@@ -168,7 +167,7 @@ type PublisherConfig struct {
 	// timeout), Vhost, SASL, ChannelMax, FrameSize, Locale and Properties. It
 	// is not modified (Properties and TLSClientConfig are copied per dial).
 	// The connection_name property is always ConnectionName. Recovery must be
-	// nil: ConfirmPublisher reconnects itself and relies on channels staying
+	// nil: Publisher reconnects itself and relies on channels staying
 	// closed once closed. Default nil: amqp091-go's defaults (heartbeat 10 s,
 	// 30 s dial timeout, TLS config from an amqps URI). amqpretry.New passes
 	// the subscriber's watermill-amqp Connection settings here.
@@ -176,14 +175,14 @@ type PublisherConfig struct {
 
 	// ConnectionName is the client-provided connection name of the
 	// publisher's connections (RabbitMQ "Connections", client-provided
-	// connection name). Default DefaultPublisherConnectionName. Not used with
+	// connection name). Default DefaultConnectionName. Not used with
 	// Dial.
 	ConnectionName string
 
 	// Dial, when set, is used instead of URI and AmqpConfig to open every
 	// connection (the initial one and redials after the connection was
 	// lost). The returned connection is owned by the publisher and closed by
-	// Close. It must NOT have amqp.Config.Recovery enabled: ConfirmPublisher
+	// Close. It must NOT have amqp.Config.Recovery enabled: Publisher
 	// does its own reconnection and relies on channels staying closed once
 	// closed. Writes on such a connection have no deadline (see
 	// ErrWriteTimeout): prefer AmqpConfig.Dial for a custom TCP dialer.
@@ -215,9 +214,9 @@ type PublisherConfig struct {
 }
 
 // setDefaults fills zero fields with their defaults: Channels=2,
-// ConfirmTimeout=30s, ConnectionName=DefaultPublisherConnectionName,
+// ConfirmTimeout=30s, ConnectionName=DefaultConnectionName,
 // Logger=watermill.NopLogger{}.
-func (c *PublisherConfig) setDefaults() {
+func (c *Config) setDefaults() {
 	if c.Channels == 0 {
 		c.Channels = defaultPublisherChannels
 	}
@@ -225,7 +224,7 @@ func (c *PublisherConfig) setDefaults() {
 		c.ConfirmTimeout = defaultPublisherConfirmTimeout
 	}
 	if c.ConnectionName == "" {
-		c.ConnectionName = DefaultPublisherConnectionName
+		c.ConnectionName = DefaultConnectionName
 	}
 	if c.maxInFlight == 0 {
 		c.maxInFlight = maxInFlightPerChannel
@@ -238,70 +237,41 @@ func (c *PublisherConfig) setDefaults() {
 // Validate returns an error naming the first invalid field: URI missing (and
 // Dial nil) or not a valid AMQP URI, both Dial and AmqpConfig set,
 // AmqpConfig.Recovery set, Channels outside 1..64, ConfirmTimeout <= 0, or
-// Logger nil. Call it after defaults were applied (NewConfirmPublisher does
+// Logger nil. Call it after defaults were applied (New does
 // both).
-func (c PublisherConfig) Validate() error {
+func (c Config) Validate() error {
 	if c.Dial == nil {
 		if c.URI == "" {
-			return errors.New("amqpretry: PublisherConfig.URI is required when Dial is nil")
+			return errors.New("confirm: Config.URI is required when Dial is nil")
 		}
 		if _, err := amqp.ParseURI(c.URI); err != nil {
-			return fmt.Errorf("amqpretry: PublisherConfig.URI is invalid: %w", redact.Error(err, c.URI))
+			return fmt.Errorf("confirm: Config.URI is invalid: %w", redact.Error(err, c.URI))
 		}
 	} else if c.AmqpConfig != nil {
-		return errors.New("amqpretry: PublisherConfig.AmqpConfig is not used with Dial; set one of them")
+		return errors.New("confirm: Config.AmqpConfig is not used with Dial; set one of them")
 	}
 	if c.AmqpConfig != nil && c.AmqpConfig.Recovery != nil {
-		return errors.New("amqpretry: PublisherConfig.AmqpConfig.Recovery must be nil (the publisher reconnects itself)")
+		return errors.New("confirm: Config.AmqpConfig.Recovery must be nil (the publisher reconnects itself)")
 	}
 	if c.Channels < 1 || c.Channels > maxPublisherChannels {
-		return fmt.Errorf("amqpretry: PublisherConfig.Channels must be in 1..%d, got %d", maxPublisherChannels, c.Channels)
+		return fmt.Errorf("confirm: Config.Channels must be in 1..%d, got %d", maxPublisherChannels, c.Channels)
 	}
 	if c.ConfirmTimeout <= 0 {
-		return fmt.Errorf("amqpretry: PublisherConfig.ConfirmTimeout must be > 0, got %s", c.ConfirmTimeout)
+		return fmt.Errorf("confirm: Config.ConfirmTimeout must be > 0, got %s", c.ConfirmTimeout)
 	}
 	if c.Logger == nil {
-		return errors.New("amqpretry: PublisherConfig.Logger must not be nil")
+		return errors.New("confirm: Config.Logger must not be nil")
 	}
 	return nil
 }
 
-// amqpConfigFromSubscriber returns the amqp.Config for the retry publisher
-// from a watermill-amqp subscriber's connection settings, the way
-// watermill-amqp dials with them (ConnectionConfig.AmqpConfig, else
-// ConnectionConfig.TLSConfig): nil when neither is set. Properties and the
-// TLS config are copied (amqp091-go writes into both while dialling);
-// Recovery is dropped. Setting both TLSConfig and AmqpConfig.TLSClientConfig
-// is an error, as in watermill-amqp.
-func amqpConfigFromSubscriber(c wamqp.ConnectionConfig) (*amqp.Config, error) {
-	if c.AmqpConfig != nil && c.AmqpConfig.TLSClientConfig != nil && c.TLSConfig != nil {
-		return nil, errors.New("amqpretry.Config.Subscriber.Connection sets both TLSConfig and AmqpConfig.TLSClientConfig")
-	}
-	if c.AmqpConfig == nil && c.TLSConfig == nil {
-		return nil, nil
-	}
-	var ac amqp.Config
-	if c.AmqpConfig != nil {
-		ac = *c.AmqpConfig
-	}
-	if c.TLSConfig != nil {
-		ac.TLSClientConfig = c.TLSConfig
-	}
-	if ac.TLSClientConfig != nil {
-		ac.TLSClientConfig = ac.TLSClientConfig.Clone()
-	}
-	ac.Properties = maps.Clone(ac.Properties)
-	ac.Recovery = nil
-	return &ac, nil
-}
-
-// ConfirmPublisher publishes with RabbitMQ publisher confirms and
+// Publisher publishes with RabbitMQ publisher confirms and
 // mandatory=true, and reports per message whether the broker took
 // responsibility for it (RabbitMQ guides "Consumer Acknowledgements and
 // Publisher Confirms" and "Publishers").
 //
 // It is safe for concurrent use by many goroutines. Publishes are pipelined:
-// on each of the PublisherConfig.Channels channels up to 512 messages can be
+// on each of the Config.Channels channels up to 512 messages can be
 // awaiting their confirm at once (amqp091-go's deferred confirmations); a
 // per-channel lock is held only while a message is written, never while
 // waiting for its confirm.
@@ -325,8 +295,8 @@ func amqpConfigFromSubscriber(c wamqp.ConnectionConfig) (*amqp.Config, error) {
 // cannot hold the connection's send lock for longer.
 //
 // Every published message gets the PublishIDHeader header.
-type ConfirmPublisher struct {
-	cfg      PublisherConfig
+type Publisher struct {
+	cfg      Config
 	log      *asyncLog
 	instance string
 
@@ -358,21 +328,21 @@ type ConfirmPublisher struct {
 	testHookGiveUp  func(confirmed <-chan struct{})
 }
 
-// NewConfirmPublisher applies defaults to cfg, validates it, dials the broker
+// New applies defaults to cfg, validates it, dials the broker
 // and opens cfg.Channels channels in confirm mode. It returns the Validate
 // error for a bad config, or the dial/channel error if the broker is
 // unreachable (no retry at construction time).
-func NewConfirmPublisher(cfg PublisherConfig) (*ConfirmPublisher, error) {
+func New(cfg Config) (*Publisher, error) {
 	cfg.setDefaults()
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
 	var rnd [6]byte
 	if _, err := rand.Read(rnd[:]); err != nil {
-		return nil, fmt.Errorf("amqpretry: generating publisher instance id: %w", err)
+		return nil, fmt.Errorf("confirm: generating publisher instance id: %w", err)
 	}
 	ctx, cancel := context.WithCancel(context.Background())
-	p := &ConfirmPublisher{
+	p := &Publisher{
 		cfg:      cfg,
 		log:      newAsyncLog(cfg.Logger),
 		instance: hex.EncodeToString(rnd[:]),
@@ -392,7 +362,7 @@ func NewConfirmPublisher(cfg PublisherConfig) (*ConfirmPublisher, error) {
 		st, err := s.open()
 		if err != nil {
 			_ = p.Close()
-			return nil, fmt.Errorf("amqpretry: opening publisher channel %d: %w", s.index, err)
+			return nil, fmt.Errorf("confirm: opening publisher channel %d: %w", s.index, err)
 		}
 		s.state.Store(st)
 	}
@@ -400,7 +370,7 @@ func NewConfirmPublisher(cfg PublisherConfig) (*ConfirmPublisher, error) {
 }
 
 // begin registers an in-flight operation; it returns ErrClosed after Close.
-func (p *ConfirmPublisher) begin() error {
+func (p *Publisher) begin() error {
 	p.lifeMu.RLock()
 	defer p.lifeMu.RUnlock()
 	if p.closed {
@@ -410,14 +380,14 @@ func (p *ConfirmPublisher) begin() error {
 	return nil
 }
 
-func (p *ConfirmPublisher) isClosed() bool {
+func (p *Publisher) isClosed() bool {
 	p.lifeMu.RLock()
 	defer p.lifeMu.RUnlock()
 	return p.closed
 }
 
 // current returns the current connection if it is open, else nil.
-func (p *ConfirmPublisher) current() *pubConn {
+func (p *Publisher) current() *pubConn {
 	p.connMu.Lock()
 	defer p.connMu.Unlock()
 	if p.conn == nil || p.conn.c.IsClosed() {
@@ -428,7 +398,7 @@ func (p *ConfirmPublisher) current() *pubConn {
 
 // connection returns the current connection, dialling a new one if there is
 // none or it is closed.
-func (p *ConfirmPublisher) connection() (*pubConn, error) {
+func (p *Publisher) connection() (*pubConn, error) {
 	p.dialMu.Lock()
 	defer p.dialMu.Unlock()
 
@@ -440,7 +410,7 @@ func (p *ConfirmPublisher) connection() (*pubConn, error) {
 	}
 	c, err := p.dial()
 	if err != nil {
-		return nil, fmt.Errorf("amqpretry: dialling broker: %w", err)
+		return nil, fmt.Errorf("confirm: dialling broker: %w", err)
 	}
 	pc := &pubConn{c: c, blockedC: make(chan struct{})}
 	// Listeners first, so no block notification is missed. Both are
@@ -467,14 +437,14 @@ func (p *ConfirmPublisher) connection() (*pubConn, error) {
 	return pc, nil
 }
 
-// dial opens one connection: PublisherConfig.Dial, or URI with AmqpConfig
+// dial opens one connection: Config.Dial, or URI with AmqpConfig
 // (copied), the publisher's connection name, and a write deadline of
 // ioTimeout on the socket.
-func (p *ConfirmPublisher) dial() (*amqp.Connection, error) {
+func (p *Publisher) dial() (*amqp.Connection, error) {
 	if p.cfg.Dial != nil {
 		c, err := p.cfg.Dial()
 		if err == nil && c == nil {
-			err = errors.New("PublisherConfig.Dial returned a nil connection")
+			err = errors.New("Config.Dial returned a nil connection")
 		}
 		return c, err
 	}
@@ -514,7 +484,7 @@ func (p *ConfirmPublisher) dial() (*amqp.Connection, error) {
 
 // ioTimeout bounds socket writes and channel.open: ConfirmTimeout, at
 // least minIOTimeout.
-func (p *ConfirmPublisher) ioTimeout() time.Duration { return max(p.cfg.ConfirmTimeout, minIOTimeout) }
+func (p *Publisher) ioTimeout() time.Duration { return max(p.cfg.ConfirmTimeout, minIOTimeout) }
 
 // deadlineConn sets a write deadline before every write, so a write the
 // peer does not read (a blocked broker, a stalled network) fails after
@@ -537,7 +507,7 @@ func (c *deadlineConn) Write(b []byte) (int, error) {
 // connection publishes), and the broker's reason, e.g. "low on memory".
 // While it does, publishes fail with ErrBlocked. False when there is no open
 // connection.
-func (p *ConfirmPublisher) Blocked() (reason string, blocked bool) {
+func (p *Publisher) Blocked() (reason string, blocked bool) {
 	pc := p.current()
 	if pc == nil {
 		return "", false
@@ -545,6 +515,26 @@ func (p *ConfirmPublisher) Blocked() (reason string, blocked bool) {
 	pc.mu.Lock()
 	defer pc.mu.Unlock()
 	return pc.reason, pc.blocked
+}
+
+// Connection returns the publisher's current AMQP connection, dialling one
+// first if there is none or it is closed (Config.Dial, or URI with
+// AmqpConfig). Use it to read what the broker sent at connection start
+// (Connection.Properties: "version", "product", capabilities) or the
+// negotiated settings (Connection.Config). Do not open publishing channels on
+// it; closing it is like a network failure: publishes in flight fail with
+// ErrChannelClosed and the next publish redials. Returns ErrClosed after
+// Close, or the dial error.
+func (p *Publisher) Connection() (*amqp.Connection, error) {
+	if err := p.begin(); err != nil {
+		return nil, err
+	}
+	defer p.inflight.Done()
+	pc, err := p.connection()
+	if err != nil {
+		return nil, err
+	}
+	return pc.c, nil
 }
 
 // Channel opens a fresh, plain (non-confirm) channel on the publisher's
@@ -555,7 +545,7 @@ func (p *ConfirmPublisher) Blocked() (reason string, blocked bool) {
 // the connection (a channel.open would not be answered), or the
 // dial/channel.open error; a channel.open not answered within ConfirmTimeout
 // (at least 1 s) closes the connection and returns its error.
-func (p *ConfirmPublisher) Channel() (*amqp.Channel, error) {
+func (p *Publisher) Channel() (*amqp.Channel, error) {
 	if err := p.begin(); err != nil {
 		return nil, err
 	}
@@ -573,7 +563,7 @@ func (p *ConfirmPublisher) Channel() (*amqp.Channel, error) {
 		return err
 	})
 	if err != nil {
-		return nil, fmt.Errorf("amqpretry: opening channel: %w", err)
+		return nil, fmt.Errorf("confirm: opening channel: %w", err)
 	}
 	return ch, nil
 }
@@ -594,7 +584,7 @@ func (p *ConfirmPublisher) Channel() (*amqp.Channel, error) {
 //   - ErrUnroutable: the broker returned the message (no queue matched);
 //     the error text names exchange, key and the broker's reply.
 //   - ErrNacked: the broker answered with basic.nack.
-//   - ErrConfirmTimeout: no confirm within PublisherConfig.ConfirmTimeout;
+//   - ErrConfirmTimeout: no confirm within Config.ConfirmTimeout;
 //     or (text "message not sent") the channel had 512 publishes awaiting
 //     confirms for that long, so nothing was written and the channel is
 //     replaced.
@@ -612,7 +602,7 @@ func (p *ConfirmPublisher) Channel() (*amqp.Channel, error) {
 // For ErrConfirmTimeout, ErrChannelClosed, ctx errors after the write and
 // ErrBlocked after the write, the message may or may not have been enqueued;
 // treat it as failed.
-func (p *ConfirmPublisher) PublishRaw(ctx context.Context, exchange, key string, msg amqp.Publishing) error {
+func (p *Publisher) PublishRaw(ctx context.Context, exchange, key string, msg amqp.Publishing) error {
 	if ctx == nil {
 		ctx = context.Background()
 	}
@@ -645,7 +635,7 @@ func (p *ConfirmPublisher) PublishRaw(ctx context.Context, exchange, key string,
 // writing stops early (ctx done, channel cannot be reopened, ErrClosed,
 // ErrBlocked), the unwritten messages fail with that error. An empty msgs
 // returns nil.
-func (p *ConfirmPublisher) PublishRawBatch(ctx context.Context, exchange, key string, msgs []amqp.Publishing) error {
+func (p *Publisher) PublishRawBatch(ctx context.Context, exchange, key string, msgs []amqp.Publishing) error {
 	if ctx == nil {
 		ctx = context.Background()
 	}
@@ -726,7 +716,7 @@ func prepareMessage(msg amqp.Publishing) (amqp.Publishing, error) {
 	headers := make(amqp.Table, len(msg.Headers)+1)
 	maps.Copy(headers, msg.Headers)
 	if err := headers.Validate(); err != nil {
-		return msg, fmt.Errorf("amqpretry: invalid message headers: %w", err)
+		return msg, fmt.Errorf("confirm: invalid message headers: %w", err)
 	}
 	msg.Headers = headers
 	return msg, nil
@@ -740,7 +730,7 @@ func prepareMessage(msg amqp.Publishing) (amqp.Publishing, error) {
 // ErrChannelClosed and ErrClosed. Close is idempotent; later calls return the
 // first call's result. An already-lost connection is not an error; a failed
 // close handshake is returned wrapped.
-func (p *ConfirmPublisher) Close() error {
+func (p *Publisher) Close() error {
 	p.closeOnce.Do(func() {
 		p.lifeMu.Lock()
 		p.closed = true
@@ -758,7 +748,7 @@ func (p *ConfirmPublisher) Close() error {
 		select {
 		case <-done:
 		case <-timer.C:
-			p.log.info("ConfirmPublisher.Close: in-flight publishes did not finish within ConfirmTimeout; closing anyway", nil)
+			p.log.info("Publisher.Close: in-flight publishes did not finish within ConfirmTimeout; closing anyway", nil)
 		}
 		timer.Stop()
 
@@ -773,7 +763,7 @@ func (p *ConfirmPublisher) Close() error {
 				deadline = time.Now() // the broker does not read: just close the socket
 			}
 			if err := pc.c.CloseDeadline(deadline); err != nil && !errors.Is(err, amqp.ErrClosed) && !blocked {
-				p.closeErr = fmt.Errorf("amqpretry: closing publisher connection: %w", err)
+				p.closeErr = fmt.Errorf("confirm: closing publisher connection: %w", err)
 			}
 		}
 		// Channels die with the connection: their deferred confirmations
@@ -783,7 +773,7 @@ func (p *ConfirmPublisher) Close() error {
 	return p.closeErr
 }
 
-func (p *ConfirmPublisher) pickSlot() *pubSlot {
+func (p *Publisher) pickSlot() *pubSlot {
 	n := uint64(len(p.slots))
 	return p.slots[(p.next.Add(1)-1)%n]
 }
@@ -856,7 +846,7 @@ func (pc *pubConn) bounded(timeout time.Duration, rpc func() error) error {
 // pubSlot is one of the publisher's channel positions. The AMQP channel in it
 // is replaced when it dies.
 type pubSlot struct {
-	p     *ConfirmPublisher
+	p     *Publisher
 	index int
 
 	// sem is the per-channel write lock (a 1-buffered channel so waiting for
@@ -880,12 +870,12 @@ func (s *pubSlot) open() (*chanState, error) {
 	err = pc.bounded(s.p.ioTimeout(), func() error {
 		var err error
 		if ch, err = pc.c.Channel(); err != nil {
-			return fmt.Errorf("amqpretry: opening channel: %w", err)
+			return fmt.Errorf("confirm: opening channel: %w", err)
 		}
 		closes = ch.NotifyClose(make(chan *amqp.Error, 1))
 		if err := ch.Confirm(false); err != nil {
 			_ = ch.Close()
-			return fmt.Errorf("amqpretry: enabling publisher confirms: %w", err)
+			return fmt.Errorf("confirm: enabling publisher confirms: %w", err)
 		}
 		return nil
 	})
@@ -962,7 +952,7 @@ func (s *pubSlot) ensureOpen(ctx context.Context) (*chanState, error) {
 		if ctxErr := ctx.Err(); ctxErr != nil && !errors.Is(err, ctxErr) {
 			err = fmt.Errorf("%w (last error: %w)", ctxErr, err)
 		}
-		return nil, fmt.Errorf("amqpretry: reopening publisher channel %d: %w", s.index, err)
+		return nil, fmt.Errorf("confirm: reopening publisher channel %d: %w", s.index, err)
 	}
 	s.state.Store(st)
 	s.p.log.info("AMQP publisher channel (re)opened", watermill.LogFields{"channel": s.index})
@@ -971,7 +961,7 @@ func (s *pubSlot) ensureOpen(ctx context.Context) (*chanState, error) {
 
 // errNoToken: the channel has maxInFlightPerChannel publishes awaiting
 // confirms and the caller asked not to wait (PublishRawBatch).
-var errNoToken = errors.New("amqpretry: channel at its limit of publishes awaiting confirms")
+var errNoToken = errors.New("confirm: channel at its limit of publishes awaiting confirms")
 
 // send writes one message (prepared by prepareMessage, so its Headers map is
 // private and writable) and returns the pending publish. With waitToken
@@ -1004,7 +994,7 @@ func (s *pubSlot) send(ctx context.Context, exchange, key string, msg amqp.Publi
 		}
 		if err := st.acquire(ctx, waitToken, s.p.cfg.ConfirmTimeout); err != nil {
 			if errors.Is(err, ErrConfirmTimeout) {
-				err = fmt.Errorf("amqpretry: publishing to exchange %q with routing key %q: %w", exchange, key, err)
+				err = fmt.Errorf("confirm: publishing to exchange %q with routing key %q: %w", exchange, key, err)
 			}
 			return nil, err
 		}
@@ -1013,7 +1003,7 @@ func (s *pubSlot) send(ctx context.Context, exchange, key string, msg amqp.Publi
 		msg.Headers[PublishIDHeader] = id
 		dc, err := st.ch.PublishWithDeferredConfirmWithContext(ctx, exchange, key, true, false, msg)
 		if err == nil && dc == nil {
-			err = errors.New("amqpretry: channel not in confirm mode") // cannot happen: open enables it
+			err = errors.New("confirm: channel not in confirm mode") // cannot happen: open enables it
 		}
 		if err == nil {
 			if s.p.testHookWritten != nil {
@@ -1036,9 +1026,9 @@ func (s *pubSlot) send(ctx context.Context, exchange, key string, msg amqp.Publi
 				err = fmt.Errorf("%w; %w", err, berr)
 			}
 		}
-		return nil, fmt.Errorf("amqpretry: publishing to exchange %q with routing key %q: %w", exchange, key, err)
+		return nil, fmt.Errorf("confirm: publishing to exchange %q with routing key %q: %w", exchange, key, err)
 	}
-	return nil, fmt.Errorf("amqpretry: publishing to exchange %q with routing key %q: channel kept closing: %w", exchange, key, lastErr)
+	return nil, fmt.Errorf("confirm: publishing to exchange %q with routing key %q: channel kept closing: %w", exchange, key, lastErr)
 }
 
 // chanState is one incarnation of an AMQP channel in confirm mode.
@@ -1168,7 +1158,7 @@ func (w *pending) wait(ctx context.Context, timeout <-chan time.Time) error {
 			return w.giveUp(fmt.Errorf("%w: exchange %q, routing key %q, delivery tag %d",
 				ErrConfirmTimeout, w.exchange, w.key, w.dc.DeliveryTag))
 		case <-ctx.Done():
-			return w.giveUp(fmt.Errorf("amqpretry: waiting for publisher confirm (exchange %q, routing key %q): %w",
+			return w.giveUp(fmt.Errorf("confirm: waiting for publisher confirm (exchange %q, routing key %q): %w",
 				w.exchange, w.key, ctx.Err()))
 		case <-blockedC:
 			// Messages the broker read before it blocked are confirmed at
@@ -1236,7 +1226,7 @@ func (w *pending) result() error {
 		default:
 			cause = ErrChannelClosed
 		}
-		return fmt.Errorf("amqpretry: exchange %q, routing key %q: %w", w.exchange, w.key, cause)
+		return fmt.Errorf("confirm: exchange %q, routing key %q: %w", w.exchange, w.key, cause)
 	default:
 		return fmt.Errorf("%w: exchange %q, routing key %q", ErrNacked, w.exchange, w.key)
 	}
