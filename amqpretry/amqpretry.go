@@ -1,12 +1,3 @@
-// Package amqpretry is the RabbitMQ side of the retry library: the retry
-// topology (loop-back exchange, one wait queue per delay tier, poison queue),
-// a Marshaler that reads x-death and x-delivery-count instead of failing,
-// republishing with publisher confirms and mandatory returns, and New, which
-// wires it all into one Watermill middleware.
-//
-//	retry, err := amqpretry.New(amqpretry.Config{URI: uri, Subscriber: subCfg})
-//	sub, err := retry.NewSubscriber(logger, 0)
-//	router.AddMiddleware(retry.Middleware)
 package amqpretry
 
 import (
@@ -23,6 +14,7 @@ import (
 	"github.com/cenkalti/backoff/v4"
 	amqp "github.com/rabbitmq/amqp091-go"
 
+	"github.com/rabbitretry/rabbitretry/amqpwire"
 	"github.com/rabbitretry/rabbitretry/confirm"
 	"github.com/rabbitretry/rabbitretry/middleware"
 	"github.com/rabbitretry/rabbitretry/router"
@@ -134,7 +126,7 @@ type Config struct {
 	// wait queues. Q is declared with the x-delayed-retry-* arguments (an
 	// existing Q declared without them gets a *DeclareError: add them by
 	// policy, or declare a new queue). Attempts are counted from the
-	// broker's x-acquired-count (middleware.AcquiredCountSource), so a
+	// broker's x-acquired-count (amqpwire.AcquiredCountSource), so a
 	// consumer crash uses an attempt and MaxRedeliveries is not used. The
 	// native hop records no failure metadata. Requires QueueType quorum and
 	// RabbitMQ 4.3+ (New refuses it otherwise); excludes
@@ -459,9 +451,11 @@ func New(cfg Config) (*Retry, error) {
 		Pause:           cfg.Pause,
 		Tracing:         cfg.Tracing,
 
-		// The router's default sources, the same in every mode; with native
-		// delayed retry every redelivery (crashes too) is an attempt,
-		// counted by x-acquired-count.
+		// The same sources in every mode; with native delayed retry every
+		// redelivery (crashes too) is an attempt, counted by
+		// x-acquired-count.
+		AttemptSources: amqpwire.Sources(func(msg *message.Message) string { return cfg.QueueName(msg.Context()) },
+			cfg.NativeDelayedRetry != nil),
 		RedeliveriesCounted: cfg.NativeDelayedRetry != nil,
 	})
 	if err != nil {
@@ -734,7 +728,7 @@ func foreignDeaths(msg *message.Message, q string) bool {
 	if msg.Metadata.Get(middleware.DeliveryRetryRouteKey) == "true" {
 		return false
 	}
-	recs, err := middleware.ParseXDeath(msg.Metadata.Get(middleware.XDeathKey))
+	recs, err := amqpwire.ParseXDeath(msg.Metadata.Get(middleware.XDeathKey))
 	if err != nil {
 		return true
 	}
@@ -754,9 +748,9 @@ func (d *Delayer) publish(ctx context.Context, msg *message.Message, exchange, k
 	if err != nil {
 		return fmt.Errorf("amqpretry: marshaling retry copy: %w", err)
 	}
-	if n := encodedHeaderBytes(p.Headers); n > MaxCopyHeaderBytes {
+	if n := amqpwire.HeaderBytes(p.Headers); n > amqpwire.MaxCopyHeaderBytes {
 		return fmt.Errorf("%w: the retry copy's headers take about %d bytes, more than the %d that stay deliverable once the broker adds x-death",
-			middleware.ErrCannotDelay, n, MaxCopyHeaderBytes)
+			middleware.ErrCannotDelay, n, amqpwire.MaxCopyHeaderBytes)
 	}
 	pctx := context.WithoutCancel(ctx)
 	err = d.publisher.PublishRaw(pctx, exchange, key, p)
@@ -819,7 +813,7 @@ func (p *poisonPublisher) Publish(topic string, msgs ...*message.Message) error 
 		if err != nil {
 			return fmt.Errorf("amqpretry: marshaling poison copy: %w", err)
 		}
-		fitHeaders(&pub)
+		amqpwire.FitHeaders(&pub)
 		ps = append(ps, pub)
 	}
 	ex := p.topology.naming.PoisonExchange

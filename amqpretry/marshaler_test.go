@@ -14,6 +14,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	amqp "github.com/rabbitmq/amqp091-go"
 
+	"github.com/rabbitretry/rabbitretry/amqpwire"
 	"github.com/rabbitretry/rabbitretry/confirm"
 	"github.com/rabbitretry/rabbitretry/middleware"
 )
@@ -91,11 +92,11 @@ func TestMarshalerUnmarshalBrokerHeaders(t *testing.T) {
 	if msg.UUID != "uuid-1" || string(msg.Payload) != "payload" {
 		t.Fatalf("UUID %q payload %q", msg.UUID, msg.Payload)
 	}
-	recs, err := middleware.ParseXDeath(msg.Metadata.Get(middleware.XDeathKey))
+	recs, err := amqpwire.ParseXDeath(msg.Metadata.Get(middleware.XDeathKey))
 	if err != nil {
 		t.Fatalf("ParseXDeath: %v", err)
 	}
-	want := []middleware.DeathRecord{{Queue: "A", Reason: "rejected", Count: 1, Exchange: "orders",
+	want := []amqpwire.DeathRecord{{Queue: "A", Reason: "rejected", Count: 1, Exchange: "orders",
 		RoutingKeys: []string{"order.created"}, Time: xdeathTestTime}}
 	if !reflect.DeepEqual(recs, want) {
 		t.Fatalf("x-death records %#v, want %#v", recs, want)
@@ -328,7 +329,7 @@ func TestMarshalerRoundTrip(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, k := range []string{"user-key", "num", "flag", "ts", TypedHeadersKey} {
+	for _, k := range []string{"user-key", "num", "flag", "ts", amqpwire.TypedHeadersKey} {
 		if back.Metadata[k] != msg.Metadata[k] {
 			t.Errorf("metadata %q: %q on the copy, %q on the original", k, back.Metadata[k], msg.Metadata[k])
 		}
@@ -437,7 +438,7 @@ func headerBytes(h amqp.Table) int {
 		if s, ok := v.(string); ok {
 			n += len(k) + len(s)
 		} else {
-			n += len(k) + fieldSize(v)
+			n += len(k) + amqpwire.FieldSize(v)
 		}
 	}
 	return n
@@ -507,7 +508,7 @@ func FuzzMarshalerUnmarshal(f *testing.F) {
 			t.Fatalf("UUID %q, want %q", msg.UUID, uuid)
 		}
 		if xd, ok := msg.Metadata[middleware.XDeathKey]; ok {
-			recs, err := middleware.ParseXDeath(xd)
+			recs, err := amqpwire.ParseXDeath(xd)
 			// JSON replaces invalid UTF-8 in the queue name with U+FFFD.
 			if err != nil || len(recs) != 1 || (utf8.ValidString(dq) && recs[0].Queue != dq) || recs[0].Count != dcount {
 				t.Fatalf("x-death metadata %q: %v %v", xd, recs, err)
@@ -647,7 +648,7 @@ func TestMarshalerBrokerDeadLetteredMessage(t *testing.T) {
 	if he, ok := msg.Metadata[middleware.HeaderErrorKey]; ok {
 		t.Fatalf("unexpected header error: %s", he)
 	}
-	recs, err := middleware.ParseXDeath(msg.Metadata.Get(middleware.XDeathKey))
+	recs, err := amqpwire.ParseXDeath(msg.Metadata.Get(middleware.XDeathKey))
 	if err != nil {
 		t.Fatalf("ParseXDeath(%q): %v", msg.Metadata.Get(middleware.XDeathKey), err)
 	}

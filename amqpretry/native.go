@@ -8,7 +8,9 @@ import (
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
+	"github.com/rabbitretry/rabbitretry/amqpwire"
 	"github.com/rabbitretry/rabbitretry/confirm"
+	"github.com/rabbitretry/rabbitretry/middleware"
 )
 
 // Queue arguments of RabbitMQ 4.3's native delayed retry (quorum queues).
@@ -146,17 +148,7 @@ func serverProperties(p *confirm.Publisher) (amqp.Table, error) {
 	return c.Properties, nil
 }
 
-// acquiredCount converts an x-acquired-count value like DeliveryCount.
+// acquiredCount converts an x-acquired-count value like x-delivery-count.
 func acquiredCount(v interface{}) (int64, error) {
-	if v == nil {
-		return 0, errors.New("x-acquired-count is void")
-	}
-	n, err := toInt64(v)
-	if err != nil {
-		return 0, fmt.Errorf("x-acquired-count: %w", err)
-	}
-	if n < 0 {
-		return 0, fmt.Errorf("x-acquired-count %d is negative", n)
-	}
-	return n, nil
+	return amqpwire.Count(middleware.XAcquiredCountKey, v)
 }

@@ -60,3 +60,19 @@ func waitFor(t testing.TB, timeout time.Duration, msg string, cond func() bool) 
 func brokerURI(t testing.TB) string { return testkit.URI(t) }
 
 func uniqueName(t testing.TB, prefix string) string { return testkit.UniqueName(t, prefix) }
+
+var xdeathTestTime = time.Date(2024, 5, 6, 7, 8, 9, 0, time.UTC)
+
+// brokerXDeathEntry returns an x-death entry shaped as amqp091-go decodes it
+// from RabbitMQ: count int64, time time.Time (local zone), routing-keys
+// []interface{} of string.
+func brokerXDeathEntry(queue, reason string, count interface{}) amqp.Table {
+	return amqp.Table{
+		"queue":        queue,
+		"reason":       reason,
+		"count":        count,
+		"exchange":     "orders",
+		"routing-keys": []interface{}{"order.created"},
+		"time":         xdeathTestTime.Local(),
+	}
+}

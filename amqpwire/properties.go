@@ -1,4 +1,4 @@
-package amqpretry
+package amqpwire
 
 import (
 	"strconv"
@@ -45,7 +45,7 @@ const (
 // headers have on the wire, "AMQP 0-9-1 Reference", field tables), in
 // standard base64. Watermill metadata holds strings only, so
 // Marshaler.Unmarshal gives the handler each such header as a readable
-// string under its own name (see headerToString) and records its typed value
+// string under its own name (see HeaderString) and records its typed value
 // here; Marshal publishes the typed value again, unless the handler changed
 // or deleted the string (then its string wins, or the header is gone).
 //
@@ -73,8 +73,8 @@ var stringProps = []stringProp{
 	{PropAppIDKey, func(d *amqp.Delivery) string { return d.AppId }, func(p *amqp.Publishing, v string) { p.AppId = v }},
 }
 
-// propertiesToMetadata records d's properties in md (only those set).
-func propertiesToMetadata(d *amqp.Delivery, md message.Metadata) {
+// PropertiesToMetadata records d's properties in md (only those set).
+func PropertiesToMetadata(d *amqp.Delivery, md message.Metadata) {
 	for _, p := range stringProps {
 		if v := p.get(d); v != "" {
 			md[p.key] = v
@@ -91,10 +91,10 @@ func propertiesToMetadata(d *amqp.Delivery, md message.Metadata) {
 	}
 }
 
-// metadataToProperties restores the properties recorded in msg's metadata
+// MetadataToProperties restores the properties recorded in msg's metadata
 // onto p and removes their keys from p's headers. Malformed priority,
 // timestamp or delivery-mode values (or a delivery mode of 0) are left out.
-func metadataToProperties(md message.Metadata, p *amqp.Publishing) {
+func MetadataToProperties(md message.Metadata, p *amqp.Publishing) {
 	for _, sp := range stringProps {
 		if v, ok := md[sp.key]; ok {
 			sp.set(p, v)

@@ -14,7 +14,7 @@ import (
 	"github.com/cenkalti/backoff/v4"
 	amqp "github.com/rabbitmq/amqp091-go"
 
-	"github.com/rabbitretry/rabbitretry/amqpretry"
+	"github.com/rabbitretry/rabbitretry/amqpwire"
 	"github.com/rabbitretry/rabbitretry/confirm"
 	"github.com/rabbitretry/rabbitretry/middleware"
 
@@ -394,7 +394,7 @@ func (r *Recorder) attemptFrom(msg *message.Message, st *attemptState, chainErr 
 	ctx := msg.Context()
 	a := Attempt{
 		MessageID:     msg.UUID,
-		CorrelationID: msg.Metadata.Get(amqpretry.PropCorrelationIDKey),
+		CorrelationID: msg.Metadata.Get(amqpwire.PropCorrelationIDKey),
 		Queue:         r.cfg.QueueName(ctx),
 		Attempt:       middleware.Attempt(msg),
 		StartedAt:     st.start,

@@ -104,7 +104,7 @@ const (
 	// Config.DelayerFactory's delivery), whether or not the message was
 	// dead-lettered out of the queue since the library last published it
 	// (DeliveryRetryPathKey additionally requires that it was not). Only on
-	// such a delivery does XDeathSource count the queue's own x-death
+	// such a delivery does amqpwire.XDeathSource count the queue's own x-death
 	// entries: a DeadLetterFirstRetry or delivery-limit dead-lettering comes
 	// back this way, a producer's message does not, so an x-death count a
 	// producer wrote never decides a first delivery. Set by the amqpretry

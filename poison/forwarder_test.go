@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/rabbitretry/rabbitretry/amqpwire"
 	"github.com/rabbitretry/rabbitretry/internal/testkit"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -221,7 +222,7 @@ func TestForwarderWithCounterInRouter(t *testing.T) {
 	}
 	msg := newMsg()
 	msg.Metadata.Set(middleware.AttemptKey, "1")
-	msg.Metadata.Set(middleware.XDeathKey, middleware.EncodeXDeath([]middleware.DeathRecord{{Queue: "orders", Reason: "rejected", Count: 3}}))
+	msg.Metadata.Set(middleware.XDeathKey, amqpwire.EncodeXDeath([]amqpwire.DeathRecord{{Queue: "orders", Reason: "rejected", Count: 3}}))
 	// This queue's own evidence: a copy of its chain (gochannel: the origin
 	// queue is this one), back through a retry route.
 	msg.Metadata.Set(middleware.OriginalQueueKey, "orders")

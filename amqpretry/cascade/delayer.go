@@ -13,6 +13,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitretry/rabbitretry/amqpretry"
+	"github.com/rabbitretry/rabbitretry/amqpwire"
 	"github.com/rabbitretry/rabbitretry/confirm"
 	"github.com/rabbitretry/rabbitretry/middleware"
 )
@@ -340,14 +341,14 @@ func topologyMissing(err error) bool {
 }
 
 // headerLimit is the largest header table a delayed copy may have:
-// amqpretry.MaxCopyHeaderBytes less what the broker adds on the way, an
+// amqpwire.MaxCopyHeaderBytes less what the broker adds on the way, an
 // x-death entry per level (queue, exchange, routing key, reason, count,
 // time) and the x-first-death-* / x-last-death-* headers.
 func (c *core) headerLimit(queue string) int {
 	keyLen := 2*c.cfg.Levels + len(queue)
 	nameLen := len(c.cfg.LevelName(0))
 	perLevel := 160 + 2*nameLen + keyLen
-	return amqpretry.MaxCopyHeaderBytes - c.cfg.Levels*perLevel - 6*(40+nameLen)
+	return amqpwire.MaxCopyHeaderBytes - c.cfg.Levels*perLevel - 6*(40+nameLen)
 }
 
 // Delayer implements middleware.Delayer with the delay cascade: a retry

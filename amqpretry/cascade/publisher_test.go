@@ -7,7 +7,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/rabbitretry/rabbitretry/amqpretry"
+	"github.com/rabbitretry/rabbitretry/amqpwire"
 	"github.com/rabbitretry/rabbitretry/confirm"
 	"github.com/rabbitretry/rabbitretry/middleware"
 
@@ -69,11 +69,11 @@ func TestHeaderLimit(t *testing.T) {
 		t.Fatal(err)
 	}
 	msg := message.NewMessage("big", nil)
-	msg.Metadata.Set("big", strings.Repeat("x", amqpretry.MaxCopyHeaderBytes-4096))
+	msg.Metadata.Set("big", strings.Repeat("x", amqpwire.MaxCopyHeaderBytes-4096))
 	if err := d.Schedule(context.Background(), msg, time.Second); !errors.Is(err, middleware.ErrCannotDelay) {
 		t.Fatalf("Schedule with %d header bytes: %v, want ErrCannotDelay", len(msg.Metadata["big"]), err)
 	}
-	if limit := d.c.headerLimit("orders"); limit < 100_000 || limit > amqpretry.MaxCopyHeaderBytes {
+	if limit := d.c.headerLimit("orders"); limit < 100_000 || limit > amqpwire.MaxCopyHeaderBytes {
 		t.Errorf("header limit %d", limit)
 	}
 }

@@ -24,6 +24,7 @@ import (
 
 	"github.com/rabbitretry/rabbitretry/amqpretry"
 	"github.com/rabbitretry/rabbitretry/amqpretry/cascade"
+	"github.com/rabbitretry/rabbitretry/amqpwire"
 	"github.com/rabbitretry/rabbitretry/middleware"
 )
 
@@ -279,7 +280,7 @@ func (c *cascadeCollector) retryHandler(msg *message.Message) error {
 	if !ok {
 		return nil // a duplicate: counted once
 	}
-	recs, _ := middleware.ParseXDeath(msg.Metadata.Get(middleware.XDeathKey))
+	recs, _ := amqpwire.ParseXDeath(msg.Metadata.Get(middleware.XDeathKey))
 	c.add(cascadeObs{asked: asked, observed: now.Sub(t0), xdeath: len(recs)})
 	return nil
 }
