@@ -604,7 +604,7 @@ func TestE2E_PropertiesKeptAcrossRetries(t *testing.T) {
 	rec.mu.Lock()
 	second := rec.meta[msg.UUID][1]
 	rec.mu.Unlock()
-	if second.Get(amqpwire.PropContentTypeKey) != "application/json" || second.Get(amqpwire.PropCorrelationIDKey) != "corr-1" {
+	if second.Get(middleware.PropContentTypeKey) != "application/json" || second.Get(middleware.PropCorrelationIDKey) != "corr-1" {
 		t.Errorf("second attempt lost properties: %v", second)
 	}
 	d := e.poisoned(q)[0]
@@ -613,7 +613,7 @@ func TestE2E_PropertiesKeptAcrossRetries(t *testing.T) {
 		t.Errorf("poison copy properties: type %q corr %q id %q prio %d ts %v app %q",
 			d.ContentType, d.CorrelationId, d.MessageId, d.Priority, d.Timestamp, d.AppId)
 	}
-	if _, ok := d.Headers[amqpwire.PropContentTypeKey]; ok {
+	if _, ok := d.Headers[middleware.PropContentTypeKey]; ok {
 		t.Error("a property was also sent as a header")
 	}
 }

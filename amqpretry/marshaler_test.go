@@ -329,7 +329,7 @@ func TestMarshalerRoundTrip(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, k := range []string{"user-key", "num", "flag", "ts", amqpwire.TypedHeadersKey} {
+	for _, k := range []string{"user-key", "num", "flag", "ts", middleware.TypedHeadersKey} {
 		if back.Metadata[k] != msg.Metadata[k] {
 			t.Errorf("metadata %q: %q on the copy, %q on the original", k, back.Metadata[k], msg.Metadata[k])
 		}

@@ -2,8 +2,9 @@
 // over RabbitMQ: the x-death header (DeathRecord, ParseXDeath, EncodeXDeath,
 // DeathRecordsFromTable), the broker's count headers (Count), the field-table
 // codec that keeps each header's exact AMQP type (EncodeHeaderTable,
-// DecodeHeaderTable, TypedHeadersKey), headers as JSON (HeadersToJSON), the
-// message properties carried in metadata (the Prop*Key constants), the frame
+// DecodeHeaderTable), headers as JSON (HeadersToJSON), the
+// message properties carried in metadata (PropertiesToMetadata; their keys,
+// like every metadata key, are in middleware/metadata.go), the frame
 // size of a copy's headers (MaxCopyHeaderBytes, FitHeaders), and the attempt
 // sources that read the broker's counts (XDeathSource, NackCountSource,
 // AcquiredCountSource, DeliveryCountSource; Sources gives the set

@@ -23,10 +23,6 @@ import (
 // until it fits (listing them under DroppedHeadersKey).
 const MaxCopyHeaderBytes = 131072 - 8192
 
-// DroppedHeadersKey lists, comma-separated, the user headers the poison
-// publisher removed so that a poisoned copy fits MaxCopyHeaderBytes.
-const DroppedHeadersKey = "rabbitretry-dropped-headers"
-
 // HeaderBytes returns the size of h encoded as an AMQP field table,
 // as amqp091-go writes it: a 4-byte length, then per entry a 1-byte name
 // length, the name and the tagged value (see FieldSize; typed values, which
@@ -68,6 +64,6 @@ func FitHeaders(p *amqp.Publishing) {
 		dropped = append(dropped, k)
 	}
 	if len(dropped) > 0 {
-		p.Headers[DroppedHeadersKey] = middleware.Truncate(strings.Join(dropped, ","), 1024)
+		p.Headers[middleware.DroppedHeadersKey] = middleware.Truncate(strings.Join(dropped, ","), 1024)
 	}
 }

@@ -14,7 +14,6 @@ import (
 	"github.com/cenkalti/backoff/v4"
 	amqp "github.com/rabbitmq/amqp091-go"
 
-	"github.com/rabbitretry/rabbitretry/amqpwire"
 	"github.com/rabbitretry/rabbitretry/confirm"
 	"github.com/rabbitretry/rabbitretry/middleware"
 
@@ -394,7 +393,7 @@ func (r *Recorder) attemptFrom(msg *message.Message, st *attemptState, chainErr 
 	ctx := msg.Context()
 	a := Attempt{
 		MessageID:     msg.UUID,
-		CorrelationID: msg.Metadata.Get(amqpwire.PropCorrelationIDKey),
+		CorrelationID: msg.Metadata.Get(middleware.PropCorrelationIDKey),
 		Queue:         r.cfg.QueueName(ctx),
 		Attempt:       middleware.Attempt(msg),
 		StartedAt:     st.start,
