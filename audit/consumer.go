@@ -373,9 +373,6 @@ func (c *Consumer) Stats() ConsumerStats {
 	}
 }
 
-// ErrExchangeMissing is returned (wrapped, naming the exchange) by Declare
-// and Run when an audited business exchange does not exist.
-var ErrExchangeMissing = errors.New("audit: business exchange does not exist")
 
 func (c *Consumer) dial() (*amqp.Connection, error) {
 	cfg := amqp.Config{Dial: amqp.DefaultDial(10 * time.Second), Heartbeat: 10 * time.Second}
@@ -397,7 +394,7 @@ func (c *Consumer) dial() (*amqp.Connection, error) {
 // and the attempts queue and audit exchange (DeclareAttempts), then
 // disconnects. Run does the same on each (re)connect; call Declare first
 // when messages must be audited from the moment they are published. It
-// returns ErrExchangeMissing (wrapped), the broker's 406 for a queue that
+// returns ErrExchangeNotFound (wrapped), the broker's 406 for a queue that
 // exists with another type, or the connection error.
 func (c *Consumer) Declare() error {
 	conn, err := c.dial()
@@ -417,7 +414,7 @@ func (c *Consumer) declare(conn *amqp.Connection) error {
 		err = ch.ExchangeDeclarePassive(b.Exchange, amqp.ExchangeTopic, true, false, false, false, nil)
 		var ae *amqp.Error
 		if errors.As(err, &ae) && ae.Code == amqp.NotFound {
-			return fmt.Errorf("%w: %q (declare it, or fix ConsumerConfig.Exchanges)", ErrExchangeMissing, b.Exchange)
+			return fmt.Errorf("audit: business exchange: %w: %q (declare it, or fix ConsumerConfig.Exchanges)", ErrExchangeNotFound, b.Exchange)
 		} else if err != nil {
 			return fmt.Errorf("audit: checking exchange %q: %w", b.Exchange, err)
 		}
@@ -486,7 +483,7 @@ func (c *Consumer) connClosed(e *amqp.Error) error {
 // after a lost connection or channel (the batches in memory, committed or
 // not, are dropped unacked; the broker redelivers them). It returns at once, with the error, for what
 // reconnecting cannot fix: a missing business exchange
-// (ErrExchangeMissing) or an audit queue that exists with other arguments.
+// (ErrExchangeNotFound) or an audit queue that exists with other arguments.
 func (c *Consumer) Run(ctx context.Context) error {
 	var bo backoff.BackOff
 	quarantine := false
@@ -572,7 +569,7 @@ func (c *Consumer) session(ctx context.Context, quarantine *bool) (err error) {
 	}()
 	if err := c.declare(conn); err != nil {
 		var ae *amqp.Error
-		if errors.Is(err, ErrExchangeMissing) || (errors.As(err, &ae) && ae.Code == amqp.PreconditionFailed) {
+		if errors.Is(err, ErrExchangeNotFound) || (errors.As(err, &ae) && ae.Code == amqp.PreconditionFailed) {
 			return errFatal{err}
 		}
 		return err

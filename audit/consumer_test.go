@@ -644,8 +644,8 @@ func TestConsumerMissingExchange(t *testing.T) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
-	if err := c.Run(ctx); !errors.Is(err, audit.ErrExchangeMissing) {
-		t.Fatalf("Run: %v, want ErrExchangeMissing", err)
+	if err := c.Run(ctx); !errors.Is(err, audit.ErrExchangeNotFound) {
+		t.Fatalf("Run: %v, want ErrExchangeNotFound", err)
 	}
 }
 

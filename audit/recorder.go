@@ -30,9 +30,9 @@ const (
 	DefaultPublishBatch = 256
 )
 
-// ErrRecorderClosed is counted (Stats.Rejected) and logged for a record
-// made after Close: it is not published.
-var ErrRecorderClosed = errors.New("audit: recorder closed")
+// errRecorderClosed (middleware.ErrClosed) is counted (Stats.Rejected) and
+// logged for a record made after Close: it is not published.
+var errRecorderClosed = fmt.Errorf("audit: recorder: %w", middleware.ErrClosed)
 
 // RecorderConfig configures a Recorder. Zero values take the defaults
 // documented per field.
@@ -479,7 +479,7 @@ func (r *Recorder) record(a Attempt) {
 
 func (r *Recorder) reject(a Attempt) {
 	r.rejected.Add(1)
-	r.cfg.Logger.Error("Attempt record made after Close; not published", ErrRecorderClosed, watermill.LogFields{
+	r.cfg.Logger.Error("Attempt record made after Close; not published", errRecorderClosed, watermill.LogFields{
 		"message_uuid": a.MessageID, "attempt": a.Attempt, "outcome": string(a.Outcome),
 	})
 }

@@ -99,12 +99,15 @@ var (
 	// from the messages matched (the store changed since the dry run the
 	// count came from). Nothing was sent.
 	ErrCountMismatch = errors.New("audit: resend: the matched count is not the expected count")
-	// ErrExchangeNotFound: the loop-back exchange (ResendToQueue) does not
-	// exist on the broker; nothing was published.
-	ErrExchangeNotFound = errors.New("audit: resend: exchange not found")
-	// ErrResenderClosed: the Resender was closed.
-	ErrResenderClosed = errors.New("audit: resender closed")
+	// ErrExchangeNotFound: an exchange does not exist on the broker,
+	// wrapped with its name: the loop-back exchange of a resend
+	// (ResendToQueue; nothing was published), or an audited business
+	// exchange in Consumer.Declare and Consumer.Run.
+	ErrExchangeNotFound = errors.New("exchange not found")
 )
+
+// errResenderClosed: the Resender was closed (middleware.ErrClosed).
+var errResenderClosed = fmt.Errorf("audit: resender: %w", middleware.ErrClosed)
 
 // ResenderConfig configures a Resender. Zero fields take the defaults
 // documented on each.
@@ -318,7 +321,7 @@ func (r *Resender) publisher() (*confirm.Publisher, error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if r.closed {
-		return nil, ErrResenderClosed
+		return nil, errResenderClosed
 	}
 	if r.pub == nil {
 		p, err := confirm.New(confirm.Config{
@@ -439,7 +442,7 @@ type pager interface {
 // (amqpretry.ErrConfirmTimeout, ErrChannelClosed, ...), which stops Resend
 // after the batch in flight: its messages that failed so are reported
 // failed and may or may not have been delivered, the ones not tried
-// StatusUnsent; ctx.Err() (checked between batches); ErrResenderClosed.
+// StatusUnsent; ctx.Err() (checked between batches); middleware.ErrClosed (wrapped).
 func (r *Resender) Resend(ctx context.Context, f Filter, opts ResendOptions) (ResendReport, error) {
 	rep := ResendReport{Mode: opts.Mode, DryRun: opts.DryRun, Results: []ResendResult{}}
 	if err := opts.Validate(); err != nil {
@@ -744,7 +747,7 @@ func checkExchange(pub *confirm.Publisher, exchange string) error {
 	if err := ch.ExchangeDeclarePassive(exchange, "direct", true, false, false, false, nil); err != nil {
 		var ae *amqp.Error
 		if errors.As(err, &ae) && ae.Code == amqp.NotFound {
-			return fmt.Errorf("%w: %q", ErrExchangeNotFound, exchange)
+			return fmt.Errorf("audit: resend: %w: %q", ErrExchangeNotFound, exchange)
 		}
 		return fmt.Errorf("audit: resend: checking exchange %q: %w", exchange, err)
 	}

@@ -216,7 +216,9 @@ func TestForwarderPoisonsPermanentInRouter(t *testing.T) {
 func TestForwarderWithCounterInRouter(t *testing.T) {
 	pub := &recordingPublisher{}
 	f := newForwarder(t, poison.ForwarderConfig{Publisher: pub})
-	counter, err := middleware.NewAttemptCounter(middleware.AttemptCounterConfig{})
+	// The sources amqpretry.New gives the chain (x-death counts; the
+	// counter's default is the attempt header only).
+	counter, err := middleware.NewAttemptCounter(middleware.AttemptCounterConfig{Sources: amqpwire.Sources(nil, false)})
 	if err != nil {
 		t.Fatal(err)
 	}

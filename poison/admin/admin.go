@@ -89,7 +89,7 @@ func RedactURI(uri string) string {
 // Close closes the connection, waiting (at most the publisher confirm
 // timeout, 30s) for publishes still awaiting their confirm. Messages read
 // by operations still running return to their queue. Close is idempotent;
-// every method called afterwards returns ErrClosed.
+// every method called afterwards returns middleware.ErrClosed (wrapped).
 func (a *Admin) Close() error {
 	a.mu.Lock()
 	if a.closed {
@@ -105,7 +105,7 @@ func (a *Admin) checkOpen() error {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	if a.closed {
-		return ErrClosed
+		return errClosed
 	}
 	return nil
 }
@@ -119,7 +119,7 @@ func (a *Admin) channel() (*amqp.Channel, error) {
 	ch, err := a.pub.Channel()
 	if err != nil {
 		if errors.Is(err, confirm.ErrClosed) {
-			return nil, ErrClosed
+			return nil, errClosed
 		}
 		return nil, fmt.Errorf("poison/admin: opening a channel: %w", err)
 	}
@@ -407,7 +407,7 @@ func (s *scan) release() error {
 // "Queues").
 //
 // Errors: a *NotFoundError matching ErrQueueNotFound if queue does not
-// exist; a Filter.Validate error; ErrClosed; ctx.Err() (wrapped) if ctx ends
+// exist; a Filter.Validate error; middleware.ErrClosed (wrapped); ctx.Err() (wrapped) if ctx ends
 // during the scan; channel or connection errors.
 func (a *Admin) List(ctx context.Context, queue string, f Filter) ([]Message, error) {
 	s, err := a.scanQueue(ctx, queue, f, nil)

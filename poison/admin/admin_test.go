@@ -11,6 +11,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitretry/rabbitretry/confirm"
+	"github.com/rabbitretry/rabbitretry/middleware"
 	"github.com/rabbitretry/rabbitretry/poison/admin"
 )
 
@@ -479,7 +480,7 @@ func TestClosed(t *testing.T) {
 	if err := a.Close(); err != nil {
 		t.Fatal("second Close:", err)
 	}
-	if _, err := a.List(context.Background(), "q", admin.Filter{}); !errors.Is(err, admin.ErrClosed) {
+	if _, err := a.List(context.Background(), "q", admin.Filter{}); !errors.Is(err, middleware.ErrClosed) {
 		t.Fatalf("List after Close: %v", err)
 	}
 }

@@ -185,7 +185,7 @@ func perMessage(err error) bool {
 //
 // Errors: a *NotFoundError matching ErrQueueNotFound (queue missing) or
 // ErrExchangeNotFound (loop-back exchange missing; nothing is changed); a
-// Filter.Validate error; ErrClosed; ctx.Err(); channel, connection or
+// Filter.Validate error; middleware.ErrClosed (wrapped); ctx.Err(); channel, connection or
 // confirm errors (amqpretry.ErrChannelClosed, amqpretry.ErrConfirmTimeout).
 func (a *Admin) Replay(ctx context.Context, queue string, f Filter, opts ReplayOptions) (ReplayResult, error) {
 	var res ReplayResult
@@ -394,7 +394,7 @@ func (a *Admin) Purge(ctx context.Context, queue string, f Filter, dryRun bool) 
 // ErrMaybeDuplicated.
 //
 // Errors: a *NotFoundError matching ErrQueueNotFound naming from or to; an
-// error if from == to; a Filter.Validate error; ErrClosed; ctx.Err()
+// error if from == to; a Filter.Validate error; middleware.ErrClosed (wrapped); ctx.Err()
 // (Move stops before the next message; messages not moved stay in from);
 // publish errors from confirm.Publisher (the first one stops
 // Move); channel or connection errors. The count returned with an error is
