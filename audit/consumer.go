@@ -373,7 +373,6 @@ func (c *Consumer) Stats() ConsumerStats {
 	}
 }
 
-
 func (c *Consumer) dial() (*amqp.Connection, error) {
 	cfg := amqp.Config{Dial: amqp.DefaultDial(10 * time.Second), Heartbeat: 10 * time.Second}
 	if c.cfg.AmqpConfig != nil {
