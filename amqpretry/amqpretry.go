@@ -1,12 +1,3 @@
-// Package amqpretry is the RabbitMQ side of the retry library: the retry
-// topology (loop-back exchange, one wait queue per delay tier, poison queue),
-// a Marshaler that reads x-death and x-delivery-count instead of failing,
-// republishing with publisher confirms and mandatory returns, and New, which
-// wires it all into one Watermill middleware.
-//
-//	retry, err := amqpretry.New(amqpretry.Config{URI: uri, Subscriber: subCfg})
-//	sub, err := retry.NewSubscriber(logger, 0)
-//	router.AddMiddleware(retry.Middleware)
 package amqpretry
 
 import (
@@ -23,6 +14,8 @@ import (
 	"github.com/cenkalti/backoff/v4"
 	amqp "github.com/rabbitmq/amqp091-go"
 
+	"github.com/rabbitretry/rabbitretry/amqpwire"
+	"github.com/rabbitretry/rabbitretry/confirm"
 	"github.com/rabbitretry/rabbitretry/middleware"
 	"github.com/rabbitretry/rabbitretry/router"
 )
@@ -38,9 +31,9 @@ type Config struct {
 	// The publisher dials it with the subscriber's connection settings, as
 	// watermill-amqp does (Subscriber.Connection.AmqpConfig, else
 	// Subscriber.Connection.TLSConfig: TLS, heartbeat, Dial and so the dial
-	// timeout, vhost, SASL, client properties; see PublisherConfig.AmqpConfig),
+	// timeout, vhost, SASL, client properties; see confirm.Config.AmqpConfig),
 	// under its own connection_name (the subscriber's connection_name +
-	// ".retry-publisher", else DefaultPublisherConnectionName). Setting
+	// ".retry-publisher", else confirm.DefaultConnectionName). Setting
 	// both TLSConfig and AmqpConfig.TLSClientConfig is an error.
 	URI string
 	// Subscriber is the watermill-amqp config of the subscriber(s) whose
@@ -107,7 +100,7 @@ type Config struct {
 	// Default 2.
 	PublisherChannels int
 	// ConfirmTimeout bounds the wait for a publisher confirm, and every
-	// socket write of the retry publisher (PublisherConfig.ConfirmTimeout).
+	// socket write of the retry publisher (confirm.Config.ConfirmTimeout).
 	// While the broker blocks publishers (a memory or disk alarm, RabbitMQ
 	// "Blocked Connection Notifications") retry and poison publishes fail at
 	// once with ErrBlocked instead. Default 30 s.
@@ -256,7 +249,7 @@ type Retry struct {
 	chain     *router.Chain
 	topology  *Topology
 	marshaler Marshaler
-	publisher *ConfirmPublisher
+	publisher *confirm.Publisher
 	// modeClose: the Mode's close (Custom: CustomDelayer.Close), if any.
 	modeClose  func() error
 	subscriber wamqp.Config
@@ -297,7 +290,7 @@ func New(cfg Config) (*Retry, error) {
 	if err != nil {
 		return nil, err
 	}
-	pub, err := NewConfirmPublisher(PublisherConfig{
+	pub, err := confirm.New(confirm.Config{
 		URI: cfg.URI, AmqpConfig: pubAmqp, ConnectionName: publisherConnectionName(cfg.Subscriber.Connection),
 		Channels: cfg.PublisherChannels, ConfirmTimeout: cfg.ConfirmTimeout, Logger: cfg.Logger,
 	})
@@ -305,7 +298,7 @@ func New(cfg Config) (*Retry, error) {
 		return nil, fmt.Errorf("amqpretry: connecting the retry publisher: %w", err)
 	}
 	var brokerVersion string
-	if props, err := pub.serverProperties(); err == nil {
+	if props, err := serverProperties(pub); err == nil {
 		brokerVersion, _ = props["version"].(string)
 		if v := brokerVersion; classicTimeoutIgnored(v, cfg.QueueType) {
 			fields := watermill.LogFields{"broker_version": v, "queue_type": cfg.QueueType}
@@ -354,9 +347,11 @@ func New(cfg Config) (*Retry, error) {
 		PoisonTopic:     func(ctx context.Context) string { return topo.PoisonQueue(cfg.QueueName(ctx)) },
 		Logger:          cfg.Logger,
 
-		// The router's default sources, the same in every mode; with native
-		// delayed retry every redelivery (crashes too) is an attempt,
-		// counted by x-acquired-count.
+		// The same sources in every mode; with native delayed retry every
+		// redelivery (crashes too) is an attempt, counted by
+		// x-acquired-count.
+		AttemptSources: amqpwire.Sources(func(msg *message.Message) string { return cfg.QueueName(msg.Context()) },
+			topo.native != nil),
 		RedeliveriesCounted: topo.native != nil,
 	})
 	if err != nil {
@@ -496,7 +491,7 @@ func (r *Retry) Topology() *Topology { return r.topology }
 func (r *Retry) Marshaler() Marshaler { return r.marshaler }
 
 // Publisher returns the confirm publisher used for retries and poison.
-func (r *Retry) Publisher() *ConfirmPublisher { return r.publisher }
+func (r *Retry) Publisher() *confirm.Publisher { return r.publisher }
 
 // QueueName returns the originating queue for a subscribe topic.
 func (r *Retry) QueueName(topic string) string { return r.subscriber.Queue.GenerateName(topic) }
@@ -533,14 +528,14 @@ func (r *Retry) Close() error {
 // publisherConnectionName is the retry publisher's connection_name: the
 // subscriber's own name with ".retry-publisher" appended when it sets one
 // (so an operator sees which service a publisher belongs to), else
-// DefaultPublisherConnectionName.
+// confirm.DefaultConnectionName.
 func publisherConnectionName(c wamqp.ConnectionConfig) string {
 	if c.AmqpConfig != nil {
 		if name, ok := c.AmqpConfig.Properties["connection_name"].(string); ok && name != "" {
 			return name + ".retry-publisher"
 		}
 	}
-	return DefaultPublisherConnectionName
+	return confirm.DefaultConnectionName
 }
 
 // classifierWithAlive adds deliveryAlive to c.DeliveryAlive.
@@ -558,7 +553,7 @@ func classifierWithAlive(c middleware.ClassifierConfig) middleware.ClassifierCon
 // redeclares the originating queue's topology (named by OriginalQueueKey) and
 // tries once more; a failure is returned, so the original is nacked.
 type poisonPublisher struct {
-	publisher *ConfirmPublisher
+	publisher *confirm.Publisher
 	topology  *Topology
 	marshaler Marshaler
 	logger    watermill.LoggerAdapter
@@ -571,7 +566,7 @@ func (p *poisonPublisher) Publish(topic string, msgs ...*message.Message) error 
 		if err != nil {
 			return fmt.Errorf("amqpretry: marshaling poison copy: %w", err)
 		}
-		fitHeaders(&pub)
+		amqpwire.FitHeaders(&pub)
 		ps = append(ps, pub)
 	}
 	ex := p.topology.naming.PoisonExchange

@@ -10,6 +10,8 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	amqp "github.com/rabbitmq/amqp091-go"
 
+	"github.com/rabbitretry/rabbitretry/amqpwire"
+	"github.com/rabbitretry/rabbitretry/confirm"
 	"github.com/rabbitretry/rabbitretry/middleware"
 )
 
@@ -18,7 +20,7 @@ import (
 // message's originating queue, with mandatory set, and returns once the
 // broker confirmed it. The other modes build on it (mode_*.go).
 type Delayer struct {
-	publisher *ConfirmPublisher
+	publisher *confirm.Publisher
 	topology  *Topology
 	marshaler Marshaler
 	queueName func(ctx context.Context) string
@@ -29,7 +31,7 @@ type Delayer struct {
 }
 
 // Schedule publishes msg to its wait queue and waits for the confirm. A copy
-// whose headers exceed MaxCopyHeaderBytes is refused with an error wrapping
+// whose headers exceed amqpwire.MaxCopyHeaderBytes is refused with an error wrapping
 // middleware.ErrCannotDelay (the message is then poisoned). The
 // tier is TierFor(delay), or, when ctx carries a middleware.MinimumDelay (a
 // handler's RetryAfter), the smallest tier at or above it. A delay (or
@@ -125,7 +127,7 @@ func foreignDeaths(msg *message.Message, q string) bool {
 	if msg.Metadata.Get(middleware.DeliveryRetryRouteKey) == "true" {
 		return false
 	}
-	recs, err := middleware.ParseXDeath(msg.Metadata.Get(middleware.XDeathKey))
+	recs, err := amqpwire.ParseXDeath(msg.Metadata.Get(middleware.XDeathKey))
 	if err != nil {
 		return true
 	}
@@ -145,9 +147,9 @@ func (d *Delayer) publish(ctx context.Context, msg *message.Message, exchange, k
 	if err != nil {
 		return fmt.Errorf("amqpretry: marshaling retry copy: %w", err)
 	}
-	if n := encodedHeaderBytes(p.Headers); n > MaxCopyHeaderBytes {
+	if n := amqpwire.HeaderBytes(p.Headers); n > amqpwire.MaxCopyHeaderBytes {
 		return fmt.Errorf("%w: the retry copy's headers take about %d bytes, more than the %d that stay deliverable once the broker adds x-death",
-			middleware.ErrCannotDelay, n, MaxCopyHeaderBytes)
+			middleware.ErrCannotDelay, n, amqpwire.MaxCopyHeaderBytes)
 	}
 	pctx := context.WithoutCancel(ctx)
 	err = d.publisher.PublishRaw(pctx, exchange, key, p)
@@ -164,7 +166,7 @@ func (d *Delayer) publish(ctx context.Context, msg *message.Message, exchange, k
 // topologyMissing reports a publish that found no route or no exchange
 // (returned as unroutable, or 404 NOT_FOUND).
 func topologyMissing(err error) bool {
-	if errors.Is(err, ErrUnroutable) {
+	if errors.Is(err, confirm.ErrUnroutable) {
 		return true
 	}
 	var aerr *amqp.Error

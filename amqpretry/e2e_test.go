@@ -18,6 +18,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/rabbitretry/rabbitretry/amqpretry"
+	"github.com/rabbitretry/rabbitretry/amqpwire"
 	"github.com/rabbitretry/rabbitretry/internal/testkit"
 	"github.com/rabbitretry/rabbitretry/middleware"
 	"github.com/rabbitretry/rabbitretry/poison"
@@ -357,7 +358,7 @@ func TestE2E_BrokerHeadersUnmarshal(t *testing.T) {
 		if md.Get("x-delivery-count") != "2" || md.Get("an-int") != "7" {
 			t.Errorf("metadata x-delivery-count %q an-int %q", md.Get("x-delivery-count"), md.Get("an-int"))
 		}
-		if deaths, err := middleware.ParseXDeath(md.Get(middleware.XDeathKey)); err != nil || len(deaths) != 2 {
+		if deaths, err := amqpwire.ParseXDeath(md.Get(middleware.XDeathKey)); err != nil || len(deaths) != 2 {
 			t.Errorf("x-death metadata %q: %v", md.Get(middleware.XDeathKey), err)
 		}
 		if e.depth(q) != 0 {
@@ -529,7 +530,7 @@ func TestE2E_DeadLetterFirstRetry(t *testing.T) {
 	recA.mu.Lock()
 	second := recA.meta[msg.UUID][1]
 	recA.mu.Unlock()
-	deaths, err := middleware.ParseXDeath(second.Get(middleware.XDeathKey))
+	deaths, err := amqpwire.ParseXDeath(second.Get(middleware.XDeathKey))
 	if err != nil || len(deaths) == 0 || deaths[0].Queue == "" {
 		t.Fatalf("second attempt should carry x-death from the dead-letter hop: %q %v", second.Get(middleware.XDeathKey), err)
 	}
@@ -602,7 +603,7 @@ func TestE2E_PropertiesKeptAcrossRetries(t *testing.T) {
 	rec.mu.Lock()
 	second := rec.meta[msg.UUID][1]
 	rec.mu.Unlock()
-	if second.Get(amqpretry.PropContentTypeKey) != "application/json" || second.Get(amqpretry.PropCorrelationIDKey) != "corr-1" {
+	if second.Get(middleware.PropContentTypeKey) != "application/json" || second.Get(middleware.PropCorrelationIDKey) != "corr-1" {
 		t.Errorf("second attempt lost properties: %v", second)
 	}
 	d := e.poisoned(q)[0]
@@ -611,7 +612,7 @@ func TestE2E_PropertiesKeptAcrossRetries(t *testing.T) {
 		t.Errorf("poison copy properties: type %q corr %q id %q prio %d ts %v app %q",
 			d.ContentType, d.CorrelationId, d.MessageId, d.Priority, d.Timestamp, d.AppId)
 	}
-	if _, ok := d.Headers[amqpretry.PropContentTypeKey]; ok {
+	if _, ok := d.Headers[middleware.PropContentTypeKey]; ok {
 		t.Error("a property was also sent as a header")
 	}
 }

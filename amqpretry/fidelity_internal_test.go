@@ -1,11 +1,7 @@
 package amqpretry
 
 import (
-	"bytes"
-	"encoding/base64"
-	"encoding/binary"
 	"math"
-	"reflect"
 	"strings"
 	"testing"
 	"time"
@@ -13,15 +9,16 @@ import (
 	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v2/pkg/amqp"
 	amqp "github.com/rabbitmq/amqp091-go"
 
+	"github.com/rabbitretry/rabbitretry/amqpwire"
 	"github.com/rabbitretry/rabbitretry/middleware"
 )
 
 // sameWireValue reports whether a and b encode to the same AMQP field value
 // (same type tag and bytes; a timestamp's time zone does not matter).
 func sameWireValue(a, b interface{}) bool {
-	ea, errA := appendField(nil, a, 0)
-	eb, errB := appendField(nil, b, 0)
-	return errA == nil && errB == nil && bytes.Equal(ea, eb)
+	ea, errA := amqpwire.EncodeHeaderTable(amqp.Table{"v": a})
+	eb, errB := amqpwire.EncodeHeaderTable(amqp.Table{"v": b})
+	return errA == nil && errB == nil && ea == eb
 }
 
 // allWireTypes has one header of every AMQP field type amqp091-go decodes,
@@ -39,213 +36,14 @@ func allWireTypes() amqp.Table {
 	}
 }
 
-func TestTypedHeadersEncoding(t *testing.T) {
-	h := allWireTypes()
-	enc, err := encodeTypedHeaders(h)
-	if err != nil {
-		t.Fatal(err)
-	}
-	got, err := decodeTypedHeaders(enc)
-	if err != nil {
-		t.Fatal(err)
-	}
-	for k, v := range h {
-		g := got[k]
-		if !sameWireValue(v, g) || reflect.TypeOf(v) != reflect.TypeOf(g) {
-			t.Errorf("%q: decoded %T %#v, want %T %#v", k, g, g, v, v)
-		}
-		if f, ok := v.(float32); !ok || !math.IsNaN(float64(f)) { // NaN != NaN
-			if !reflect.DeepEqual(v, g) {
-				t.Errorf("%q: decoded %#v, not DeepEqual to %#v", k, g, v)
-			}
-		}
-	}
-	if len(got) != len(h) {
-		t.Errorf("decoded %d headers, want %d", len(got), len(h))
-	}
-	// The encoding is deterministic (keys in order) and its size is what
-	// encodedHeaderBytes counts for the table.
-	enc2, _ := encodeTypedHeaders(got)
-	if enc2 != enc {
-		t.Error("re-encoding differs")
-	}
-	raw, _ := base64.StdEncoding.DecodeString(enc)
-	if n := encodedHeaderBytes(h); n != len(raw)+4 {
-		t.Errorf("encodedHeaderBytes = %d, the encoded table takes %d", n, len(raw)+4)
-	}
-	// Values that cannot arrive from the broker are not wire-typed.
-	for _, v := range []interface{}{int(1), uint(1), uint64(1), map[string]interface{}{}, []string{"a"}, []amqp.Table{{}},
-		time.Unix(1, 5), struct{}{}, amqp.Table{strings.Repeat("k", 256): 1}, []interface{}{int(1)}} {
-		if wireTyped(v, 0) {
-			t.Errorf("wireTyped(%T %#v) = true", v, v)
-		}
-	}
-	// Malformed input: errors, no panic.
-	for _, s := range []string{"!", base64.StdEncoding.EncodeToString([]byte{3, 'a', 'b'}),
-		base64.StdEncoding.EncodeToString([]byte{1, 'a', 'Z'}),
-		base64.StdEncoding.EncodeToString([]byte{1, 'a', 'S', 0xff, 0xff, 0xff, 0xff}),
-		base64.StdEncoding.EncodeToString([]byte{1, 'a', 'l', 1, 2}),
-		base64.StdEncoding.EncodeToString(nestedArrays(200))} {
-		if _, err := decodeTypedHeaders(s); err == nil {
-			t.Errorf("decodeTypedHeaders(%q) accepted malformed input", s)
-		}
-	}
-}
-
-// nestedArrays returns a table {"a": [[[...]]]} nested n arrays deep.
-func nestedArrays(n int) []byte {
-	inner := []byte{}
-	for range n {
-		b := binary.BigEndian.AppendUint32([]byte{tagArray}, uint32(len(inner)))
-		inner = append(b, inner...)
-	}
-	return append([]byte{1, 'a'}, inner...)
-}
-
-// genValue builds an AMQP field value from fuzz input.
-func genValue(b []byte, depth int) (interface{}, []byte) {
-	if len(b) == 0 {
-		return nil, b
-	}
-	op, b := b[0], b[1:]
-	take := func(n int) []byte {
-		if n > len(b) {
-			n = len(b)
-		}
-		v := b[:n]
-		b = b[n:]
-		return v
-	}
-	u64 := func() uint64 { var buf [8]byte; copy(buf[:], take(8)); return binary.BigEndian.Uint64(buf[:]) }
-	switch op % 17 {
-	case 0:
-		return nil, b
-	case 1:
-		return u64()%2 == 1, b
-	case 2:
-		return int8(u64()), b
-	case 3:
-		return uint8(u64()), b
-	case 4:
-		return int16(u64()), b
-	case 5:
-		return uint16(u64()), b
-	case 6:
-		return int32(u64()), b
-	case 7:
-		return uint32(u64()), b
-	case 8:
-		return int64(u64()), b
-	case 9:
-		return math.Float32frombits(uint32(u64())), b
-	case 10:
-		return math.Float64frombits(u64()), b
-	case 11:
-		v := u64()
-		return amqp.Decimal{Scale: uint8(v), Value: int32(v >> 8)}, b
-	case 12:
-		n := int(u64() % 16)
-		return string(take(n)), b
-	case 13:
-		n := int(u64() % 16)
-		return append([]byte{}, take(n)...), b
-	case 14:
-		return time.Unix(int64(u64()), 0), b
-	case 15:
-		if depth > 4 {
-			return nil, b
-		}
-		n := int(u64() % 4)
-		t := amqp.Table{}
-		for i := range n {
-			var v interface{}
-			v, b = genValue(b, depth+1)
-			t[string(rune('a'+i))+string(take(int(i)))] = v
-		}
-		return t, b
-	default:
-		if depth > 4 {
-			return nil, b
-		}
-		n := int(u64() % 4)
-		var a []interface{}
-		for range n {
-			var v interface{}
-			v, b = genValue(b, depth+1)
-			a = append(a, v)
-		}
-		return a, b
-	}
-}
-
-// FuzzTypedHeaders: any table of AMQP field values encodes, decodes to the
-// same wire values with the same Go types, and re-encodes identically; its
-// string form (what the handler sees) is unchanged, so Marshal restores it;
-// encodedHeaderBytes matches the encoding. Arbitrary text never makes
-// decodeTypedHeaders panic, and what it accepts round-trips.
-func FuzzTypedHeaders(f *testing.F) {
-	f.Add([]byte{15, 0, 0, 0, 0, 0, 0, 0, 3, 8, 1, 2, 3, 4, 5, 6, 7, 8, 16, 0, 0, 0, 0, 0, 0, 0, 2, 12, 0, 0, 0, 0, 0, 0, 0, 3, 'a', 'b', 'c'}, "x")
-	f.Add([]byte{14, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff}, "AQFhVg==")
-	f.Add([]byte{10, 0x7f, 0xf8, 0, 0, 0, 0, 0, 1}, "")
-	f.Fuzz(func(t *testing.T, in []byte, text string) {
-		h := amqp.Table{}
-		for i := 0; len(in) > 0 && i < 8; i++ {
-			var v interface{}
-			v, in = genValue(in, 0)
-			h[string(rune('A'+i))] = v
-		}
-		enc, err := encodeTypedHeaders(h)
-		if err != nil {
-			t.Fatalf("encode: %v", err)
-		}
-		got, err := decodeTypedHeaders(enc)
-		if err != nil {
-			t.Fatalf("decode: %v", err)
-		}
-		if len(got) != len(h) {
-			t.Fatalf("%d headers decoded, want %d", len(got), len(h))
-		}
-		for k, v := range h {
-			if !sameWireValue(v, got[k]) || reflect.TypeOf(v) != reflect.TypeOf(got[k]) {
-				t.Fatalf("%q: %T %#v decoded as %T %#v", k, v, v, got[k], got[k])
-			}
-			s1, err1 := headerToString(v)
-			s2, err2 := headerToString(got[k])
-			if err1 != nil || err2 != nil || s1 != s2 {
-				t.Fatalf("%q: string form %q (%v) became %q (%v)", k, s1, err1, s2, err2)
-			}
-		}
-		if enc2, _ := encodeTypedHeaders(got); enc2 != enc {
-			t.Fatal("re-encoding differs")
-		}
-		raw, _ := base64.StdEncoding.DecodeString(enc)
-		if encodedHeaderBytes(h) != len(raw)+4 {
-			t.Fatalf("encodedHeaderBytes %d, encoding %d", encodedHeaderBytes(h), len(raw)+4)
-		}
-		if dt, err := decodeTypedHeaders(text); err == nil {
-			e, err := encodeTypedHeaders(dt)
-			if err != nil {
-				t.Fatalf("decoded %q but cannot encode it: %v", text, err)
-			}
-			if again, err := decodeTypedHeaders(e); err != nil || len(again) != len(dt) {
-				t.Fatalf("round trip of accepted input: %v", err)
-			}
-		}
-	})
-}
-
-// The Marshaler restores every user header with its type, keeps the
-// handler's string when it changed one, drops a header it deleted, never
-// types the library's own keys, and ignores a TypedHeadersKey that arrives
-// as a header.
 func TestMarshalerTypedHeaders(t *testing.T) {
 	m := Marshaler{}
 	h := allWireTypes()
 	h[wamqp.DefaultMessageUUIDHeaderKey] = "u"
-	h[middleware.AttemptKey] = int32(2)   // a library key sent typed by a producer
-	h["reason_poisoned"] = []byte("why")  // Watermill's poison key
-	h[TypedHeadersKey] = "forged"         // never taken from a header
-	h["x-first-death-queue"] = []byte("") // broker header: never carried
+	h[middleware.AttemptKey] = int32(2)      // a library key sent typed by a producer
+	h["reason_poisoned"] = []byte("why")     // Watermill's poison key
+	h[middleware.TypedHeadersKey] = "forged" // never taken from a header
+	h["x-first-death-queue"] = []byte("")    // broker header: never carried
 	msg, err := m.Unmarshal(amqp.Delivery{Headers: h, Body: []byte("b"), DeliveryTag: 1})
 	if err != nil {
 		t.Fatal(err)
@@ -253,8 +51,8 @@ func TestMarshalerTypedHeaders(t *testing.T) {
 	if msg.Metadata["I"] != "-2147483648" || msg.Metadata["x"] != "\x00\x01\xff" || msg.Metadata[middleware.AttemptKey] != "2" {
 		t.Errorf("metadata not readable strings: %q %q %q", msg.Metadata["I"], msg.Metadata["x"], msg.Metadata[middleware.AttemptKey])
 	}
-	if msg.Metadata[TypedHeadersKey] == "forged" || msg.Metadata[middleware.HeaderErrorKey] != "" {
-		t.Errorf("typed key %q, header error %q", msg.Metadata[TypedHeadersKey], msg.Metadata[middleware.HeaderErrorKey])
+	if msg.Metadata[middleware.TypedHeadersKey] == "forged" || msg.Metadata[middleware.HeaderErrorKey] != "" {
+		t.Errorf("typed key %q, header error %q", msg.Metadata[middleware.TypedHeadersKey], msg.Metadata[middleware.HeaderErrorKey])
 	}
 	msg.Metadata["i"] = "changed"
 	delete(msg.Metadata, "F")
@@ -283,13 +81,13 @@ func TestMarshalerTypedHeaders(t *testing.T) {
 			t.Errorf("library key %q goes out as %T, want string", k, p.Headers[k])
 		}
 	}
-	for _, k := range []string{TypedHeadersKey, "x-first-death-queue"} {
+	for _, k := range []string{middleware.TypedHeadersKey, "x-first-death-queue"} {
 		if _, ok := p.Headers[k]; ok {
 			t.Errorf("publishing carries %q", k)
 		}
 	}
 	// An unreadable TypedHeadersKey (a handler wrote it): everything as strings.
-	msg.Metadata[TypedHeadersKey] = "%%%"
+	msg.Metadata[middleware.TypedHeadersKey] = "%%%"
 	p, err = m.Marshal(msg)
 	if err != nil {
 		t.Fatal(err)
@@ -315,7 +113,7 @@ func TestMarshalerDeliveryMode(t *testing.T) {
 		if p.DeliveryMode != tc.want {
 			t.Errorf("delivery mode %d: copy has %d, want %d", tc.in, p.DeliveryMode, tc.want)
 		}
-		if _, ok := p.Headers[PropDeliveryModeKey]; ok {
+		if _, ok := p.Headers[middleware.PropDeliveryModeKey]; ok {
 			t.Errorf("delivery mode travels as a header too")
 		}
 	}
@@ -332,27 +130,27 @@ func TestMarshalerDeliveryMode(t *testing.T) {
 func TestRetryPathDelivery(t *testing.T) {
 	topo := newTopology(func() Naming { n := Naming{LoopBackExchange: "lb"}; n.setDefaults(); return n }(),
 		[]time.Duration{200 * time.Millisecond, time.Second}, QueueTypeClassic, false, nil)
-	death := func(q, reason string) middleware.DeathRecord {
-		return middleware.DeathRecord{Queue: q, Reason: reason, Count: 1}
+	death := func(q, reason string) amqpwire.DeathRecord {
+		return amqpwire.DeathRecord{Queue: q, Reason: reason, Count: 1}
 	}
 	cases := []struct {
 		name      string
 		exchange  string
-		deaths    []middleware.DeathRecord
+		deaths    []amqpwire.DeathRecord
 		def, topo bool // with the default naming, with topo
 	}{
 		{"business exchange", "orders", nil, false, false},
-		{"business exchange, forged expiry", "orders", []middleware.DeathRecord{death("Q.wait.1s", "expired")}, false, false},
+		{"business exchange, forged expiry", "orders", []amqpwire.DeathRecord{death("Q.wait.1s", "expired")}, false, false},
 		{"default loop-back", "rabbitretry.loopback", nil, true, false},
 		{"configured loop-back", "lb", nil, false, true},
-		{"wait queue expiry", "", []middleware.DeathRecord{death("Q.wait.1s", "expired")}, true, true},
-		{"wait queue expiry, ms tier", "", []middleware.DeathRecord{death("Q.wait.200ms", "expired")}, true, true},
-		{"unknown tier (removed by a deploy)", "", []middleware.DeathRecord{death("Q.wait.7s", "expired")}, true, true},
-		{"not a tier", "", []middleware.DeathRecord{death("Q.wait.x1s", "expired")}, false, false},
-		{"another queue's wait queue", "", []middleware.DeathRecord{death("P.wait.1s", "expired")}, false, false},
-		{"older expiry", "", []middleware.DeathRecord{death("X", "expired"), death("Q.wait.1s", "expired")}, false, false},
-		{"rejected in Q (dead-letter first retry)", "", []middleware.DeathRecord{death("Q.wait.1s", "expired"), death("Q", "rejected")}, false, false},
-		{"delivery limit in Q", "rabbitretry.loopback", []middleware.DeathRecord{death("Q", "delivery_limit")}, false, false},
+		{"wait queue expiry", "", []amqpwire.DeathRecord{death("Q.wait.1s", "expired")}, true, true},
+		{"wait queue expiry, ms tier", "", []amqpwire.DeathRecord{death("Q.wait.200ms", "expired")}, true, true},
+		{"unknown tier (removed by a deploy)", "", []amqpwire.DeathRecord{death("Q.wait.7s", "expired")}, true, true},
+		{"not a tier", "", []amqpwire.DeathRecord{death("Q.wait.x1s", "expired")}, false, false},
+		{"another queue's wait queue", "", []amqpwire.DeathRecord{death("P.wait.1s", "expired")}, false, false},
+		{"older expiry", "", []amqpwire.DeathRecord{death("X", "expired"), death("Q.wait.1s", "expired")}, false, false},
+		{"rejected in Q (dead-letter first retry)", "", []amqpwire.DeathRecord{death("Q.wait.1s", "expired"), death("Q", "rejected")}, false, false},
+		{"delivery limit in Q", "rabbitretry.loopback", []amqpwire.DeathRecord{death("Q", "delivery_limit")}, false, false},
 		{"default exchange, no death", "", nil, false, false},
 	}
 	for _, tc := range cases {
@@ -369,13 +167,13 @@ func TestRetryPathDelivery(t *testing.T) {
 	for _, tc := range []struct {
 		name     string
 		exchange string
-		deaths   []middleware.DeathRecord
+		deaths   []amqpwire.DeathRecord
 		want     bool
 	}{
-		{"dead-letter first retry back from the wait queue", "", []middleware.DeathRecord{death("Q.wait.1s", "expired"), death("Q", "rejected")}, true},
-		{"delivery limit, back through the loop-back", "rabbitretry.loopback", []middleware.DeathRecord{death("Q", "delivery_limit")}, true},
-		{"business exchange with a forged rejection in Q", "orders", []middleware.DeathRecord{death("Q", "rejected")}, false},
-		{"default exchange, forged rejection in Q", "", []middleware.DeathRecord{death("Q", "rejected")}, false},
+		{"dead-letter first retry back from the wait queue", "", []amqpwire.DeathRecord{death("Q.wait.1s", "expired"), death("Q", "rejected")}, true},
+		{"delivery limit, back through the loop-back", "rabbitretry.loopback", []amqpwire.DeathRecord{death("Q", "delivery_limit")}, true},
+		{"business exchange with a forged rejection in Q", "orders", []amqpwire.DeathRecord{death("Q", "rejected")}, false},
+		{"default exchange, forged rejection in Q", "", []amqpwire.DeathRecord{death("Q", "rejected")}, false},
 	} {
 		d := amqp.Delivery{Exchange: tc.exchange, RoutingKey: "Q"}
 		if route, _ := (Marshaler{}).retryRoute(&d, tc.deaths); route != tc.want {
@@ -408,7 +206,7 @@ func TestRetryPathDelivery(t *testing.T) {
 		if tc.withTopo {
 			m.Topology = topo
 		}
-		deaths := []middleware.DeathRecord{death("Q.wait.200ms", "expired"), death("Q", "rejected")}
+		deaths := []amqpwire.DeathRecord{death("Q.wait.200ms", "expired"), death("Q", "rejected")}
 		if route, copyOf := m.retryRoute(&d, deaths); !route || copyOf != tc.copyOf {
 			t.Errorf("dead-lettered out of Q, %s: route %v copy %v, want true %v", tc.name, route, copyOf, tc.copyOf)
 		}
@@ -417,16 +215,16 @@ func TestRetryPathDelivery(t *testing.T) {
 	// left the cascade): recognised by its shape.
 	for _, tc := range []struct {
 		name, exchange, key string
-		deaths              []middleware.DeathRecord
+		deaths              []amqpwire.DeathRecord
 		route, copyOf       bool
 	}{
-		{"from the delivery exchange", "d.delivery", "0.1.1.Q", []middleware.DeathRecord{death("d.level.00", "expired"), death("d.level.01", "expired")}, true, true},
-		{"from a level exchange", "d.level.01", "1.1.0.Q", []middleware.DeathRecord{death("d.level.02", "expired")}, true, true},
-		{"dead-lettered out of Q since", "d.delivery", "0.0.1.Q", []middleware.DeathRecord{death("d.level.00", "expired"), death("Q", "delivery_limit")}, true, false},
+		{"from the delivery exchange", "d.delivery", "0.1.1.Q", []amqpwire.DeathRecord{death("d.level.00", "expired"), death("d.level.01", "expired")}, true, true},
+		{"from a level exchange", "d.level.01", "1.1.0.Q", []amqpwire.DeathRecord{death("d.level.02", "expired")}, true, true},
+		{"dead-lettered out of Q since", "d.delivery", "0.0.1.Q", []amqpwire.DeathRecord{death("d.level.00", "expired"), death("Q", "delivery_limit")}, true, false},
 		{"no level death", "d.delivery", "0.0.1.Q", nil, false, false},
-		{"another prefix's level", "d.delivery", "0.0.1.Q", []middleware.DeathRecord{death("e.level.00", "expired")}, false, false},
-		{"business exchange", "orders", "0.0.1.Q", []middleware.DeathRecord{death("d.level.00", "expired")}, false, false},
-		{"no bit words", "d.delivery", "Q", []middleware.DeathRecord{death("d.level.00", "expired")}, false, false},
+		{"another prefix's level", "d.delivery", "0.0.1.Q", []amqpwire.DeathRecord{death("e.level.00", "expired")}, false, false},
+		{"business exchange", "orders", "0.0.1.Q", []amqpwire.DeathRecord{death("d.level.00", "expired")}, false, false},
+		{"no bit words", "d.delivery", "Q", []amqpwire.DeathRecord{death("d.level.00", "expired")}, false, false},
 	} {
 		d := amqp.Delivery{Exchange: tc.exchange, RoutingKey: tc.key}
 		route, copyOf := (Marshaler{}).retryRoute(&d, tc.deaths)

@@ -14,6 +14,8 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	amqp "github.com/rabbitmq/amqp091-go"
 
+	"github.com/rabbitretry/rabbitretry/amqpwire"
+	"github.com/rabbitretry/rabbitretry/confirm"
 	"github.com/rabbitretry/rabbitretry/middleware"
 )
 
@@ -67,7 +69,7 @@ func brokerDelivery() amqp.Delivery {
 			"num":                    int32(5),
 			"flag":                   true,
 			"ts":                     xdeathTestTime,
-			PublishIDHeader:          "abc-0-1",
+			confirm.PublishIDHeader:  "abc-0-1",
 		},
 	}
 }
@@ -90,11 +92,11 @@ func TestMarshalerUnmarshalBrokerHeaders(t *testing.T) {
 	if msg.UUID != "uuid-1" || string(msg.Payload) != "payload" {
 		t.Fatalf("UUID %q payload %q", msg.UUID, msg.Payload)
 	}
-	recs, err := middleware.ParseXDeath(msg.Metadata.Get(middleware.XDeathKey))
+	recs, err := amqpwire.ParseXDeath(msg.Metadata.Get(middleware.XDeathKey))
 	if err != nil {
 		t.Fatalf("ParseXDeath: %v", err)
 	}
-	want := []middleware.DeathRecord{{Queue: "A", Reason: "rejected", Count: 1, Exchange: "orders",
+	want := []amqpwire.DeathRecord{{Queue: "A", Reason: "rejected", Count: 1, Exchange: "orders",
 		RoutingKeys: []string{"order.created"}, Time: xdeathTestTime}}
 	if !reflect.DeepEqual(recs, want) {
 		t.Fatalf("x-death records %#v, want %#v", recs, want)
@@ -117,7 +119,7 @@ func TestMarshalerUnmarshalBrokerHeaders(t *testing.T) {
 			t.Errorf("metadata %q = %q (present %v), want %q", k, got, ok, v)
 		}
 	}
-	for _, k := range []string{PublishIDHeader, middleware.HeaderErrorKey, wamqp.DefaultMessageUUIDHeaderKey} {
+	for _, k := range []string{confirm.PublishIDHeader, middleware.HeaderErrorKey, wamqp.DefaultMessageUUIDHeaderKey} {
 		if v, ok := msg.Metadata[k]; ok {
 			t.Errorf("metadata %q = %q should be absent", k, v)
 		}
@@ -248,7 +250,7 @@ func TestMarshalerMarshalStripsDeliveryHeaders(t *testing.T) {
 		"x-last-death-queue", "x-last-death-reason", "x-last-death-exchange", "x-delivery-count",
 		middleware.XDeathKey, middleware.XDeliveryCountKey,
 		middleware.DeliveryExchangeKey, middleware.DeliveryRoutingKeyKey,
-		middleware.HeaderErrorKey, PublishIDHeader,
+		middleware.HeaderErrorKey, confirm.PublishIDHeader,
 	}
 	for _, k := range stripped {
 		msg.Metadata.Set(k, "v")
@@ -327,7 +329,7 @@ func TestMarshalerRoundTrip(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, k := range []string{"user-key", "num", "flag", "ts", TypedHeadersKey} {
+	for _, k := range []string{"user-key", "num", "flag", "ts", middleware.TypedHeadersKey} {
 		if back.Metadata[k] != msg.Metadata[k] {
 			t.Errorf("metadata %q: %q on the copy, %q on the original", k, back.Metadata[k], msg.Metadata[k])
 		}
@@ -436,7 +438,7 @@ func headerBytes(h amqp.Table) int {
 		if s, ok := v.(string); ok {
 			n += len(k) + len(s)
 		} else {
-			n += len(k) + fieldSize(v)
+			n += len(k) + amqpwire.FieldSize(v)
 		}
 	}
 	return n
@@ -463,13 +465,13 @@ func FuzzMarshalerUnmarshal(f *testing.F) {
 	f.Add(wamqp.DefaultMessageUUIDHeaderKey, "u2", int64(0), "u1", []byte("b"), "Q", int64(0))
 	f.Fuzz(func(t *testing.T, key, sval string, ival int64, uuid string, body []byte, dq string, dcount int64) {
 		headers := amqp.Table{
-			key:                  sval,
-			"int-" + key:         ival,
-			"x-death":            []interface{}{amqp.Table{"queue": dq, "reason": "rejected", "count": dcount, "time": time.Unix(ival%(1<<40), 0)}},
-			"x-delivery-count":   ival,
-			PublishIDHeader:      sval,
-			"nested":             amqp.Table{key: []interface{}{sval, ival, body}},
-			"x-last-death-queue": dq,
+			key:                     sval,
+			"int-" + key:            ival,
+			"x-death":               []interface{}{amqp.Table{"queue": dq, "reason": "rejected", "count": dcount, "time": time.Unix(ival%(1<<40), 0)}},
+			"x-delivery-count":      ival,
+			confirm.PublishIDHeader: sval,
+			"nested":                amqp.Table{key: []interface{}{sval, ival, body}},
+			"x-last-death-queue":    dq,
 		}
 		if key != wamqp.DefaultMessageUUIDHeaderKey {
 			headers[wamqp.DefaultMessageUUIDHeaderKey] = uuid
@@ -506,7 +508,7 @@ func FuzzMarshalerUnmarshal(f *testing.F) {
 			t.Fatalf("UUID %q, want %q", msg.UUID, uuid)
 		}
 		if xd, ok := msg.Metadata[middleware.XDeathKey]; ok {
-			recs, err := middleware.ParseXDeath(xd)
+			recs, err := amqpwire.ParseXDeath(xd)
 			// JSON replaces invalid UTF-8 in the queue name with U+FFFD.
 			if err != nil || len(recs) != 1 || (utf8.ValidString(dq) && recs[0].Queue != dq) || recs[0].Count != dcount {
 				t.Fatalf("x-death metadata %q: %v %v", xd, recs, err)
@@ -595,7 +597,7 @@ func assertCleanCopy(t *testing.T, msg *message.Message) amqp.Publishing {
 	for k := range p.Headers {
 		if k == "x-death" || k == "x-delivery-count" || strings.HasPrefix(k, "x-first-death-") ||
 			strings.HasPrefix(k, "x-last-death-") || k == middleware.DeliveryExchangeKey ||
-			k == middleware.DeliveryRoutingKeyKey || k == middleware.HeaderErrorKey || k == PublishIDHeader {
+			k == middleware.DeliveryRoutingKeyKey || k == middleware.HeaderErrorKey || k == confirm.PublishIDHeader {
 			t.Errorf("publishing still carries %q = %v", k, p.Headers[k])
 		}
 	}
@@ -646,7 +648,7 @@ func TestMarshalerBrokerDeadLetteredMessage(t *testing.T) {
 	if he, ok := msg.Metadata[middleware.HeaderErrorKey]; ok {
 		t.Fatalf("unexpected header error: %s", he)
 	}
-	recs, err := middleware.ParseXDeath(msg.Metadata.Get(middleware.XDeathKey))
+	recs, err := amqpwire.ParseXDeath(msg.Metadata.Get(middleware.XDeathKey))
 	if err != nil {
 		t.Fatalf("ParseXDeath(%q): %v", msg.Metadata.Get(middleware.XDeathKey), err)
 	}

@@ -10,6 +10,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	amqp "github.com/rabbitmq/amqp091-go"
 
+	"github.com/rabbitretry/rabbitretry/confirm"
 	"github.com/rabbitretry/rabbitretry/middleware"
 )
 
@@ -53,7 +54,7 @@ type DelayerDeps struct {
 	// Publisher is the Retry's confirm publisher (mandatory, publisher
 	// confirms). The factory's Delayer may publish with it and open
 	// channels on it (Channel); it must not close it (Retry.Close does).
-	Publisher *ConfirmPublisher
+	Publisher *confirm.Publisher
 	// Marshaler is the Retry's x-death-aware Marshaler (its Topology set):
 	// marshal retry copies with it.
 	Marshaler Marshaler

@@ -5,8 +5,7 @@ import (
 	"testing"
 
 	amqp "github.com/rabbitmq/amqp091-go"
-
-	"github.com/rabbitretry/rabbitretry/middleware"
+	"github.com/rabbitretry/rabbitretry/amqpwire"
 )
 
 // retryPathDelivery with a DelayerFactory's recogniser: a delivery it
@@ -28,12 +27,12 @@ func TestRetryPathDeliveryCustom(t *testing.T) {
 		name     string
 		exchange string
 		key      string
-		deaths   []middleware.DeathRecord
+		deaths   []amqpwire.DeathRecord
 		want     bool
 	}{
 		{"cascade delivery exchange", "delay.delivery", "0.1.Q", nil, true},
-		{"cascade level exchange", "delay.level.03", "0.1.Q", []middleware.DeathRecord{{Queue: "delay.level.03", Reason: "expired", Count: 1}}, true},
-		{"dead-lettered out of Q since", "delay.delivery", "0.1.Q", []middleware.DeathRecord{{Queue: "Q", Reason: "delivery_limit", Count: 1}}, false},
+		{"cascade level exchange", "delay.level.03", "0.1.Q", []amqpwire.DeathRecord{{Queue: "delay.level.03", Reason: "expired", Count: 1}}, true},
+		{"dead-lettered out of Q since", "delay.delivery", "0.1.Q", []amqpwire.DeathRecord{{Queue: "Q", Reason: "delivery_limit", Count: 1}}, false},
 		{"not a cascade key", "delay.delivery", "Q", nil, false},
 		{"business exchange", "orders", "0.1.Q", nil, false},
 		{"loop-back still recognised", "rabbitretry.loopback", "Q", nil, true},

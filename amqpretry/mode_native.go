@@ -78,7 +78,7 @@ func (m nativeMode) configure(c *Config, t *Topology) {
 
 // delayer refuses a broker older than 4.3 (checkNativeSupport).
 func (m nativeMode) delayer(base *Delayer, _ DelayerDeps) (middleware.Delayer, func() error, error) {
-	props, err := base.publisher.serverProperties()
+	props, err := serverProperties(base.publisher)
 	if err == nil {
 		err = checkNativeSupport(props)
 	}

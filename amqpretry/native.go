@@ -1,12 +1,14 @@
 package amqpretry
 
 import (
-	"errors"
 	"fmt"
 	"strconv"
 	"strings"
 
 	amqp "github.com/rabbitmq/amqp091-go"
+	"github.com/rabbitretry/rabbitretry/amqpwire"
+	"github.com/rabbitretry/rabbitretry/confirm"
+	"github.com/rabbitretry/rabbitretry/middleware"
 )
 
 // checkNativeSupport refuses the native mode on a broker older than 4.3,
@@ -46,25 +48,15 @@ func parseMajorMinor(v string) (major, minor int, ok bool) {
 
 // serverProperties returns the broker's connection properties, from the
 // retry publisher's connection.
-func (p *ConfirmPublisher) serverProperties() (amqp.Table, error) {
-	pc, err := p.connection()
+func serverProperties(p *confirm.Publisher) (amqp.Table, error) {
+	c, err := p.Connection()
 	if err != nil {
 		return nil, err
 	}
-	return pc.c.Properties, nil
+	return c.Properties, nil
 }
 
-// acquiredCount converts an x-acquired-count value like DeliveryCount.
+// acquiredCount converts an x-acquired-count value like x-delivery-count.
 func acquiredCount(v interface{}) (int64, error) {
-	if v == nil {
-		return 0, errors.New("x-acquired-count is void")
-	}
-	n, err := toInt64(v)
-	if err != nil {
-		return 0, fmt.Errorf("x-acquired-count: %w", err)
-	}
-	if n < 0 {
-		return 0, fmt.Errorf("x-acquired-count %d is negative", n)
-	}
-	return n, nil
+	return amqpwire.Count(middleware.XAcquiredCountKey, v)
 }

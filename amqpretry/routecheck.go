@@ -14,6 +14,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	amqp "github.com/rabbitmq/amqp091-go"
 
+	"github.com/rabbitretry/rabbitretry/confirm"
 	"github.com/rabbitretry/rabbitretry/internal/mgmt"
 	"github.com/rabbitretry/rabbitretry/middleware"
 )
@@ -250,7 +251,7 @@ func topPolicies(ps []namedPolicy, q string) []namedPolicy {
 // mode relies on: DeadLetterFirst's always, NativeDelayed's
 // on an adopted queue (a declared queue's x-delayed-retry-* arguments cannot
 // be overridden by a policy); nil when there is none.
-func newRouteChecker(cfg Config, topo *Topology, pub *ConfirmPublisher) (*routeChecker, error) {
+func newRouteChecker(cfg Config, topo *Topology, pub *confirm.Publisher) (*routeChecker, error) {
 	route := routeDeadLetterFirst
 	switch {
 	case topo.deadLetterFirst:

@@ -9,8 +9,6 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 )
 
-const defaultTestAMQPURI = testkit.DefaultURI
-
 // declareTempQueue declares a non-durable queue named name with args on ch
 // and deletes it in t.Cleanup (over a fresh connection, because ch may be
 // closed by then).
@@ -53,47 +51,28 @@ func testChannel(t testing.TB) *amqp.Channel {
 	return ch
 }
 
-// queueDepth returns the number of ready messages in queue, using a fresh
-// channel each time (a passive declare of a missing queue closes the channel).
-func queueDepth(t testing.TB, conn *amqp.Connection, queue string) int {
-	t.Helper()
-	ch, err := conn.Channel()
-	if err != nil {
-		t.Fatalf("channel: %v", err)
-	}
-	defer ch.Close()
-	q, err := ch.QueueDeclarePassive(queue, false, false, false, false, nil)
-	if err != nil {
-		t.Fatalf("passive declare of %q: %v", queue, err)
-	}
-	return q.Messages
-}
-
 // waitFor polls cond until it returns true, failing with msg after timeout.
 func waitFor(t testing.TB, timeout time.Duration, msg string, cond func() bool) {
 	t.Helper()
 	testkit.WaitFor(t, timeout, msg, cond)
 }
 
-// newTestPublisher creates a ConfirmPublisher against the test broker and
-// closes it in Cleanup.
-func newTestPublisher(t testing.TB, cfg PublisherConfig) *ConfirmPublisher {
-	t.Helper()
-	if cfg.URI == "" && cfg.Dial == nil {
-		cfg.URI = brokerURI(t)
-	}
-	p, err := NewConfirmPublisher(cfg)
-	if err != nil {
-		t.Fatalf("NewConfirmPublisher: %v", err)
-	}
-	t.Cleanup(func() {
-		if err := p.Close(); err != nil {
-			t.Errorf("Close: %v", err)
-		}
-	})
-	return p
-}
-
 func brokerURI(t testing.TB) string { return testkit.URI(t) }
 
 func uniqueName(t testing.TB, prefix string) string { return testkit.UniqueName(t, prefix) }
+
+var xdeathTestTime = time.Date(2024, 5, 6, 7, 8, 9, 0, time.UTC)
+
+// brokerXDeathEntry returns an x-death entry shaped as amqp091-go decodes it
+// from RabbitMQ: count int64, time time.Time (local zone), routing-keys
+// []interface{} of string.
+func brokerXDeathEntry(queue, reason string, count interface{}) amqp.Table {
+	return amqp.Table{
+		"queue":        queue,
+		"reason":       reason,
+		"count":        count,
+		"exchange":     "orders",
+		"routing-keys": []interface{}{"order.created"},
+		"time":         xdeathTestTime.Local(),
+	}
+}

@@ -13,7 +13,7 @@ import (
 
 	amqp "github.com/rabbitmq/amqp091-go"
 
-	"github.com/rabbitretry/rabbitretry/amqpretry"
+	"github.com/rabbitretry/rabbitretry/amqpwire"
 	"github.com/rabbitretry/rabbitretry/middleware"
 )
 
@@ -69,7 +69,7 @@ const timestampErrorProperty = "rabbitretry-timestamp-error"
 // the message-id property); PublishedAt the timestamp property, unless it
 // is outside years 1-9999 (then zero, and timestampErrorProperty says
 // why); headers become JSON values
-// (amqpretry.HeadersToJSON; a header that cannot be converted is recorded
+// (amqpwire.HeadersToJSON; a header that cannot be converted is recorded
 // under middleware.HeaderErrorKey, "rabbitretry-header-error"), without the queue's x-delivery-count
 // and x-acquired-count; HeaderTable keeps them with their AMQP types; the
 // body is cut to bodyLimit bytes. contentID (and ID) is the hex SHA-256
@@ -105,7 +105,7 @@ func arrivalFromDelivery(d amqp.Delivery, uuidHeader string, bodyLimit int, now 
 			}
 		}
 	}
-	h, err := amqpretry.HeadersToJSON(hdrs)
+	h, err := amqpwire.HeadersToJSON(hdrs)
 	if err != nil {
 		h = map[string]any{middleware.HeaderErrorKey: err.Error()}
 	}

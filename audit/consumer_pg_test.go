@@ -15,9 +15,9 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	amqp "github.com/rabbitmq/amqp091-go"
 
-	"github.com/rabbitretry/rabbitretry/amqpretry"
 	"github.com/rabbitretry/rabbitretry/audit"
 	"github.com/rabbitretry/rabbitretry/audit/pgstore"
+	"github.com/rabbitretry/rabbitretry/confirm"
 	"github.com/rabbitretry/rabbitretry/internal/testkit"
 )
 
@@ -135,7 +135,7 @@ func consumerThroughput(t *testing.T, n, writers int) float64 {
 	if err := c.Declare(); err != nil {
 		t.Fatal(err)
 	}
-	pub, err := amqpretry.NewConfirmPublisher(amqpretry.PublisherConfig{URI: e.uri})
+	pub, err := confirm.New(confirm.Config{URI: e.uri})
 	if err != nil {
 		t.Fatal(err)
 	}

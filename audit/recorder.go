@@ -13,7 +13,7 @@ import (
 	wmw "github.com/ThreeDotsLabs/watermill/message/router/middleware"
 	amqp "github.com/rabbitmq/amqp091-go"
 
-	"github.com/rabbitretry/rabbitretry/amqpretry"
+	"github.com/rabbitretry/rabbitretry/confirm"
 	"github.com/rabbitretry/rabbitretry/middleware"
 )
 
@@ -46,7 +46,7 @@ import (
 // harmless: Store.Write is idempotent).
 type Recorder struct {
 	cfg      RecorderConfig
-	pub      *amqpretry.ConfirmPublisher
+	pub      *confirm.Publisher
 	send     func(ctx context.Context, msgs []amqp.Publishing) error // pub's PublishRawBatch; tests replace it
 	ownPub   bool
 	records  chan Attempt
@@ -79,7 +79,7 @@ func NewRecorder(cfg RecorderConfig) (*Recorder, error) {
 	r := newRecorder(cfg)
 	r.pub = cfg.Publisher
 	if r.pub == nil {
-		pub, err := amqpretry.NewConfirmPublisher(amqpretry.PublisherConfig{URI: cfg.URI, ConnectionName: "rabbitretry-audit-recorder", Logger: cfg.Logger})
+		pub, err := confirm.New(confirm.Config{URI: cfg.URI, ConnectionName: "rabbitretry-audit-recorder", Logger: cfg.Logger})
 		if err != nil {
 			return nil, fmt.Errorf("audit: connecting the recorder's publisher: %w", err)
 		}
@@ -220,7 +220,7 @@ func (r *Recorder) attemptFrom(msg *message.Message, st *attemptState, chainErr 
 	ctx := msg.Context()
 	a := Attempt{
 		MessageID:     msg.UUID,
-		CorrelationID: msg.Metadata.Get(amqpretry.PropCorrelationIDKey),
+		CorrelationID: msg.Metadata.Get(middleware.PropCorrelationIDKey),
 		Queue:         r.cfg.QueueName(ctx),
 		Attempt:       middleware.Attempt(msg),
 		StartedAt:     st.start,

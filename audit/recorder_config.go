@@ -11,7 +11,7 @@ import (
 	"github.com/cenkalti/backoff/v4"
 	amqp "github.com/rabbitmq/amqp091-go"
 
-	"github.com/rabbitretry/rabbitretry/amqpretry"
+	"github.com/rabbitretry/rabbitretry/confirm"
 	"github.com/rabbitretry/rabbitretry/middleware"
 
 	"github.com/rabbitretry/rabbitretry/internal/redact"
@@ -29,7 +29,7 @@ const (
 
 // errRecorderClosed is counted (Stats.Rejected) and logged for a record
 // made after Close: it is not published.
-var errRecorderClosed = errors.New("audit: recorder closed")
+var errRecorderClosed = fmt.Errorf("audit: recorder: %w", middleware.ErrClosed)
 
 // RecorderConfig configures a Recorder. Zero values take the defaults
 // documented per field.
@@ -43,7 +43,7 @@ type RecorderConfig struct {
 	// does not close it. Default: the Recorder's own ConfirmPublisher on URI
 	// (mandatory publishes with publisher confirms, reconnecting, connection
 	// name "rabbitretry-audit-recorder"), closed by Close.
-	Publisher *amqpretry.ConfirmPublisher
+	Publisher *confirm.Publisher
 	// UserID is the AMQP user-id property of every record: the RabbitMQ
 	// user the records are published as. RabbitMQ checks it against the
 	// publishing connection's user and refuses a mismatch (channel error

@@ -9,8 +9,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/cenkalti/backoff/v4"
 	amqp "github.com/rabbitmq/amqp091-go"
-
-	"github.com/rabbitretry/rabbitretry/amqpretry"
+	"github.com/rabbitretry/rabbitretry/confirm"
 )
 
 // run is the background publisher.
@@ -98,7 +97,7 @@ func (r *Recorder) publish(batch []Attempt) bool {
 		r.cfg.Logger.Error("Publishing audit records failed; retrying (records held in memory)", err, watermill.LogFields{
 			"records": len(msgs), "retry_in": wait.String(),
 		})
-		if r.pub != nil && (errors.Is(err, amqpretry.ErrUnroutable) || errors.Is(err, amqpretry.ErrChannelClosed)) {
+		if r.pub != nil && (errors.Is(err, confirm.ErrUnroutable) || errors.Is(err, confirm.ErrChannelClosed)) {
 			// The audit queue or exchange may have been deleted: declare again.
 			if derr := r.declare(); derr != nil {
 				r.cfg.Logger.Error("Declaring the audit topology again failed", derr, nil)

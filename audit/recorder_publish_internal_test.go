@@ -1,8 +1,6 @@
 package audit
 
 import (
-	"github.com/rabbitretry/rabbitretry/amqpretry"
-
 	"context"
 	"errors"
 	"strings"
@@ -12,6 +10,7 @@ import (
 	"github.com/cenkalti/backoff/v4"
 	amqp "github.com/rabbitmq/amqp091-go"
 
+	"github.com/rabbitretry/rabbitretry/confirm"
 	"github.com/rabbitretry/rabbitretry/internal/testkit"
 )
 
@@ -134,7 +133,7 @@ func TestRecorderConfigValidate(t *testing.T) {
 		{RecorderConfig{URI: "amqp://x/", PublishBatch: 513}, "PublishBatch 513"},
 		{RecorderConfig{URI: "amqp://x/", QueueType: "stream"}, `QueueType "stream"`},
 		{RecorderConfig{URI: "amqp://x/", Naming: Naming{Exchange: strings.Repeat("x", 256)}}, "Naming.Exchange"},
-		{RecorderConfig{Publisher: &amqpretry.ConfirmPublisher{}}, "UserID is empty"},
+		{RecorderConfig{Publisher: &confirm.Publisher{}}, "UserID is empty"},
 	} {
 		_, err := NewRecorder(c.cfg)
 		if err == nil || !strings.Contains(err.Error(), c.want) {

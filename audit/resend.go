@@ -10,8 +10,7 @@ import (
 
 	amqp "github.com/rabbitmq/amqp091-go"
 
-	"github.com/rabbitretry/rabbitretry/amqpretry"
-
+	"github.com/rabbitretry/rabbitretry/confirm"
 	"github.com/rabbitretry/rabbitretry/internal/mgmt"
 )
 
@@ -21,7 +20,7 @@ type Resender struct {
 	cfg ResenderConfig
 
 	mu     sync.Mutex
-	pub    *amqpretry.ConfirmPublisher
+	pub    *confirm.Publisher
 	closed bool
 }
 
@@ -47,14 +46,14 @@ func (r *Resender) Close() error {
 	return nil
 }
 
-func (r *Resender) publisher() (*amqpretry.ConfirmPublisher, error) {
+func (r *Resender) publisher() (*confirm.Publisher, error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if r.closed {
-		return nil, ErrResenderClosed
+		return nil, errResenderClosed
 	}
 	if r.pub == nil {
-		p, err := amqpretry.NewConfirmPublisher(amqpretry.PublisherConfig{
+		p, err := confirm.New(confirm.Config{
 			URI:            r.cfg.URI,
 			ConnectionName: r.cfg.ConnectionName,
 			ConfirmTimeout: r.cfg.ConfirmTimeout,
@@ -95,7 +94,7 @@ type pager interface {
 // int32, int64 stays exact, decimals, timestamps and byte arrays keep
 // their type). Only for an arrival recorded before that was stored (no
 // HeaderTable) do they come back from their JSON form
-// (amqpretry.HeadersToJSON): strings, booleans, integers (as int64,
+// (amqpwire.HeadersToJSON): strings, booleans, integers (as int64,
 // whatever their AMQP width), other numbers and AMQP decimals (float64),
 // nested tables and arrays; timestamps (RFC 3339) and byte arrays
 // (base64) recorded as strings stay strings.
@@ -109,9 +108,9 @@ type pager interface {
 // one.
 //
 // Every publish is mandatory and waits for its publisher confirm
-// (amqpretry.ConfirmPublisher; RabbitMQ "Publishers" and "Consumer
+// (confirm.Publisher; RabbitMQ "Publishers" and "Consumer
 // Acknowledgements and Publisher Confirms"): a message the broker returns
-// (no queue bound for it: amqpretry.ErrUnroutable), nacks, or refuses for
+// (no queue bound for it: confirm.ErrUnroutable), nacks, or refuses for
 // a missing exchange is reported as failed in its ResendResult and Resend
 // goes on. Messages without an arrival record, with a truncated body, or
 // (ResendToQueue) without a queue are skipped with the reason.
@@ -129,17 +128,17 @@ type pager interface {
 // Messages are published oldest first (Limit keeps the newest matches),
 // runs of consecutive messages to the same exchange and routing key
 // pipelined on one channel (up to 256 awaiting confirms,
-// ConfirmPublisher.PublishRawBatch), so a queue receives them in their
+// confirm.Publisher.PublishRawBatch), so a queue receives them in their
 // original order.
 //
 // Errors (with the partial report): ErrEmptyFilter, ErrBroadResend,
 // ErrCountMismatch (Matched set, nothing sent), a ResendOptions Validate
 // error; the Store's; ErrExchangeNotFound (loop-back exchange
 // missing, nothing sent); a connection, confirm-timeout or channel error
-// (amqpretry.ErrConfirmTimeout, ErrChannelClosed, ...), which stops Resend
+// (confirm.ErrConfirmTimeout, ErrChannelClosed, ...), which stops Resend
 // after the batch in flight: its messages that failed so are reported
 // failed and may or may not have been delivered, the ones not tried
-// StatusUnsent; ctx.Err() (checked between batches); ErrResenderClosed.
+// StatusUnsent; ctx.Err() (checked between batches); middleware.ErrClosed (wrapped).
 func (r *Resender) Resend(ctx context.Context, f Filter, opts ResendOptions) (ResendReport, error) {
 	rep := ResendReport{Mode: opts.Mode, DryRun: opts.DryRun, Results: []ResendResult{}}
 	if err := opts.Validate(); err != nil {
@@ -164,7 +163,7 @@ func (r *Resender) Resend(ctx context.Context, f Filter, opts ResendOptions) (Re
 		}
 	}
 
-	var pub *amqpretry.ConfirmPublisher
+	var pub *confirm.Publisher
 	if !opts.DryRun {
 		if pub, err = r.publisher(); err != nil {
 			return rep, err
@@ -211,7 +210,7 @@ func (r *Resender) Resend(ctx context.Context, f Filter, opts ResendOptions) (Re
 // exchangeError is why a ResendToExchange cannot publish to ex (nil if it
 // can), checked once per exchange (checked caches it): the exchange is
 // missing, or the management API does not know it (unknown).
-func exchangeError(pub *amqpretry.ConfirmPublisher, ex string, unknown map[string]bool, checked map[string]error) error {
+func exchangeError(pub *confirm.Publisher, ex string, unknown map[string]bool, checked map[string]error) error {
 	if err, seen := checked[ex]; seen {
 		return err
 	}
@@ -228,7 +227,7 @@ func exchangeError(pub *amqpretry.ConfirmPublisher, ex string, unknown map[strin
 // key pipelined on one channel, each exchange of a ResendToExchange
 // checked once first (unknown: the exchanges the management API does not
 // know). It stops at the first error that is not the message's own.
-func (r *Resender) send(ctx context.Context, rep ResendReport, pub *amqpretry.ConfirmPublisher, pubs []amqp.Publishing, sendable []bool, unknown map[string]bool, mode ResendMode) (ResendReport, error) {
+func (r *Resender) send(ctx context.Context, rep ResendReport, pub *confirm.Publisher, pubs []amqp.Publishing, sendable []bool, unknown map[string]bool, mode ResendMode) (ResendReport, error) {
 	exchangeOK := map[string]error{}
 	for i := 0; i < len(pubs); {
 		if !sendable[i] {
@@ -439,7 +438,7 @@ func (r *Resender) collect(ctx context.Context, f Filter, limit int) ([]Message,
 // perMessage: errors caused by the message or its destination, after
 // which Resend goes on with the next message.
 func perMessage(err error) bool {
-	if errors.Is(err, amqpretry.ErrUnroutable) || errors.Is(err, amqpretry.ErrNacked) {
+	if errors.Is(err, confirm.ErrUnroutable) || errors.Is(err, confirm.ErrNacked) {
 		return true
 	}
 	var ae *amqp.Error
@@ -448,7 +447,7 @@ func perMessage(err error) bool {
 
 // checkExchange passively declares exchange on a fresh channel
 // (exchange.declare passive=true: 404 NOT_FOUND closes that channel only).
-func checkExchange(pub *amqpretry.ConfirmPublisher, exchange string) error {
+func checkExchange(pub *confirm.Publisher, exchange string) error {
 	if exchange == "" {
 		return nil // the default exchange always exists
 	}
@@ -460,7 +459,7 @@ func checkExchange(pub *amqpretry.ConfirmPublisher, exchange string) error {
 	if err := ch.ExchangeDeclarePassive(exchange, "direct", true, false, false, false, nil); err != nil {
 		var ae *amqp.Error
 		if errors.As(err, &ae) && ae.Code == amqp.NotFound {
-			return fmt.Errorf("%w: %q", ErrExchangeNotFound, exchange)
+			return fmt.Errorf("audit: resend: %w: %q", ErrExchangeNotFound, exchange)
 		}
 		return fmt.Errorf("audit: resend: checking exchange %q: %w", exchange, err)
 	}

@@ -11,6 +11,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitretry/rabbitretry/internal/redact"
+	"github.com/rabbitretry/rabbitretry/middleware"
 )
 
 // DefaultLoopBackExchange is the default ResenderConfig.LoopBackExchange,
@@ -43,7 +44,7 @@ const (
 const resendPageSize = 1000
 
 // resendBatch is the most messages published pipelined before their
-// confirms are awaited (amqpretry.ConfirmPublisher.PublishRawBatch).
+// confirms are awaited (confirm.Publisher.PublishRawBatch).
 const resendBatch = 256
 
 // ResendMode says where Resend publishes a message.
@@ -87,8 +88,6 @@ var (
 	// from the messages matched (the store changed since the dry run the
 	// count came from). Nothing was sent.
 	ErrCountMismatch = errors.New("audit: resend: the matched count is not the expected count")
-	// ErrResenderClosed: the Resender was closed.
-	ErrResenderClosed = errors.New("audit: resender closed")
 )
 
 // ResenderConfig configures a Resender. Zero fields take the defaults
@@ -108,7 +107,7 @@ type ResenderConfig struct {
 	// Default "_watermill_message_uuid" (watermill-amqp's default).
 	UUIDHeaderKey string
 	// ConfirmTimeout bounds the wait for each publisher confirm (default
-	// 30 s, amqpretry.PublisherConfig.ConfirmTimeout).
+	// 30 s, confirm.Config.ConfirmTimeout).
 	ConfirmTimeout time.Duration
 	// ConnectionName is the client-provided connection name. Default
 	// "rabbitretry-audit-resend".
@@ -299,3 +298,6 @@ func (o ResendOptions) Validate() error {
 	}
 	return nil
 }
+
+// errResenderClosed (middleware.ErrClosed) is returned by Resend after Close.
+var errResenderClosed = fmt.Errorf("audit: resender: %w", middleware.ErrClosed)

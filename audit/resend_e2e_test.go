@@ -9,8 +9,8 @@ import (
 
 	amqp "github.com/rabbitmq/amqp091-go"
 
-	"github.com/rabbitretry/rabbitretry/amqpretry"
 	"github.com/rabbitretry/rabbitretry/audit"
+	"github.com/rabbitretry/rabbitretry/confirm"
 	"github.com/rabbitretry/rabbitretry/internal/testkit"
 )
 
@@ -158,7 +158,7 @@ func TestResendEndToEndFromTheAuditConsumer(t *testing.T) {
 				if s, _ := v.(string); s == "" {
 					t.Errorf("%s: %s = %#v", id, k, v)
 				}
-			case amqpretry.PublishIDHeader: // the ConfirmPublisher's, the only addition
+			case confirm.PublishIDHeader: // the confirm.Publisher's, the only addition
 			default:
 				got[k] = normal(v)
 			}

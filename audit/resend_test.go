@@ -14,8 +14,8 @@ import (
 
 	amqp "github.com/rabbitmq/amqp091-go"
 
-	"github.com/rabbitretry/rabbitretry/amqpretry"
 	"github.com/rabbitretry/rabbitretry/audit"
+	"github.com/rabbitretry/rabbitretry/confirm"
 	"github.com/rabbitretry/rabbitretry/internal/testkit"
 )
 
@@ -321,7 +321,7 @@ func TestResendToExchangeReachesEveryBoundQueue(t *testing.T) {
 			t.Fatalf("%s got %q message-id %q (no UUID header: message-id carries the id)", q, d.Body, d.MessageId)
 		}
 		for k := range d.Headers {
-			if k != "keep" && k != audit.ResentKey && k != amqpretry.PublishIDHeader {
+			if k != "keep" && k != audit.ResentKey && k != confirm.PublishIDHeader {
 				t.Fatalf("%s: header %s carried or added on a to-exchange resend: %#v", q, k, d.Headers)
 			}
 		}

@@ -73,7 +73,7 @@ func TestSubscriberConnectionDrop(t *testing.T) {
 // the retry path (the republisher's rabbitretry-* headers, then x-death added
 // by the broker), and a delivery above frame_max makes amqp091-go close the
 // consumer's connection, requeueing the message: an endless reconnect loop.
-// Fixed: the AMQP Delayer refuses a copy above amqpretry.MaxCopyHeaderBytes
+// Fixed: the AMQP Delayer refuses a copy above amqpwire.MaxCopyHeaderBytes
 // with middleware.ErrCannotDelay, the message is poisoned (class
 // "undelayable"), and the poison copy drops its largest user headers to fit.
 //

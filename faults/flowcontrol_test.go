@@ -13,6 +13,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitretry/rabbitretry/amqpretry"
+	"github.com/rabbitretry/rabbitretry/confirm"
 	"github.com/rabbitretry/rabbitretry/middleware"
 )
 
@@ -117,7 +118,7 @@ func memoryAlarmActive(t *testing.T) bool {
 //     channel must not stay stuck behind it;
 //   - a router with the retry chain consumes messages of which 20% fail
 //     once or twice: every failed schedule must fail fast with
-//     amqpretry.ErrBlocked (not hold the subscription for ConfirmTimeout),
+//     confirm.ErrBlocked (not hold the subscription for ConfirmTimeout),
 //     and no healthy message is handled twice;
 //
 // then clears the alarm: everything drains, nothing is lost (ACCOUNT line).
@@ -191,7 +192,7 @@ func TestFlowControl(t *testing.T) {
 	var longest time.Duration
 	for _, f := range fs {
 		longest = max(longest, f.took)
-		if errors.Is(f.err, amqpretry.ErrBlocked) {
+		if errors.Is(f.err, confirm.ErrBlocked) {
 			blocked++
 		} else {
 			t.Errorf("schedule of %s failed with %v, want ErrBlocked", f.uuid, f.err)
@@ -262,7 +263,7 @@ func TestFlowControl(t *testing.T) {
 func checkBoundedWrites(t *testing.T, uri string) {
 	const timeout = 3 * time.Second
 	const margin = 5 * time.Second
-	p, err := amqpretry.NewConfirmPublisher(amqpretry.PublisherConfig{URI: uri, Channels: 2, ConfirmTimeout: timeout})
+	p, err := confirm.New(confirm.Config{URI: uri, Channels: 2, ConfirmTimeout: timeout})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -303,8 +304,8 @@ func checkBoundedWrites(t *testing.T, uri string) {
 		ch   <-chan result
 		want error
 	}{
-		{"64 MiB publish", big, amqpretry.ErrWriteTimeout},
-		{"small publish", small, amqpretry.ErrBlocked},
+		{"64 MiB publish", big, confirm.ErrWriteTimeout},
+		{"small publish", small, confirm.ErrBlocked},
 	} {
 		select {
 		case r := <-c.ch:

@@ -12,6 +12,7 @@ import (
 	"github.com/cenkalti/backoff/v4"
 
 	"github.com/rabbitretry/rabbitretry/amqpretry"
+	"github.com/rabbitretry/rabbitretry/amqpwire"
 	"github.com/rabbitretry/rabbitretry/middleware"
 	"github.com/rabbitretry/rabbitretry/router"
 )
@@ -44,8 +45,8 @@ func FuzzAttemptCounter(f *testing.F) {
 		}
 		c, err := middleware.NewAttemptCounter(middleware.AttemptCounterConfig{Sources: []middleware.AttemptSource{
 			middleware.HeaderSource(nil),
-			middleware.XDeathSource(func(*message.Message) string { return queue }),
-			middleware.DeliveryCountSource(),
+			amqpwire.XDeathSource(func(*message.Message) string { return queue }),
+			amqpwire.DeliveryCountSource(),
 		}})
 		if err != nil {
 			t.Fatal(err)

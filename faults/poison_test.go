@@ -10,6 +10,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitretry/rabbitretry/amqpretry"
+	"github.com/rabbitretry/rabbitretry/confirm"
 	"github.com/rabbitretry/rabbitretry/middleware"
 )
 
@@ -80,7 +81,7 @@ func TestPoisonPublishFails(t *testing.T) {
 	if !errors.As(fails[0].Err, &de) || de.Kind != "exchange" || de.Name != e.naming.PoisonExchange {
 		t.Errorf("logged error %v: want a *amqpretry.DeclareError for exchange %q", fails[0].Err, e.naming.PoisonExchange)
 	}
-	if !errors.Is(fails[0].Err, amqpretry.ErrUnroutable) {
+	if !errors.Is(fails[0].Err, confirm.ErrUnroutable) {
 		t.Errorf("logged error %v: want it to wrap ErrUnroutable (the first publish)", fails[0].Err)
 	}
 	t.Logf("while broken: %d failed poison publishes; perm attempts %v; exhausted attempts %v; first error: %v",

@@ -10,6 +10,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitretry/rabbitretry/amqpretry"
+	"github.com/rabbitretry/rabbitretry/confirm"
 )
 
 // storm configures runStorm.
@@ -124,7 +125,7 @@ func TestRepublishFails(t *testing.T) {
 		if len(entries) == 0 {
 			t.Fatalf("no redeclare logged after the wait queue was deleted")
 		}
-		if !errors.Is(entries[0].Err, amqpretry.ErrUnroutable) {
+		if !errors.Is(entries[0].Err, confirm.ErrUnroutable) {
 			t.Errorf("logged error %v, want ErrUnroutable", entries[0].Err)
 		}
 		t.Logf("redeclares logged: %d (first: %v)", len(entries), entries[0].Err)
@@ -177,7 +178,7 @@ func TestRepublishFails(t *testing.T) {
 		})
 		e.stop()
 		entries := e.logs.find("error", "Retry not scheduled; nacking message")
-		if !errors.Is(entries[len(entries)-1].Err, amqpretry.ErrClosed) {
+		if !errors.Is(entries[len(entries)-1].Err, confirm.ErrClosed) {
 			t.Errorf("logged error %v, want ErrClosed", entries[len(entries)-1].Err)
 		}
 		if e.poisonDepth() != 0 {

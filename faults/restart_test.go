@@ -110,7 +110,7 @@ func ensureBrokerApp(t *testing.T) {
 // 2,000 persistent messages, 30% failing transiently once or twice; the
 // broker app is restarted twice while retries wait in the wait queues. The
 // watermill-amqp subscriber reconnects and redeclares the topology, the
-// ConfirmPublisher redials on its next publish, and every message ends
+// confirm.Publisher redials on its next publish, and every message ends
 // handled (at-least-once: duplicates are counted, not failures).
 func TestBrokerRestartMidStorm(t *testing.T) {
 	requireDisruptive(t)

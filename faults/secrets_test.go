@@ -14,6 +14,7 @@ import (
 	"github.com/rabbitretry/rabbitretry/amqpretry/cascade"
 	"github.com/rabbitretry/rabbitretry/audit"
 	"github.com/rabbitretry/rabbitretry/audit/pgstore"
+	"github.com/rabbitretry/rabbitretry/confirm"
 	"github.com/rabbitretry/rabbitretry/internal/testkit"
 	poisonadmin "github.com/rabbitretry/rabbitretry/poison/admin"
 )
@@ -46,7 +47,7 @@ func (nopStore) Search(context.Context, audit.Filter) ([]audit.Message, error) {
 
 // TestNoPasswordInErrors runs every library entry point that takes an AMQP
 // URI or a PostgreSQL DSN (audit.NewConsumer + Declare + Run,
-// audit.NewRecorder, audit.NewResender + Resend, amqpretry.NewConfirmPublisher,
+// audit.NewRecorder, audit.NewResender + Resend, confirm.New,
 // amqpretry.New, admin.New, cascade.NewPublisher, pgstore.New) with URIs and
 // DSNs whose password is a sentinel: a URI that does not parse (bad port,
 // an unencoded '/' in the password), a refused port, the real broker with
@@ -99,8 +100,8 @@ func TestNoPasswordInErrors(t *testing.T) {
 			}
 		},
 		func(ctx context.Context, uri string) {
-			p, err := amqpretry.NewConfirmPublisher(amqpretry.PublisherConfig{URI: uri, Logger: logger})
-			check("amqpretry.NewConfirmPublisher", err)
+			p, err := confirm.New(confirm.Config{URI: uri, Logger: logger})
+			check("confirm.New", err)
 			if err == nil {
 				_ = p.Close()
 			}

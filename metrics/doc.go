@@ -69,4 +69,10 @@
 // when it acks and discards a message on middleware.ActionDrop (router.New
 // hands router.Config.Observer to the Classifier too). The dropped handler
 // attempt itself is also counted in attempts_total{outcome="error"}.
+//
+// # Imports
+//
+// What it may import: Prometheus, Watermill and, of this module, middleware
+// (the Observer) and audit (its Consumer's metrics). Enforced by TestLayers in
+// docs/.
 package metrics

@@ -102,7 +102,7 @@ type AttemptSource struct {
 	// such as RabbitMQ 4.3's x-acquired-count, which also rises when the
 	// RedeliveryGuard or the Pause hands a delivery back unprocessed (nack
 	// with requeue during a broker alarm, or at shutdown while held): such a
-	// source returns less than Previous here (NackCountSource returns 0).
+	// source returns less than Previous here (amqpwire.NackCountSource returns 0).
 	// The counter sums it into the proven attempt number (ProvenAttempt);
 	// values above Previous read as Previous, errors count 0. nil: all of
 	// Previous is proven (the behaviour of sources written before this
@@ -213,77 +213,12 @@ func HeaderSource(queue func(msg *message.Message) string) AttemptSource {
 	}}
 }
 
-// XDeathSource counts the broker's dead-lettering of the message out of its
-// originating queue, from the x-death header ("Dead Letter Exchanges") that
-// the amqpretry Marshaler exposes as JSON under XDeathKey: the sum of the
-// counts of entries whose queue is queue(msg) and whose reason is "rejected"
-// (a nack/reject with requeue=false, e.g. when the republish failed) or
-// "delivery_limit" (a quorum queue's delivery limit). Entries of other queues
-// and "expired" entries of wait queues do not count. The republisher strips
-// x-death from the copies it schedules, so these counts are the failures
-// since the last scheduled copy, and they add to HeaderSource.
-//
-// They count only on a delivery that reached the queue through one of the
-// library's retry routes (DeliveryRetryRouteKey, set by the amqpretry
-// Marshaler from the delivery): a dead-lettering out of the queue comes back
-// that way (DeadLetterFirstRetry, a delivery limit), while an x-death a
-// producer wrote (or one copied from another message) arrives with a first
-// delivery and counts 0 there. A transport without that evidence
-// (gochannel) has no broker x-death: there an x-death never counts.
-//
-// queue returns the originating queue name; nil means the router's subscribe
-// topic (message.SubscribeTopicFromCtx). Malformed JSON is an error; a count
-// below 0 is an error; the sum is capped at MaxAttemptsCap.
-func XDeathSource(queue func(msg *message.Message) string) AttemptSource {
-	if queue == nil {
-		queue = func(msg *message.Message) string { return message.SubscribeTopicFromCtx(msg.Context()) }
-	}
-	return AttemptSource{Name: XDeathKey, Previous: func(msg *message.Message) (int64, error) {
-		if msg.Metadata.Get(DeliveryRetryRouteKey) != "true" {
-			return 0, nil // not back through a retry route: a first delivery here
-		}
-		recs, err := ParseXDeath(msg.Metadata[XDeathKey])
-		if err != nil || len(recs) == 0 {
-			return 0, err // the common case: never dead-lettered
-		}
-		q := queue(msg)
-		var sum int64
-		for _, r := range recs {
-			if r.Queue != q || (r.Reason != "rejected" && r.Reason != "delivery_limit") {
-				continue
-			}
-			if r.Count < 0 {
-				return 0, fmt.Errorf("x-death count %d for queue %q is negative", r.Count, r.Queue)
-			}
-			sum += min(r.Count, MaxAttemptsCap)
-			if sum >= MaxAttemptsCap {
-				return MaxAttemptsCap, nil
-			}
-		}
-		return sum, nil
-	}}
-}
-
-// DeliveryCountSource reads the quorum-queue x-delivery-count header ("Quorum
-// Queues": the number of earlier deliveries that were returned to the queue,
-// e.g. by a consumer that crashed or a nack with requeue). It is not in the
-// default sources, because a requeue is not always a failed attempt; add it
-// when redeliveries should count. Non-numeric or negative: an error.
-func DeliveryCountSource() AttemptSource {
-	return AttemptSource{Name: XDeliveryCountKey, Previous: func(msg *message.Message) (int64, error) {
-		v, ok := msg.Metadata[XDeliveryCountKey]
-		if !ok {
-			return 0, nil
-		}
-		return parseCount(XDeliveryCountKey, v)
-	}}
-}
-
 // AttemptCounterConfig configures an AttemptCounter.
 type AttemptCounterConfig struct {
 	// Sources are summed: attempt = 1 + sum of Previous over all sources,
-	// clamped to [1, MaxAttemptsCap]. Default: HeaderSource(nil),
-	// XDeathSource(nil) and NackCountSource().
+	// clamped to [1, MaxAttemptsCap]. Default: HeaderSource(nil) only (the
+	// broker's counts, x-death and the quorum-queue headers, are the
+	// attempt sources of package amqpwire, which amqpretry.New adds).
 	Sources []AttemptSource
 	// Logger logs ignored malformed values at Info level. Default NopLogger.
 	Logger watermill.LoggerAdapter
@@ -291,7 +226,7 @@ type AttemptCounterConfig struct {
 
 func (c *AttemptCounterConfig) setDefaults() {
 	if len(c.Sources) == 0 {
-		c.Sources = []AttemptSource{HeaderSource(nil), XDeathSource(nil), NackCountSource()}
+		c.Sources = []AttemptSource{HeaderSource(nil)}
 	}
 	if c.Logger == nil {
 		c.Logger = watermill.NopLogger{}

@@ -11,6 +11,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 
+	"github.com/rabbitretry/rabbitretry/amqpwire"
 	"github.com/rabbitretry/rabbitretry/middleware"
 )
 
@@ -47,7 +48,7 @@ func countVia(t *testing.T, c *middleware.AttemptCounter, msg *message.Message) 
 }
 
 func TestAttemptCounterHeader(t *testing.T) {
-	c := newCounter(t) // defaults: header + x-death
+	c := newAMQPCounter(t) // header + x-death + nack count (amqpretry.New's sources)
 	tests := []struct {
 		name    string
 		header  *string
@@ -98,8 +99,8 @@ func TestAttemptCounterHeader(t *testing.T) {
 
 func ptr(s string) *string { return &s }
 
-func xdeathFixture() []middleware.DeathRecord {
-	return []middleware.DeathRecord{
+func xdeathFixture() []amqpwire.DeathRecord {
+	return []amqpwire.DeathRecord{
 		{Queue: "Q", Reason: "rejected", Count: 2, Exchange: "ex", RoutingKeys: []string{"rk"}, Time: time.Unix(1700000000, 0).UTC()},
 		{Queue: "Q.wait.1s", Reason: "expired", Count: 5},
 		{Queue: "other", Reason: "rejected", Count: 7},
@@ -107,11 +108,11 @@ func xdeathFixture() []middleware.DeathRecord {
 }
 
 func TestAttemptCounterXDeathInRouter(t *testing.T) {
-	c := newCounter(t) // XDeathSource(nil): the router's subscribe topic is the queue
+	c := newAMQPCounter(t) // XDeathSource(nil): the router's subscribe topic is the queue
 
 	t.Run("x-death only", func(t *testing.T) {
 		msg := ownCopy(newMsg("p"))
-		msg.Metadata.Set(middleware.XDeathKey, middleware.EncodeXDeath(xdeathFixture()))
+		msg.Metadata.Set(middleware.XDeathKey, amqpwire.EncodeXDeath(xdeathFixture()))
 		res := deliverViaRouter(t, "Q", msg, c.Middleware, func(*message.Message) ([]*message.Message, error) { return nil, nil })
 		if n, _ := middleware.AttemptFromContext(res.seenCtx); n != 3 {
 			t.Fatalf("attempt %d, want 1 + 2 rejections from Q = 3", n)
@@ -127,7 +128,7 @@ func TestAttemptCounterXDeathInRouter(t *testing.T) {
 	t.Run("x-death plus header", func(t *testing.T) {
 		msg := ownCopy(newMsg("p"))
 		msg.Metadata.Set(middleware.AttemptKey, "2")
-		msg.Metadata.Set(middleware.XDeathKey, middleware.EncodeXDeath(xdeathFixture()))
+		msg.Metadata.Set(middleware.XDeathKey, amqpwire.EncodeXDeath(xdeathFixture()))
 		res := deliverViaRouter(t, "Q", msg, c.Middleware, func(*message.Message) ([]*message.Message, error) { return nil, nil })
 		if n, _ := middleware.AttemptFromContext(res.seenCtx); n != 4 {
 			t.Fatalf("attempt %d, want 1 + 1 (header 2) + 2 (x-death) = 4", n)
@@ -136,7 +137,7 @@ func TestAttemptCounterXDeathInRouter(t *testing.T) {
 
 	t.Run("other topic ignores Q's records", func(t *testing.T) {
 		msg := ownCopy(newMsg("p"))
-		msg.Metadata.Set(middleware.XDeathKey, middleware.EncodeXDeath(xdeathFixture()))
+		msg.Metadata.Set(middleware.XDeathKey, amqpwire.EncodeXDeath(xdeathFixture()))
 		res := deliverViaRouter(t, "other", msg, c.Middleware, func(*message.Message) ([]*message.Message, error) { return nil, nil })
 		if n, _ := middleware.AttemptFromContext(res.seenCtx); n != 8 {
 			t.Fatalf("attempt %d, want 1 + 7 = 8", n)
@@ -146,7 +147,7 @@ func TestAttemptCounterXDeathInRouter(t *testing.T) {
 
 func TestXDeathSource(t *testing.T) {
 	queueQ := func(*message.Message) string { return "Q" }
-	src := middleware.XDeathSource(queueQ)
+	src := amqpwire.XDeathSource(queueQ)
 	prev := func(recs string) (int64, error) {
 		msg := ownCopy(newMsg("p"))
 		if recs != "" {
@@ -158,11 +159,11 @@ func TestXDeathSource(t *testing.T) {
 	if n, err := prev(""); n != 0 || err != nil {
 		t.Errorf("absent: %d, %v", n, err)
 	}
-	if n, err := prev(middleware.EncodeXDeath(xdeathFixture())); n != 2 || err != nil {
+	if n, err := prev(amqpwire.EncodeXDeath(xdeathFixture())); n != 2 || err != nil {
 		t.Errorf("fixture: %d, %v; want 2", n, err)
 	}
-	withLimit := append(xdeathFixture(), middleware.DeathRecord{Queue: "Q", Reason: "delivery_limit", Count: 4}, middleware.DeathRecord{Queue: "Q", Reason: "maxlen", Count: 100})
-	if n, err := prev(middleware.EncodeXDeath(withLimit)); n != 6 || err != nil {
+	withLimit := append(xdeathFixture(), amqpwire.DeathRecord{Queue: "Q", Reason: "delivery_limit", Count: 4}, amqpwire.DeathRecord{Queue: "Q", Reason: "maxlen", Count: 100})
+	if n, err := prev(amqpwire.EncodeXDeath(withLimit)); n != 6 || err != nil {
 		t.Errorf("with delivery_limit: %d, %v; want 2 + 4 = 6", n, err)
 	}
 	if _, err := prev(`{"queue": "Q"`); err == nil {
@@ -171,28 +172,28 @@ func TestXDeathSource(t *testing.T) {
 	if _, err := prev(`{"queue": "Q", "reason": "rejected", "count": 1}`); err == nil {
 		t.Error("an object instead of an array must be an error")
 	}
-	if _, err := prev(middleware.EncodeXDeath([]middleware.DeathRecord{{Queue: "Q", Reason: "rejected", Count: -1}})); err == nil {
+	if _, err := prev(amqpwire.EncodeXDeath([]amqpwire.DeathRecord{{Queue: "Q", Reason: "rejected", Count: -1}})); err == nil {
 		t.Error("negative count must be an error")
 	}
-	big := []middleware.DeathRecord{{Queue: "Q", Reason: "rejected", Count: 600}, {Queue: "Q", Reason: "delivery_limit", Count: 900}}
-	if n, err := prev(middleware.EncodeXDeath(big)); n != middleware.MaxAttemptsCap || err != nil {
+	big := []amqpwire.DeathRecord{{Queue: "Q", Reason: "rejected", Count: 600}, {Queue: "Q", Reason: "delivery_limit", Count: 900}}
+	if n, err := prev(amqpwire.EncodeXDeath(big)); n != middleware.MaxAttemptsCap || err != nil {
 		t.Errorf("large counts: %d, %v; want cap", n, err)
 	}
-	if n, err := prev(middleware.EncodeXDeath([]middleware.DeathRecord{{Queue: "Q", Reason: "rejected", Count: 1 << 62}})); n != middleware.MaxAttemptsCap || err != nil {
+	if n, err := prev(amqpwire.EncodeXDeath([]amqpwire.DeathRecord{{Queue: "Q", Reason: "rejected", Count: 1 << 62}})); n != middleware.MaxAttemptsCap || err != nil {
 		t.Errorf("huge count: %d, %v; want cap", n, err)
 	}
-	tooMany := make([]middleware.DeathRecord, middleware.MaxDeathRecords+1)
+	tooMany := make([]amqpwire.DeathRecord, amqpwire.MaxDeathRecords+1)
 	for i := range tooMany {
-		tooMany[i] = middleware.DeathRecord{Queue: "Q", Reason: "rejected", Count: 1}
+		tooMany[i] = amqpwire.DeathRecord{Queue: "Q", Reason: "rejected", Count: 1}
 	}
-	if _, err := prev(middleware.EncodeXDeath(tooMany)); err == nil {
+	if _, err := prev(amqpwire.EncodeXDeath(tooMany)); err == nil {
 		t.Error("more than MaxDeathRecords records must be an error")
 	}
 }
 
 func TestParseEncodeXDeathRoundTrip(t *testing.T) {
 	recs := xdeathFixture()
-	got, err := middleware.ParseXDeath(middleware.EncodeXDeath(recs))
+	got, err := amqpwire.ParseXDeath(amqpwire.EncodeXDeath(recs))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -205,13 +206,13 @@ func TestParseEncodeXDeathRoundTrip(t *testing.T) {
 			t.Errorf("record %d: got %+v, want %+v", i, got[i], recs[i])
 		}
 	}
-	if recs, err := middleware.ParseXDeath(""); recs != nil || err != nil {
+	if recs, err := amqpwire.ParseXDeath(""); recs != nil || err != nil {
 		t.Errorf("empty: %v, %v", recs, err)
 	}
 }
 
 func TestAttemptCounterMalformedXDeathIgnored(t *testing.T) {
-	c := newCounter(t, middleware.HeaderSource(nil), middleware.XDeathSource(func(*message.Message) string { return "Q" }))
+	c := newCounter(t, middleware.HeaderSource(nil), amqpwire.XDeathSource(func(*message.Message) string { return "Q" }))
 	msg := ownCopy(newMsg("p"))
 	msg.Metadata.Set(middleware.AttemptKey, "2")
 	msg.Metadata.Set(middleware.XDeathKey, `[{"queue":"Q","reason":"rejected","count":`)
@@ -226,7 +227,7 @@ func TestAttemptCounterMalformedXDeathIgnored(t *testing.T) {
 }
 
 func TestAttemptCounterTwoBadSources(t *testing.T) {
-	c := newCounter(t, middleware.HeaderSource(nil), middleware.DeliveryCountSource())
+	c := newCounter(t, middleware.HeaderSource(nil), amqpwire.DeliveryCountSource())
 	msg := ownCopy(newMsg("p"))
 	msg.Metadata.Set(middleware.AttemptKey, "abc")
 	msg.Metadata.Set(middleware.XDeliveryCountKey, "-1")
@@ -249,7 +250,7 @@ func TestDeliveryCountSource(t *testing.T) {
 		t.Fatalf("default counter counted x-delivery-count: %d", n)
 	}
 
-	c := newCounter(t, middleware.HeaderSource(nil), middleware.DeliveryCountSource())
+	c := newCounter(t, middleware.HeaderSource(nil), amqpwire.DeliveryCountSource())
 	tests := []struct {
 		header, count string
 		want          int
@@ -365,7 +366,7 @@ func TestAttemptCounterIsSafeForConcurrentUse(t *testing.T) {
 // the nacks only when redelivered.
 func TestAttemptCounterOwnEvidenceOnly(t *testing.T) {
 	qf := func(*message.Message) string { return "Q" }
-	c := newCounter(t, middleware.HeaderSource(qf), middleware.XDeathSource(qf), middleware.NackCountSource()) // the defaults, queue Q
+	c := newCounter(t, middleware.HeaderSource(qf), amqpwire.XDeathSource(qf), amqpwire.NackCountSource()) // the defaults, queue Q
 	q := func(msg *message.Message) *message.Message { return msg }
 	amqpFirst := func(md map[string]string) *message.Message {
 		msg := q(newMsg("p"))
@@ -376,7 +377,7 @@ func TestAttemptCounterOwnEvidenceOnly(t *testing.T) {
 		return msg
 	}
 	xdQ := func(n int64) string {
-		return middleware.EncodeXDeath([]middleware.DeathRecord{{Queue: "Q", Reason: "rejected", Count: n}})
+		return amqpwire.EncodeXDeath([]amqpwire.DeathRecord{{Queue: "Q", Reason: "rejected", Count: n}})
 	}
 	tests := []struct {
 		name string
@@ -425,7 +426,7 @@ func TestAttemptCounterOwnEvidenceOnly(t *testing.T) {
 }
 
 func TestNackCountSource(t *testing.T) {
-	src := middleware.NackCountSource()
+	src := amqpwire.NackCountSource()
 	for _, tc := range []struct {
 		redelivered     bool
 		acquired, count string
@@ -461,3 +462,10 @@ func TestNackCountSource(t *testing.T) {
 // nilContext returns a nil context.Context (AttemptFromContext documents
 // that it accepts one) without a literal nil argument.
 func nilContext() context.Context { return nil }
+
+// newAMQPCounter is a counter with the sources amqpretry.New gives the chain
+// (this queue's attempt header, its own x-death entries, the nack count).
+func newAMQPCounter(t *testing.T) *middleware.AttemptCounter {
+	t.Helper()
+	return newCounter(t, middleware.HeaderSource(nil), amqpwire.XDeathSource(nil), amqpwire.NackCountSource())
+}

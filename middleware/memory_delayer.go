@@ -11,8 +11,17 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 )
 
-// ErrDelayerClosed is returned by MemoryDelayer.Schedule after Close.
-var ErrDelayerClosed = errors.New("delayer is closed")
+// ErrClosed is the one "closed" error of the library: every closable type
+// returns it (wrapped, naming what was closed; test with errors.Is) when
+// called after its Close: MemoryDelayer.Schedule,
+// router.DrainingSubscriber.Subscribe, audit.Recorder (logged and counted,
+// see audit.Recorder.Record) and audit.Resender, poison/admin.Admin.
+// confirm.Publisher, below this package in the layers, has its own
+// confirm.ErrClosed.
+var ErrClosed = errors.New("closed")
+
+// errDelayerClosed is returned by MemoryDelayer.Schedule after Close.
+var errDelayerClosed = fmt.Errorf("delayer: %w", ErrClosed)
 
 // MemoryDelayer is an in-process Delayer: it keeps each copy in a timer and
 // publishes it to the subscribe topic it came from when the delay is over.
@@ -60,7 +69,7 @@ func (d *MemoryDelayer) Schedule(ctx context.Context, msg *message.Message, dela
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	if d.closed {
-		return ErrDelayerClosed
+		return errDelayerClosed
 	}
 	d.wg.Add(1)
 	var t *time.Timer

@@ -196,8 +196,8 @@ func TestMemoryDelayerCloseDropsPending(t *testing.T) {
 	if d.Pending() != 0 || pub.count() != 0 {
 		t.Fatalf("after Close: pending %d, published %d", d.Pending(), pub.count())
 	}
-	if err := d.Schedule(context.Background(), newMsg("p"), 0); !errors.Is(err, middleware.ErrDelayerClosed) {
-		t.Fatalf("Schedule after Close = %v, want ErrDelayerClosed", err)
+	if err := d.Schedule(context.Background(), newMsg("p"), 0); !errors.Is(err, middleware.ErrClosed) {
+		t.Fatalf("Schedule after Close = %v, want ErrClosed", err)
 	}
 	if err := d.Close(); err != nil {
 		t.Fatalf("second Close = %v", err)

@@ -9,11 +9,12 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 
+	"github.com/rabbitretry/rabbitretry/amqpwire"
 	"github.com/rabbitretry/rabbitretry/middleware"
 )
 
 func TestAcquiredCountSource(t *testing.T) {
-	src := middleware.AcquiredCountSource()
+	src := amqpwire.AcquiredCountSource()
 	for _, tc := range []struct {
 		name        string
 		redelivered bool
@@ -51,7 +52,7 @@ func TestAcquiredCountSource(t *testing.T) {
 // copy) add up; a forged count on a first delivery does not.
 func TestAcquiredCountSourceWithHeader(t *testing.T) {
 	c, err := middleware.NewAttemptCounter(middleware.AttemptCounterConfig{Sources: []middleware.AttemptSource{
-		middleware.HeaderSource(nil), middleware.XDeathSource(nil), middleware.AcquiredCountSource(),
+		middleware.HeaderSource(nil), amqpwire.XDeathSource(nil), amqpwire.AcquiredCountSource(),
 	}})
 	if err != nil {
 		t.Fatal(err)

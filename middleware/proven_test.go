@@ -7,6 +7,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 
+	"github.com/rabbitretry/rabbitretry/amqpwire"
 	"github.com/rabbitretry/rabbitretry/middleware"
 )
 
@@ -15,7 +16,7 @@ import (
 func provenChain(t *testing.T, maxAttempts int, d middleware.Delayer, h message.HandlerFunc) message.HandlerFunc {
 	t.Helper()
 	qn := func(*message.Message) string { return "orders" }
-	c := newCounter(t, middleware.HeaderSource(qn), middleware.XDeathSource(qn), middleware.NackCountSource())
+	c := newCounter(t, middleware.HeaderSource(qn), amqpwire.XDeathSource(qn), amqpwire.NackCountSource())
 	r := newRepublisher(t, middleware.RepublisherConfig{Delayer: d, MaxAttempts: maxAttempts})
 	return c.Middleware(r.Middleware(h))
 }

@@ -35,7 +35,7 @@ type RedeliveryGuardConfig struct {
 	// Logger logs each redelivery at Info. Default NopLogger.
 	Logger watermill.LoggerAdapter
 	// RedeliveriesCounted: the attempt sources already count every
-	// redelivery as an attempt (AcquiredCountSource, amqpretry's native
+	// redelivery as an attempt (amqpwire.AcquiredCountSource, amqpretry's native
 	// delayed retry, where each retry is a redelivery). The guard then lets
 	// redelivered messages run like any other, without a copy (a copy would
 	// undo the broker's delay) and without MaxRedeliveries: MaxAttempts

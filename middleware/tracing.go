@@ -230,7 +230,7 @@ func (tr *Tracing) attributes(msg *message.Message) []attribute.KeyValue {
 	if _, rk := deliveredVia(msg); rk != "" {
 		attrs = append(attrs, attribute.String("messaging.rabbitmq.destination.routing_key", rk))
 	}
-	if cid := md.Get("rabbitretry-amqp-correlation-id"); cid != "" {
+	if cid := md.Get(PropCorrelationIDKey); cid != "" {
 		attrs = append(attrs, attribute.String("messaging.message.conversation_id", cid))
 	}
 	if tr.maxAttempt > 0 {
@@ -253,7 +253,7 @@ func deliveredVia(msg *message.Message) (exchange, routingKey string) {
 }
 
 func messageID(msg *message.Message) string {
-	if id := msg.Metadata.Get("rabbitretry-amqp-message-id"); id != "" {
+	if id := msg.Metadata.Get(PropMessageIDKey); id != "" {
 		return id
 	}
 	return msg.UUID

@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/rabbitretry/rabbitretry/amqpwire"
 	"github.com/rabbitretry/rabbitretry/internal/testkit"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -215,13 +216,15 @@ func TestForwarderPoisonsPermanentInRouter(t *testing.T) {
 func TestForwarderWithCounterInRouter(t *testing.T) {
 	pub := &recordingPublisher{}
 	f := newForwarder(t, poison.ForwarderConfig{Publisher: pub})
-	counter, err := middleware.NewAttemptCounter(middleware.AttemptCounterConfig{})
+	// The sources amqpretry.New gives the chain (x-death counts; the
+	// counter's default is the attempt header only).
+	counter, err := middleware.NewAttemptCounter(middleware.AttemptCounterConfig{Sources: amqpwire.Sources(nil, false)})
 	if err != nil {
 		t.Fatal(err)
 	}
 	msg := newMsg()
 	msg.Metadata.Set(middleware.AttemptKey, "1")
-	msg.Metadata.Set(middleware.XDeathKey, middleware.EncodeXDeath([]middleware.DeathRecord{{Queue: "orders", Reason: "rejected", Count: 3}}))
+	msg.Metadata.Set(middleware.XDeathKey, amqpwire.EncodeXDeath([]amqpwire.DeathRecord{{Queue: "orders", Reason: "rejected", Count: 3}}))
 	// This queue's own evidence: a copy of its chain (gochannel: the origin
 	// queue is this one), back through a retry route.
 	msg.Metadata.Set(middleware.OriginalQueueKey, "orders")

@@ -1,40 +1,3 @@
-// Package router assembles the retry middlewares in the one correct order and
-// plugs them into a Watermill *message.Router.
-//
-// From the outside in:
-//
-//	[Tracing]            optional: one OpenTelemetry span per attempt
-//	AttemptCounter       sets the attempt number before anything reads it
-//	  fallback             settles what nothing further in could: pause, copy back
-//	                       to the origin queue (confirmed), else nack with requeue
-//	    poison.Forwarder     poisons permanent and exhausted failures (confirmed, then ack)
-//	      RedeliveryGuard      a delivery back before its whole delay is held again;
-//	                           a redelivered message is not run: a counted copy is
-//	                           requeued, or moved to the quarantine queue (confirmed,
-//	                           then ack); at the limit, poisoned
-//	        Republisher          past MaxAttempts: poisoned without running; otherwise
-//	                             schedules retries through the Delayer (confirmed, then ack)
-//	          Classifier           wraps the handler error with retry / poison / drop,
-//	                               or nack when the delivery was already given back
-//	            [Pause]              optional: holds messages, uncharged, while a
-//	                                 dependency is down; probes, then resumes
-//	            [Recoverer, Timeout, ...]  Watermill middlewares that turn panics and
-//	                                       deadlines into errors go inside the chain
-//	              handler
-//
-// The counter is outermost so every inner layer sees the same attempt. The
-// classifier is innermost so every layer acts on its verdict. The forwarder
-// wraps the guard and the republisher because both turn "no more tries" into
-// an error it poisons. The fallback wraps the forwarder because a failed
-// poison publish is one of the two failures it settles (the other is a
-// retry the Delayer could not hold).
-//
-// Every message that enters the chain ends exactly one way: acked after
-// success (or a Drop); acked after its retry copy was held by the Delayer
-// (for AMQP: confirmed by the broker); acked after its poison copy was
-// confirmed; or, when no copy could be held, nacked with requeue after a
-// pause, so it stays in its queue. Nothing is acked before the copy that
-// replaces it is confirmed.
 package router
 
 import (
@@ -65,17 +28,19 @@ type Config struct {
 	Policy
 	// AttemptSources are summed into the attempt number. Default: the
 	// attempt header of the library's own copies for QueueName
-	// (middleware.HeaderSource), x-death rejections from QueueName on
-	// deliveries back through a retry route (middleware.XDeathSource), and
-	// the broker's count of returns: middleware.NackCountSource, or
-	// middleware.AcquiredCountSource with RedeliveriesCounted. Counts a
-	// producer or another queue's chain wrote never count. NackCountSource
-	// is unproven (middleware.AttemptSource.Proven): a message past
-	// MaxAttempts only by its nacks runs once more as the last attempt
-	// instead of being poisoned without running.
+	// (middleware.HeaderSource), the broker-agnostic count. amqpretry.New
+	// adds the broker's counts (package amqpwire): x-death rejections from
+	// QueueName on deliveries back through a retry route
+	// (amqpwire.XDeathSource) and the broker's count of returns
+	// (amqpwire.NackCountSource, or amqpwire.AcquiredCountSource with
+	// RedeliveriesCounted); see amqpwire.Sources. Counts a producer or
+	// another queue's chain wrote never count. An unproven source
+	// (middleware.AttemptSource.Proven) cannot alone poison a message
+	// without running it: past MaxAttempts only by its count, it runs once
+	// more as the last attempt.
 	AttemptSources []middleware.AttemptSource
 	// RedeliveriesCounted: AttemptSources count every broker redelivery as
-	// an attempt (middleware.AcquiredCountSource), so the RedeliveryGuard
+	// an attempt (amqpwire.AcquiredCountSource), so the RedeliveryGuard
 	// lets redelivered messages run (see
 	// middleware.RedeliveryGuardConfig.RedeliveriesCounted) and
 	// MaxRedeliveries is not used. Default false.
@@ -125,16 +90,11 @@ func New(cfg Config) (*Chain, error) {
 	tracing := cfg.newTracing(queueName)
 	sources := cfg.AttemptSources
 	if len(sources) == 0 {
-		// One counting rule for every retry mode: this queue's own evidence
-		// (its chain's attempt header, its own x-death entries, the returns
-		// the broker counted), so a deploy that switches modes keeps the
-		// count.
-		returns := middleware.NackCountSource()
-		if cfg.RedeliveriesCounted {
-			returns = middleware.AcquiredCountSource()
-		}
+		// The broker-agnostic count: this queue's chain's attempt header.
+		// The broker's own counts come from the transport's package
+		// (amqpretry.New passes amqpwire.Sources).
 		qn := func(msg *message.Message) string { return queueName(msg.Context()) }
-		sources = []middleware.AttemptSource{middleware.HeaderSource(qn), middleware.XDeathSource(qn), returns}
+		sources = []middleware.AttemptSource{middleware.HeaderSource(qn)}
 	}
 	counter, err := middleware.NewAttemptCounter(middleware.AttemptCounterConfig{Sources: sources, Logger: cfg.Logger})
 	if err != nil {

@@ -19,6 +19,7 @@ import (
 	wmw "github.com/ThreeDotsLabs/watermill/message/router/middleware"
 	"github.com/cenkalti/backoff/v4"
 
+	"github.com/rabbitretry/rabbitretry/amqpwire"
 	"github.com/rabbitretry/rabbitretry/middleware"
 	"github.com/rabbitretry/rabbitretry/poison"
 	"github.com/rabbitretry/rabbitretry/router"
@@ -500,6 +501,9 @@ func TestChainDirect(t *testing.T) {
 	pub := &poisonRecorder{Publisher: nopPublisher{}}
 	chain, err := router.New(router.Config{
 		Delayer: d, PoisonPublisher: pub, Policy: router.Policy{MaxAttempts: 3, Backoff: exactBackoff(100 * time.Millisecond), QueueName: func(context.Context) string { return "q" }},
+		// The sources amqpretry.New gives the chain (the router's default is
+		// the attempt header only).
+		AttemptSources: amqpwire.Sources(func(*message.Message) string { return "q" }, false),
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -518,7 +522,7 @@ func TestChainDirect(t *testing.T) {
 	msg = message.NewMessage("b", nil)
 	msg.Metadata.Set(middleware.DeliveryExchangeKey, "") // back through a retry route, as the Marshaler tells
 	msg.Metadata.Set(middleware.DeliveryRetryRouteKey, "true")
-	msg.Metadata.Set(middleware.XDeathKey, middleware.EncodeXDeath([]middleware.DeathRecord{{Queue: "q", Reason: "rejected", Count: 2}}))
+	msg.Metadata.Set(middleware.XDeathKey, amqpwire.EncodeXDeath([]amqpwire.DeathRecord{{Queue: "q", Reason: "rejected", Count: 2}}))
 	if _, err := chain.Middleware(fail)(msg); err != nil {
 		t.Fatal(err)
 	}
@@ -628,7 +632,7 @@ func TestForeignCountsNeverDecideFirstRun(t *testing.T) {
 	forged := map[string]map[string]string{
 		"attempt 99":            {middleware.AttemptKey: "99"},
 		"attempt = MaxAttempts": {middleware.AttemptKey: strconv.Itoa(maxAttempts)},
-		"x-death 50 for Q": {middleware.XDeathKey: middleware.EncodeXDeath([]middleware.DeathRecord{
+		"x-death 50 for Q": {middleware.XDeathKey: amqpwire.EncodeXDeath([]amqpwire.DeathRecord{
 			{Queue: topic, Reason: "rejected", Count: 50}})},
 		"another queue's chain": {middleware.AttemptKey: "4", middleware.OriginalQueueKey: "payments",
 			middleware.RedeliveriesKey: "2", middleware.FirstFailureKey: "2026-01-01T00:00:00Z"},

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/rabbitretry/rabbitretry/middleware"
 )
 
 // DefaultDrainTimeout is the default drain timeout of NewDrainingSubscriber:
@@ -40,7 +41,7 @@ const DefaultDrainTimeout = 20 * time.Second
 //     out are acked or nacked (at most the drain timeout), the inner
 //     subscription ends: when no other subscription's context is live, by
 //     Close (so the subscriber is closed after such a stop, and Subscribe
-//     returns ErrSubscriberClosed), otherwise (Handler.Stop of one of
+//     returns middleware.ErrClosed), otherwise (Handler.Stop of one of
 //     several handlers sharing the subscriber) by cancelling its inner
 //     context.
 //     The inner subscription's context is not the subscribe context: the
@@ -85,9 +86,10 @@ func NewDrainingSubscriber(inner message.Subscriber, timeout time.Duration) *Dra
 	return &DrainingSubscriber{inner: inner, timeout: timeout, closing: make(chan struct{}), subs: map[*subscription]struct{}{}}
 }
 
-// ErrSubscriberClosed is returned by Subscribe after Close, and after the
-// context of the last subscription ended (which closes the subscriber).
-var ErrSubscriberClosed = errors.New("router: subscriber closed")
+// errSubscriberClosed (middleware.ErrClosed) is returned by Subscribe after
+// Close, and after the context of the last subscription ended (which closes
+// the subscriber).
+var errSubscriberClosed = fmt.Errorf("router: subscriber: %w", middleware.ErrClosed)
 
 // Subscribe subscribes the inner subscriber and forwards its messages,
 // tracking each until the router acks or nacks it. When ctx ends, the
@@ -95,7 +97,7 @@ var ErrSubscriberClosed = errors.New("router: subscriber closed")
 // DrainingSubscriber).
 func (s *DrainingSubscriber) Subscribe(ctx context.Context, topic string) (<-chan *message.Message, error) {
 	if !s.track(&s.forwarders) {
-		return nil, ErrSubscriberClosed
+		return nil, errSubscriberClosed
 	}
 	// watermill-amqp derives each message's context from the subscribe
 	// context: the inner subscription gets one that ends only when this

@@ -11,6 +11,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 
+	"github.com/rabbitretry/rabbitretry/middleware"
 	"github.com/rabbitretry/rabbitretry/router"
 )
 
@@ -61,8 +62,8 @@ func TestDrainingSubscriberStopsWithRunContext(t *testing.T) {
 	if err := sub.Close(); err != nil {
 		t.Fatalf("Close after the stop: %v", err)
 	}
-	if _, err := sub.Subscribe(context.Background(), "t"); !errors.Is(err, router.ErrSubscriberClosed) {
-		t.Fatalf("Subscribe after the stop: %v, want ErrSubscriberClosed", err)
+	if _, err := sub.Subscribe(context.Background(), "t"); !errors.Is(err, middleware.ErrClosed) {
+		t.Fatalf("Subscribe after the stop: %v, want middleware.ErrClosed", err)
 	}
 }
 

@@ -16,6 +16,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitretry/rabbitretry/amqpretry"
+	"github.com/rabbitretry/rabbitretry/confirm"
 	"github.com/rabbitretry/rabbitretry/internal/testkit"
 	"github.com/rabbitretry/rabbitretry/middleware"
 )
@@ -43,7 +44,7 @@ type fixture struct {
 	t    *testing.T
 	uri  string
 	cfg  Config
-	pub  *amqpretry.ConfirmPublisher
+	pub  *confirm.Publisher
 	conn *amqp.Connection
 }
 
@@ -52,7 +53,7 @@ type fixture struct {
 func newFixture(t *testing.T, cfg Config) *fixture {
 	t.Helper()
 	uri := testkit.URI(t)
-	pub, err := amqpretry.NewConfirmPublisher(amqpretry.PublisherConfig{URI: uri, ConfirmTimeout: 20 * time.Second})
+	pub, err := confirm.New(confirm.Config{URI: uri, ConfirmTimeout: 20 * time.Second})
 	if err != nil {
 		t.Fatalf("publisher: %v", err)
 	}

@@ -14,6 +14,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitretry/rabbitretry/amqpretry"
+	"github.com/rabbitretry/rabbitretry/confirm"
 )
 
 // Defaults of Config.
@@ -87,9 +88,9 @@ type Config struct {
 	// Publisher publishes the delayed messages (mandatory, with publisher
 	// confirms) and opens the channels for declarations. Set it, or URI.
 	// NewDelayer and NewPublisher do not close it.
-	Publisher *amqpretry.ConfirmPublisher
+	Publisher *confirm.Publisher
 	// URI, when Publisher is nil, is the AMQP URI NewDelayer and
-	// NewPublisher dial their own ConfirmPublisher with (closed by Close).
+	// NewPublisher dial their own confirm.Publisher with (closed by Close).
 	// Setting both Publisher and URI is an error.
 	URI string
 	// Marshaler converts watermill messages to AMQP publishings. Its zero
@@ -539,7 +540,7 @@ type LevelCount struct {
 	// policy or an argument; "Queue Length Limit"), read from the
 	// management API; "" when none, or when Config.ManagementURL is not
 	// set. Levels must have none: a full quorum level refuses publishes
-	// (x-overflow reject-publish: Schedule returns amqpretry.ErrNacked and
+	// (x-overflow reject-publish: Schedule returns confirm.ErrNacked and
 	// the message is retried or nacked by the caller, never lost) and
 	// dead-lettering into it (the messages wait in the level above for
 	// the dead-letter worker's retry, minutes late).

@@ -13,6 +13,8 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitretry/rabbitretry/amqpretry"
+	"github.com/rabbitretry/rabbitretry/amqpwire"
+	"github.com/rabbitretry/rabbitretry/confirm"
 	"github.com/rabbitretry/rabbitretry/middleware"
 )
 
@@ -20,7 +22,7 @@ import (
 // the publisher and what has been declared.
 type core struct {
 	cfg    Config
-	pub    *amqpretry.ConfirmPublisher
+	pub    *confirm.Publisher
 	ownPub bool
 
 	mu       sync.Mutex
@@ -72,7 +74,7 @@ func newCore(cfg Config) (*core, error) {
 		if cfg.URI == "" {
 			return nil, errors.New("cascade.Config: Publisher and URI are both empty; set one")
 		}
-		c.pub, err = amqpretry.NewConfirmPublisher(amqpretry.PublisherConfig{URI: cfg.URI, Logger: cfg.Logger})
+		c.pub, err = confirm.New(confirm.Config{URI: cfg.URI, Logger: cfg.Logger})
 		if err != nil {
 			return nil, fmt.Errorf("cascade: connecting the publisher: %w", err)
 		}
@@ -331,7 +333,7 @@ func (c *core) send(ctx context.Context, msg *message.Message, n uint64, queue s
 }
 
 func topologyMissing(err error) bool {
-	if errors.Is(err, amqpretry.ErrUnroutable) {
+	if errors.Is(err, confirm.ErrUnroutable) {
 		return true
 	}
 	var aerr *amqp.Error
@@ -339,14 +341,14 @@ func topologyMissing(err error) bool {
 }
 
 // headerLimit is the largest header table a delayed copy may have:
-// amqpretry.MaxCopyHeaderBytes less what the broker adds on the way, an
+// amqpwire.MaxCopyHeaderBytes less what the broker adds on the way, an
 // x-death entry per level (queue, exchange, routing key, reason, count,
 // time) and the x-first-death-* / x-last-death-* headers.
 func (c *core) headerLimit(queue string) int {
 	keyLen := 2*c.cfg.Levels + len(queue)
 	nameLen := len(c.cfg.LevelName(0))
 	perLevel := 160 + 2*nameLen + keyLen
-	return amqpretry.MaxCopyHeaderBytes - c.cfg.Levels*perLevel - 6*(40+nameLen)
+	return amqpwire.MaxCopyHeaderBytes - c.cfg.Levels*perLevel - 6*(40+nameLen)
 }
 
 // Delayer implements middleware.Delayer with the delay cascade: a retry
@@ -398,7 +400,7 @@ func (d *Delayer) Config() Config { return d.c.cfg }
 // Errors: wrapping middleware.ErrCannotDelay for a queue name the cascade
 // cannot route (ErrBadQueueName) or headers too large to survive the
 // x-death entries the levels add; a declare error
-// (*amqpretry.DeclareError); or the publisher's (amqpretry.ErrNacked,
+// (*amqpretry.DeclareError); or the publisher's (confirm.ErrNacked,
 // ErrConfirmTimeout, ErrChannelClosed, ...), after which the republisher
 // nacks the original.
 func (d *Delayer) Schedule(ctx context.Context, msg *message.Message, delay time.Duration) error {

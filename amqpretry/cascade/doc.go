@@ -98,7 +98,7 @@
 // ErrSettingsMismatch naming both before binding anything.
 //
 // Publishing is mandatory with publisher confirms (amqpretry's
-// ConfirmPublisher, "Consumer Acknowledgements and Publisher Confirms"):
+// confirm.Publisher, "Consumer Acknowledgements and Publisher Confirms"):
 // Schedule and Publish return nil only once the broker holds the message
 // in a level queue, or, for a zero delay, in the destination. Mandatory
 // only checks the first hop, so the destination's binding is made before
@@ -126,7 +126,7 @@
 // Config.ManagementURL the repair has the workers resend them at once (a
 // policy change), and Waiting reports each level's dead-letter backlog
 // (LevelCount.DeadLettering) and length limits (a full level refuses
-// publishes: Schedule returns amqpretry.ErrNacked).
+// publishes: Schedule returns confirm.ErrNacked).
 //
 // # What the consumer sees
 //
@@ -136,7 +136,7 @@
 // exchange, routing keys) and the x-first-death-* (and, on 4.x,
 // x-last-death-*) headers; the Delayer refuses, wrapping
 // middleware.ErrCannotDelay, a copy whose headers could then exceed
-// amqpretry.MaxCopyHeaderBytes. Its basic.deliver routing key is the
+// amqpwire.MaxCopyHeaderBytes. Its basic.deliver routing key is the
 // cascade key, not the queue name, and its exchange is the one its last
 // routing started from (a level exchange, or the delivery exchange):
 // Config.DeliveredQueue recognises both.
@@ -181,4 +181,9 @@
 // or more), "Quorum Queues" (x-message-ttl and at-least-once
 // dead-lettering, 3.10+), "Publishers" (mandatory) and "Consumer
 // Acknowledgements and Publisher Confirms".
+//
+// # Imports
+//
+// What it may import: of this module amqpretry, router, confirm, amqpwire,
+// middleware and internal/.... Enforced by TestLayers in docs/.
 package cascade

@@ -14,6 +14,7 @@ import (
 
 	"github.com/rabbitretry/rabbitretry/amqpretry"
 	"github.com/rabbitretry/rabbitretry/amqpretry/cascade"
+	"github.com/rabbitretry/rabbitretry/confirm"
 	"github.com/rabbitretry/rabbitretry/middleware"
 	"github.com/rabbitretry/rabbitretry/router"
 )
@@ -28,7 +29,7 @@ func Example_retry() {
 
 	// One confirm publisher for retries and poison copies (with
 	// amqpretry.New, pass retry.Publisher() instead).
-	pub, err := amqpretry.NewConfirmPublisher(amqpretry.PublisherConfig{URI: uri})
+	pub, err := confirm.New(confirm.Config{URI: uri})
 	if err != nil {
 		log.Fatal(err)
 	}

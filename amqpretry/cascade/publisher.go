@@ -55,7 +55,7 @@ func NewPublisher(cfg Config) (*Publisher, error) {
 // published): unreadable delay metadata; ErrDelayTooLong (wrapped); a
 // topic the cascade cannot route (ErrBadQueueName); a declare or bind
 // error (*amqpretry.DeclareError, e.g. 404 for a missing queue); or the
-// publisher's (amqpretry.ErrNacked, ErrConfirmTimeout, ...).
+// publisher's (confirm.ErrNacked, ErrConfirmTimeout, ...).
 func (p *Publisher) Publish(topic string, msgs ...*message.Message) error {
 	cfg := &p.c.cfg
 	if err := cfg.checkQueue(topic); err != nil {

@@ -7,7 +7,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/rabbitretry/rabbitretry/amqpretry"
+	"github.com/rabbitretry/rabbitretry/amqpwire"
+	"github.com/rabbitretry/rabbitretry/confirm"
 	"github.com/rabbitretry/rabbitretry/middleware"
 
 	"github.com/ThreeDotsLabs/watermill/components/delay"
@@ -63,16 +64,16 @@ func TestMessageDelay(t *testing.T) {
 // TestHeaderLimit: a copy whose headers could not survive the x-death
 // entries the levels add is refused before anything is published.
 func TestHeaderLimit(t *testing.T) {
-	d, err := NewDelayer(Config{Publisher: &amqpretry.ConfirmPublisher{}, QueueName: func(context.Context) string { return "orders" }})
+	d, err := NewDelayer(Config{Publisher: &confirm.Publisher{}, QueueName: func(context.Context) string { return "orders" }})
 	if err != nil {
 		t.Fatal(err)
 	}
 	msg := message.NewMessage("big", nil)
-	msg.Metadata.Set("big", strings.Repeat("x", amqpretry.MaxCopyHeaderBytes-4096))
+	msg.Metadata.Set("big", strings.Repeat("x", amqpwire.MaxCopyHeaderBytes-4096))
 	if err := d.Schedule(context.Background(), msg, time.Second); !errors.Is(err, middleware.ErrCannotDelay) {
 		t.Fatalf("Schedule with %d header bytes: %v, want ErrCannotDelay", len(msg.Metadata["big"]), err)
 	}
-	if limit := d.c.headerLimit("orders"); limit < 100_000 || limit > amqpretry.MaxCopyHeaderBytes {
+	if limit := d.c.headerLimit("orders"); limit < 100_000 || limit > amqpwire.MaxCopyHeaderBytes {
 		t.Errorf("header limit %d", limit)
 	}
 }

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/rabbitretry/rabbitretry/amqpretry"
+	"github.com/rabbitretry/rabbitretry/confirm"
 )
 
 // topicMatch is RabbitMQ's topic matching ("Exchanges", topic exchange):
@@ -282,7 +283,7 @@ func TestValidate(t *testing.T) {
 		{Config{Levels: -1}, "Levels"},
 		{Config{Levels: 27}, "Levels"}, // 2^26 × 100 ms > MaxTTL
 		{Config{QueueType: "stream"}, "QueueType"},
-		{Config{URI: "amqp://x", Publisher: &amqpretry.ConfirmPublisher{}}, "Publisher"},
+		{Config{URI: "amqp://x", Publisher: &confirm.Publisher{}}, "Publisher"},
 		{Config{ManagementURL: "ftp://u:s3cret@h/"}, "ManagementURL"},
 	} {
 		if strings.Contains(fmt.Sprint(c.cfg.Validate()), "s3cret") {

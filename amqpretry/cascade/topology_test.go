@@ -14,7 +14,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	amqp "github.com/rabbitmq/amqp091-go"
 
-	"github.com/rabbitretry/rabbitretry/amqpretry"
+	"github.com/rabbitretry/rabbitretry/confirm"
 	"github.com/rabbitretry/rabbitretry/internal/testkit"
 )
 
@@ -163,7 +163,7 @@ func delayerWithoutManagement(t *testing.T, f *fixture) *Delayer {
 // the broker takes 2 (3: a quorum queue checks the limit before each
 // enqueue, so one more gets in) and refuses the rest (x-overflow
 // reject-publish): Schedule
-// returns amqpretry.ErrNacked for those (the retry middleware then nacks
+// returns confirm.ErrNacked for those (the retry middleware then nacks
 // the original: nothing lost), the 2 taken arrive on time; Waiting names
 // the limit on each level, and the topology check logs it.
 func TestLengthLimitPolicyOnLevels(t *testing.T) {
@@ -195,7 +195,7 @@ func TestLengthLimitPolicyOnLevels(t *testing.T) {
 		switch {
 		case err == nil:
 			accepted++
-		case errors.Is(err, amqpretry.ErrNacked):
+		case errors.Is(err, confirm.ErrNacked):
 			nacked++
 		default:
 			t.Fatalf("Schedule %d: %v", i, err)

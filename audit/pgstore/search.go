@@ -13,7 +13,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgtype"
 
-	"github.com/rabbitretry/rabbitretry/amqpretry"
+	"github.com/rabbitretry/rabbitretry/amqpwire"
 	"github.com/rabbitretry/rabbitretry/audit"
 )
 
@@ -227,7 +227,7 @@ func scanKeyedArrival(r pgx.CollectableRow) (keyedArrival, error) {
 		return k, err
 	}
 	if table != nil {
-		t, err := amqpretry.DecodeHeaderTable(*table)
+		t, err := amqpwire.DecodeHeaderTable(*table)
 		if err != nil {
 			return k, fmt.Errorf("arrival %s header table: %w", a.ID, err)
 		}

@@ -24,6 +24,7 @@ import (
 
 	"github.com/rabbitretry/rabbitretry/amqpretry"
 	"github.com/rabbitretry/rabbitretry/amqpretry/cascade"
+	"github.com/rabbitretry/rabbitretry/amqpwire"
 	"github.com/rabbitretry/rabbitretry/middleware"
 	"github.com/rabbitretry/rabbitretry/router"
 )
@@ -50,7 +51,7 @@ import (
 //     a time (latency p50/p99: what a handler waits per retry), then
 //     -n cascade-sched=N (default 20,000) confirmed
 //     schedules from -cascade-workers goroutines (default 64) on one
-//     amqpretry ConfirmPublisher, delays uniform in [1 h, 2 h): to a tier's
+//     amqpretry confirm.Publisher, delays uniform in [1 h, 2 h): to a tier's
 //     wait queue (what amqpretry's Delayer does: marshal, publish to the
 //     wait exchange, confirm) vs cascade.Delayer.Schedule; each with its
 //     default queue type (tiers: classic wait queues, cascade: quorum
@@ -280,7 +281,7 @@ func (c *cascadeCollector) retryHandler(msg *message.Message) error {
 	if !ok {
 		return nil // a duplicate: counted once
 	}
-	recs, _ := middleware.ParseXDeath(msg.Metadata.Get(middleware.XDeathKey))
+	recs, _ := amqpwire.ParseXDeath(msg.Metadata.Get(middleware.XDeathKey))
 	c.add(cascadeObs{asked: asked, observed: now.Sub(t0), xdeath: len(recs)})
 	return nil
 }
@@ -928,7 +929,7 @@ dead-lettering), under the run's prefix.
 3. **Scheduling latency and throughput**: first 1,000 schedules one at a
    time from one goroutine (the latency of each: what a handler waits per
    retry), then 20,000 from 64 goroutines sharing the Retry's
-   ConfirmPublisher (mandatory, publisher confirms; each call returns once
+   confirm.Publisher (mandatory, publisher confirms; each call returns once
    confirmed); a retry-like watermill message (attempt 2, failure metadata)
    with a delay uniform in [1 h, 2 h). Tiers: marshal + publish to the wait
    exchange with the tier's wait queue as key (what amqpretry's Delayer does

@@ -10,8 +10,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	amqp "github.com/rabbitmq/amqp091-go"
 
-	"github.com/rabbitretry/rabbitretry/amqpretry"
-
+	"github.com/rabbitretry/rabbitretry/confirm"
 	"github.com/rabbitretry/rabbitretry/internal/redact"
 )
 
@@ -26,7 +25,7 @@ const (
 type Admin struct {
 	cfg    Config
 	logger watermill.LoggerAdapter
-	pub    *amqpretry.ConfirmPublisher
+	pub    *confirm.Publisher
 
 	mu     sync.Mutex
 	closed bool
@@ -64,7 +63,7 @@ func newAdmin(cfg Config, name string) (*Admin, error) {
 		return nil, err
 	}
 	uri := cfg.URI
-	pub, err := amqpretry.NewConfirmPublisher(amqpretry.PublisherConfig{
+	pub, err := confirm.New(confirm.Config{
 		Dial: func() (*amqp.Connection, error) {
 			props := amqp.NewConnectionProperties()
 			props.SetClientConnectionName(name)
@@ -90,7 +89,7 @@ func RedactURI(uri string) string {
 // Close closes the connection, waiting (at most the publisher confirm
 // timeout, 30s) for publishes still awaiting their confirm. Messages read
 // by operations still running return to their queue. Close is idempotent;
-// every method called afterwards returns ErrClosed.
+// every method called afterwards returns middleware.ErrClosed (wrapped).
 func (a *Admin) Close() error {
 	a.mu.Lock()
 	if a.closed {
@@ -106,7 +105,7 @@ func (a *Admin) checkOpen() error {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	if a.closed {
-		return ErrClosed
+		return errClosed
 	}
 	return nil
 }
@@ -119,8 +118,8 @@ func (a *Admin) channel() (*amqp.Channel, error) {
 	}
 	ch, err := a.pub.Channel()
 	if err != nil {
-		if errors.Is(err, amqpretry.ErrClosed) {
-			return nil, ErrClosed
+		if errors.Is(err, confirm.ErrClosed) {
+			return nil, errClosed
 		}
 		return nil, fmt.Errorf("poison/admin: opening a channel: %w", err)
 	}
@@ -408,7 +407,7 @@ func (s *scan) release() error {
 // "Queues").
 //
 // Errors: a *NotFoundError matching ErrQueueNotFound if queue does not
-// exist; a Filter.Validate error; ErrClosed; ctx.Err() (wrapped) if ctx ends
+// exist; a Filter.Validate error; middleware.ErrClosed (wrapped); ctx.Err() (wrapped) if ctx ends
 // during the scan; channel or connection errors.
 func (a *Admin) List(ctx context.Context, queue string, f Filter) ([]Message, error) {
 	s, err := a.scanQueue(ctx, queue, f, nil)

@@ -10,7 +10,8 @@ import (
 
 	amqp "github.com/rabbitmq/amqp091-go"
 
-	"github.com/rabbitretry/rabbitretry/amqpretry"
+	"github.com/rabbitretry/rabbitretry/confirm"
+	"github.com/rabbitretry/rabbitretry/middleware"
 	"github.com/rabbitretry/rabbitretry/poison/admin"
 )
 
@@ -348,7 +349,7 @@ func TestReplayDryRunSkipAndUnroutable(t *testing.T) {
 	var unroutable bool
 	for _, e := range res.Errors {
 		var me *admin.MessageError
-		if errors.As(e, &me) && me.UUID == "unbound" && errors.Is(e, amqpretry.ErrUnroutable) {
+		if errors.As(e, &me) && me.UUID == "unbound" && errors.Is(e, confirm.ErrUnroutable) {
 			unroutable = true
 		}
 	}
@@ -479,7 +480,7 @@ func TestClosed(t *testing.T) {
 	if err := a.Close(); err != nil {
 		t.Fatal("second Close:", err)
 	}
-	if _, err := a.List(context.Background(), "q", admin.Filter{}); !errors.Is(err, admin.ErrClosed) {
+	if _, err := a.List(context.Background(), "q", admin.Filter{}); !errors.Is(err, middleware.ErrClosed) {
 		t.Fatalf("List after Close: %v", err)
 	}
 }

@@ -8,6 +8,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitretry/rabbitretry/internal/redact"
+	"github.com/rabbitretry/rabbitretry/middleware"
 )
 
 // DefaultLoopBackExchange is the default Config.LoopBackExchange, the name
@@ -92,10 +93,11 @@ var (
 	// empty, so Replay does not know where to send it. It is left in the
 	// poison queue and reported in ReplayResult.Errors as a *MessageError.
 	ErrNoOriginalQueue = errors.New("message has no rabbitretry-original-queue header and no ReplayOptions.DefaultQueue was given")
-
-	// ErrClosed is returned by every method called after Close.
-	ErrClosed = errors.New("poison/admin: admin closed")
 )
+
+// errClosed is returned by every method called after Close
+// (middleware.ErrClosed, wrapped).
+var errClosed = fmt.Errorf("poison/admin: admin: %w", middleware.ErrClosed)
 
 // NotFoundError reports a queue or exchange that does not exist. It matches
 // ErrQueueNotFound or ErrExchangeNotFound with errors.Is, by Kind.
@@ -135,7 +137,7 @@ type MessageError struct {
 	UUID string
 	// Queue is the queue the message was to be replayed to ("" if unknown).
 	Queue string
-	// Err is the cause, e.g. ErrNoOriginalQueue or amqpretry.ErrUnroutable
+	// Err is the cause, e.g. ErrNoOriginalQueue or confirm.ErrUnroutable
 	// (no binding on the loop-back exchange for Queue).
 	Err error
 }

@@ -65,4 +65,9 @@
 // goroutines, but two operations on the same queue at the same time hide
 // messages from each other (see above), so results are incomplete: use it
 // from one caller at a time.
+//
+// # Imports
+//
+// What it may import: amqp091-go and, of this module, poison, middleware,
+// amqpwire, confirm and internal/.... Enforced by TestLayers in docs/.
 package admin

@@ -9,7 +9,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	amqp "github.com/rabbitmq/amqp091-go"
 
-	"github.com/rabbitretry/rabbitretry/amqpretry"
+	"github.com/rabbitretry/rabbitretry/confirm"
 	"github.com/rabbitretry/rabbitretry/middleware"
 )
 
@@ -82,10 +82,10 @@ var (
 // whole MaxRedeliveries allowance; the broker's x-death, x-delivery-count,
 // x-acquired-count, x-first-death-* and x-last-death-*, which would make the
 // retry middleware count earlier attempts), and the poison publish's
-// amqpretry.PublishIDHeader. The failure history (first/last failure, last
+// confirm.PublishIDHeader. The failure history (first/last failure, last
 // error, error class, original queue/exchange/routing key) is kept.
 func replayDropsHeader(k string) bool {
-	return middleware.IsRetryState(k) || k == amqpretry.PublishIDHeader
+	return middleware.IsRetryState(k) || k == confirm.PublishIDHeader
 }
 
 // copyPublishing builds a publishing from a delivery with every property,
@@ -134,7 +134,7 @@ func replayPublishing(d amqp.Delivery, now time.Time) amqp.Publishing {
 // destination; any other error (channel or connection closed, confirm
 // timeout, publisher closed) stops the operation.
 func perMessage(err error) bool {
-	return errors.Is(err, amqpretry.ErrUnroutable) || errors.Is(err, amqpretry.ErrNacked)
+	return errors.Is(err, confirm.ErrUnroutable) || errors.Is(err, confirm.ErrNacked)
 }
 
 // Replay sends the messages of the poison queue that f matches back to the
@@ -163,7 +163,7 @@ func perMessage(err error) bool {
 //
 // A message without destination is skipped (ErrNoOriginalQueue); one the
 // broker returns as unroutable (its queue is not bound to the loop-back
-// exchange: amqpretry.ErrUnroutable) or nacks (amqpretry.ErrNacked) is left
+// exchange: confirm.ErrUnroutable) or nacks (confirm.ErrNacked) is left
 // in place; both are reported in ReplayResult.Errors and Replay continues.
 // Other failures stop Replay and are returned with the partial result.
 // Canceling ctx stops Replay before the next message (a publish in progress
@@ -185,8 +185,8 @@ func perMessage(err error) bool {
 //
 // Errors: a *NotFoundError matching ErrQueueNotFound (queue missing) or
 // ErrExchangeNotFound (loop-back exchange missing; nothing is changed); a
-// Filter.Validate error; ErrClosed; ctx.Err(); channel, connection or
-// confirm errors (amqpretry.ErrChannelClosed, amqpretry.ErrConfirmTimeout).
+// Filter.Validate error; middleware.ErrClosed (wrapped); ctx.Err(); channel, connection or
+// confirm errors (confirm.ErrChannelClosed, confirm.ErrConfirmTimeout).
 func (a *Admin) Replay(ctx context.Context, queue string, f Filter, opts ReplayOptions) (ReplayResult, error) {
 	var res ReplayResult
 	if ctx == nil {
@@ -286,7 +286,7 @@ loop:
 			})
 			handled()
 			continue
-		case errors.Is(err, amqpretry.ErrConfirmTimeout) || errors.Is(err, amqpretry.ErrChannelClosed):
+		case errors.Is(err, confirm.ErrConfirmTimeout) || errors.Is(err, confirm.ErrChannelClosed):
 			// Written but unconfirmed: the copy may have been enqueued.
 			maybeDuplicated(it, to, err)
 			opErr = stopped(fmt.Sprintf("publishing message %q", it.msg.UUID), err)
@@ -394,9 +394,9 @@ func (a *Admin) Purge(ctx context.Context, queue string, f Filter, dryRun bool) 
 // ErrMaybeDuplicated.
 //
 // Errors: a *NotFoundError matching ErrQueueNotFound naming from or to; an
-// error if from == to; a Filter.Validate error; ErrClosed; ctx.Err()
+// error if from == to; a Filter.Validate error; middleware.ErrClosed (wrapped); ctx.Err()
 // (Move stops before the next message; messages not moved stay in from);
-// publish errors from amqpretry.ConfirmPublisher (the first one stops
+// publish errors from confirm.Publisher (the first one stops
 // Move); channel or connection errors. The count returned with an error is
 // the number moved so far.
 func (a *Admin) Move(ctx context.Context, from, to string, f Filter, dryRun bool) (int, error) {
@@ -442,10 +442,10 @@ func (a *Admin) Move(ctx context.Context, from, to string, f Filter, dryRun bool
 			break
 		}
 		h := cloneHeaders(it.d.Headers)
-		delete(h, amqpretry.PublishIDHeader)
+		delete(h, confirm.PublishIDHeader)
 		a.at("publish", n)
 		if err := a.pub.PublishRaw(pubCtx, "", to, copyPublishing(it.d, h)); err != nil {
-			if errors.Is(err, amqpretry.ErrConfirmTimeout) || errors.Is(err, amqpretry.ErrChannelClosed) {
+			if errors.Is(err, confirm.ErrConfirmTimeout) || errors.Is(err, confirm.ErrChannelClosed) {
 				err = maybeDuplicated(it, err) // written but unconfirmed
 			}
 			opErr = stopped(fmt.Sprintf("copying message %q", it.msg.UUID), err)

@@ -1,18 +1,10 @@
-package amqpretry
+package confirm
 
 import (
 	"context"
-	"crypto/ecdsa"
-	"crypto/elliptic"
-	crand "crypto/rand"
-	"crypto/tls"
-	"crypto/x509"
-	"crypto/x509/pkix"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
-	"math/big"
 	"net"
 	"os"
 	"runtime"
@@ -24,14 +16,13 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
-	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v2/pkg/amqp"
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitretry/rabbitretry/internal/testkit"
 )
 
 // publisherConn returns the publisher's current connection.
-func publisherConn(t testing.TB, p *ConfirmPublisher) *amqp.Connection {
+func publisherConn(t testing.TB, p *Publisher) *amqp.Connection {
 	t.Helper()
 	p.connMu.Lock()
 	defer p.connMu.Unlock()
@@ -42,15 +33,15 @@ func publisherConn(t testing.TB, p *ConfirmPublisher) *amqp.Connection {
 }
 
 func TestPublisherConfigValidate(t *testing.T) {
-	valid := func() PublisherConfig {
-		c := PublisherConfig{URI: defaultTestAMQPURI}
+	valid := func() Config {
+		c := Config{URI: defaultTestAMQPURI}
 		c.setDefaults()
 		return c
 	}
 	if err := valid().Validate(); err != nil {
 		t.Fatalf("valid config: %v", err)
 	}
-	c := PublisherConfig{URI: "amqp://x"}
+	c := Config{URI: "amqp://x"}
 	c.setDefaults()
 	if c.Channels != 2 || c.ConfirmTimeout != 30*time.Second || c.Logger == nil {
 		t.Fatalf("defaults not applied: %+v", c)
@@ -58,16 +49,16 @@ func TestPublisherConfigValidate(t *testing.T) {
 
 	cases := []struct {
 		name   string
-		mutate func(*PublisherConfig)
+		mutate func(*Config)
 		field  string
 	}{
-		{"no URI no Dial", func(c *PublisherConfig) { c.URI = "" }, "URI"},
-		{"bad URI", func(c *PublisherConfig) { c.URI = "http://nope" }, "URI"},
-		{"zero channels", func(c *PublisherConfig) { c.Channels = 0 }, "Channels"},
-		{"negative channels", func(c *PublisherConfig) { c.Channels = -1 }, "Channels"},
-		{"too many channels", func(c *PublisherConfig) { c.Channels = 65 }, "Channels"},
-		{"negative timeout", func(c *PublisherConfig) { c.ConfirmTimeout = -time.Second }, "ConfirmTimeout"},
-		{"nil logger", func(c *PublisherConfig) { c.Logger = nil }, "Logger"},
+		{"no URI no Dial", func(c *Config) { c.URI = "" }, "URI"},
+		{"bad URI", func(c *Config) { c.URI = "http://nope" }, "URI"},
+		{"zero channels", func(c *Config) { c.Channels = 0 }, "Channels"},
+		{"negative channels", func(c *Config) { c.Channels = -1 }, "Channels"},
+		{"too many channels", func(c *Config) { c.Channels = 65 }, "Channels"},
+		{"negative timeout", func(c *Config) { c.ConfirmTimeout = -time.Second }, "ConfirmTimeout"},
+		{"nil logger", func(c *Config) { c.Logger = nil }, "Logger"},
 	}
 	for _, tc := range cases {
 		c := valid()
@@ -85,21 +76,21 @@ func TestPublisherConfigValidate(t *testing.T) {
 		t.Errorf("Dial without URI should be valid: %v", err)
 	}
 
-	// NewConfirmPublisher applies defaults, then validates; no panic on bad input.
-	if _, err := NewConfirmPublisher(PublisherConfig{}); err == nil {
-		t.Error("NewConfirmPublisher(empty config) succeeded")
+	// New applies defaults, then validates; no panic on bad input.
+	if _, err := New(Config{}); err == nil {
+		t.Error("New(empty config) succeeded")
 	}
-	if _, err := NewConfirmPublisher(PublisherConfig{URI: defaultTestAMQPURI, Channels: 100}); err == nil {
-		t.Error("NewConfirmPublisher(Channels=100) succeeded")
+	if _, err := New(Config{URI: defaultTestAMQPURI, Channels: 100}); err == nil {
+		t.Error("New(Channels=100) succeeded")
 	}
-	if _, err := NewConfirmPublisher(PublisherConfig{Dial: func() (*amqp.Connection, error) { return nil, nil }}); err == nil {
-		t.Error("NewConfirmPublisher with Dial returning nil connection succeeded")
+	if _, err := New(Config{Dial: func() (*amqp.Connection, error) { return nil, nil }}); err == nil {
+		t.Error("New with Dial returning nil connection succeeded")
 	}
 }
 
 // 2,000 messages from 20 goroutines: all confirmed, all enqueued.
 func TestConfirmPublisher_ConcurrentPublishAllConfirmed(t *testing.T) {
-	p := newTestPublisher(t, PublisherConfig{})
+	p := newTestPublisher(t, Config{})
 	ch := testChannel(t)
 	queue := uniqueName(t, "rabbitretry.test")
 	declareTempQueue(t, ch, queue, nil)
@@ -148,7 +139,7 @@ func TestConfirmPublisher_ConcurrentPublishAllConfirmed(t *testing.T) {
 func TestConfirmPublisher_UnroutableNotMisattributed(t *testing.T) {
 	for _, channels := range []int{1, 3} {
 		t.Run("channels="+strconv.Itoa(channels), func(t *testing.T) {
-			p := newTestPublisher(t, PublisherConfig{Channels: channels})
+			p := newTestPublisher(t, Config{Channels: channels})
 			ch := testChannel(t)
 			queue := uniqueName(t, "rabbitretry.test")
 			declareTempQueue(t, ch, queue, nil)
@@ -196,7 +187,7 @@ func TestConfirmPublisher_UnroutableNotMisattributed(t *testing.T) {
 // A publish to a missing exchange (404 closes the channel) fails, and the
 // publisher recovers for the next publishes.
 func TestConfirmPublisher_MissingExchangeThenRecovers(t *testing.T) {
-	p := newTestPublisher(t, PublisherConfig{Channels: 1})
+	p := newTestPublisher(t, Config{Channels: 1})
 	ch := testChannel(t)
 	queue := uniqueName(t, "rabbitretry.test")
 	declareTempQueue(t, ch, queue, nil)
@@ -227,7 +218,7 @@ func TestConfirmPublisher_MissingExchangeThenRecovers(t *testing.T) {
 // The publish-id header is added to a copy of the headers and is visible on
 // the delivered message (the broker cannot strip it).
 func TestConfirmPublisher_PublishIDHeaderDelivered(t *testing.T) {
-	p := newTestPublisher(t, PublisherConfig{})
+	p := newTestPublisher(t, Config{})
 	ch := testChannel(t)
 	queue := uniqueName(t, "rabbitretry.test")
 	declareTempQueue(t, ch, queue, nil)
@@ -270,7 +261,7 @@ func TestConfirmPublisher_PublishIDHeaderDelivered(t *testing.T) {
 }
 
 func TestConfirmPublisher_CloseIdleThenPublishReturnsErrClosed(t *testing.T) {
-	p, err := NewConfirmPublisher(PublisherConfig{URI: brokerURI(t)})
+	p, err := New(Config{URI: brokerURI(t)})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -295,7 +286,7 @@ func TestConfirmPublisher_CloseIdleThenPublishReturnsErrClosed(t *testing.T) {
 // Close while publishes are in flight: no panic, no hang, every publish
 // returns nil or an error.
 func TestConfirmPublisher_CloseWhilePublishing(t *testing.T) {
-	p, err := NewConfirmPublisher(PublisherConfig{URI: brokerURI(t), ConfirmTimeout: 5 * time.Second})
+	p, err := New(Config{URI: brokerURI(t), ConfirmTimeout: 5 * time.Second})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -338,7 +329,7 @@ func TestConfirmPublisher_CloseWhilePublishing(t *testing.T) {
 }
 
 func TestConfirmPublisher_Batch(t *testing.T) {
-	p := newTestPublisher(t, PublisherConfig{Channels: 1})
+	p := newTestPublisher(t, Config{Channels: 1})
 	ch := testChannel(t)
 	queue := uniqueName(t, "rabbitretry.test")
 	declareTempQueue(t, ch, queue, nil)
@@ -380,7 +371,7 @@ func TestConfirmPublisher_Batch(t *testing.T) {
 // A queue with x-overflow=reject-publish makes the broker basic.nack
 // publishes once it is full.
 func TestConfirmPublisher_Nack(t *testing.T) {
-	p := newTestPublisher(t, PublisherConfig{})
+	p := newTestPublisher(t, Config{})
 	ch := testChannel(t)
 	queue := uniqueName(t, "rabbitretry.test")
 	declareTempQueue(t, ch, queue, amqp.Table{"x-max-length": int32(1), "x-overflow": "reject-publish"})
@@ -399,7 +390,7 @@ func TestConfirmPublisher_Nack(t *testing.T) {
 }
 
 func TestConfirmPublisher_ContextAndTimeout(t *testing.T) {
-	p := newTestPublisher(t, PublisherConfig{})
+	p := newTestPublisher(t, Config{})
 	ch := testChannel(t)
 	queue := uniqueName(t, "rabbitretry.test")
 	declareTempQueue(t, ch, queue, nil)
@@ -411,7 +402,7 @@ func TestConfirmPublisher_ContextAndTimeout(t *testing.T) {
 	}
 
 	// A 1ns confirm timeout expires before any confirm can arrive.
-	fast := newTestPublisher(t, PublisherConfig{ConfirmTimeout: time.Nanosecond})
+	fast := newTestPublisher(t, Config{ConfirmTimeout: time.Nanosecond})
 	var timeouts int
 	for range 20 {
 		err := fast.PublishRaw(context.Background(), "", queue, amqp.Publishing{})
@@ -440,7 +431,7 @@ func TestConfirmPublisher_RecoversAfterConnectionLoss(t *testing.T) {
 	var conns []*amqp.Connection
 	var dials atomic.Int64
 	failNextDials := atomic.Int64{}
-	p := newTestPublisher(t, PublisherConfig{Dial: func() (*amqp.Connection, error) {
+	p := newTestPublisher(t, Config{Dial: func() (*amqp.Connection, error) {
 		dials.Add(1)
 		if failNextDials.Load() > 0 {
 			failNextDials.Add(-1)
@@ -541,7 +532,7 @@ func TestConfirmPublisher_SurvivesBrokerRestart(t *testing.T) {
 	}
 	testkit.HaveCtl(t)
 	uri := brokerURI(t)
-	p := newTestPublisher(t, PublisherConfig{URI: uri})
+	p := newTestPublisher(t, Config{URI: uri})
 	queue := uniqueName(t, "rabbitretry.test")
 	declareTempQueue(t, testChannel(t), queue, nil)
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
@@ -620,7 +611,7 @@ func findConnectionPid(t testing.TB, name string) string {
 func TestConfirmPublisher_NoGoroutineLeak(t *testing.T) {
 	uri := brokerURI(t)
 	before := runtime.NumGoroutine()
-	p, err := NewConfirmPublisher(PublisherConfig{URI: uri, Channels: 4})
+	p, err := New(Config{URI: uri, Channels: 4})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -640,7 +631,7 @@ func TestConfirmPublisher_NoGoroutineLeak(t *testing.T) {
 }
 
 func BenchmarkConfirmPublisherParallel(b *testing.B) {
-	p := newTestPublisher(b, PublisherConfig{Channels: 4})
+	p := newTestPublisher(b, Config{Channels: 4})
 	ch := testChannel(b)
 	queue := uniqueName(b, "rabbitretry.bench")
 	declareTempQueue(b, ch, queue, amqp.Table{"x-max-length": int32(10000)})
@@ -727,7 +718,7 @@ func amqpReaderStage() string {
 // logger does.
 func TestConfirmPublisher_StalledLoggerCannotHideReturn(t *testing.T) {
 	logger := newStallingLogger(t)
-	p := newTestPublisher(t, PublisherConfig{Channels: 1, Logger: logger, ConfirmTimeout: time.Minute})
+	p := newTestPublisher(t, Config{Channels: 1, Logger: logger, ConfirmTimeout: time.Minute})
 	noRoute := uniqueName(t, "rabbitretry.noroute")
 	logger.armed.Store(true)
 
@@ -833,7 +824,7 @@ func TestConfirmPublisher_ConfirmAtDeadlineIsSuccess(t *testing.T) {
 
 	t.Run("ConfirmTimeout", func(t *testing.T) {
 		// 1 ns: the timer always fires before any confirm can arrive.
-		p := newTestPublisher(t, PublisherConfig{Channels: 1, ConfirmTimeout: time.Nanosecond})
+		p := newTestPublisher(t, Config{Channels: 1, ConfirmTimeout: time.Nanosecond})
 		p.testHookGiveUp = confirmArrives
 		raced.Store(0)
 		for i := range n {
@@ -848,7 +839,7 @@ func TestConfirmPublisher_ConfirmAtDeadlineIsSuccess(t *testing.T) {
 		}
 	})
 	t.Run("ContextEnds", func(t *testing.T) {
-		p := newTestPublisher(t, PublisherConfig{Channels: 1})
+		p := newTestPublisher(t, Config{Channels: 1})
 		var cancel context.CancelFunc
 		p.testHookWritten = func() { cancel() } // ctx ends right after the write
 		p.testHookGiveUp = confirmArrives
@@ -871,7 +862,7 @@ func TestConfirmPublisher_ConfirmAtDeadlineIsSuccess(t *testing.T) {
 	waitFor(t, 10*time.Second, "every acked message in the queue", func() bool { return queueDepth(t, conn, queue) == 2*n })
 }
 
-// Item 12: PublisherConfig.AmqpConfig is used to dial: its Dial (every
+// Item 12: Config.AmqpConfig is used to dial: its Dial (every
 // (re)dial) and Heartbeat.
 func TestConfirmPublisher_UsesAmqpConfig(t *testing.T) {
 	var dials atomic.Int64
@@ -882,247 +873,13 @@ func TestConfirmPublisher_UsesAmqpConfig(t *testing.T) {
 			return amqp.DefaultDial(5*time.Second)(network, addr)
 		},
 	}
-	p := newTestPublisher(t, PublisherConfig{AmqpConfig: ac})
+	p := newTestPublisher(t, Config{AmqpConfig: ac})
 	if dials.Load() == 0 {
 		t.Fatal("AmqpConfig.Dial was not used")
 	}
 	if hb := publisherConn(t, p).Config.Heartbeat; hb != 3*time.Second {
 		t.Fatalf("negotiated heartbeat %v, want AmqpConfig.Heartbeat 3s", hb)
 	}
-}
-
-// Item 12: New gives the retry publisher the subscriber's connection
-// settings (watermill-amqp Config.Connection.AmqpConfig): Dial, Heartbeat.
-func TestNew_PublisherUsesSubscriberAmqpConfig(t *testing.T) {
-	uri := brokerURI(t)
-	subName := uniqueName(t, "the-subscriber")
-	var dials atomic.Int64
-	sub := wamqp.NewDurableQueueConfig(uri)
-	sub.Connection.AmqpConfig = &amqp.Config{
-		Heartbeat:  4 * time.Second,
-		Properties: amqp.Table{"connection_name": subName},
-		Dial: func(network, addr string) (net.Conn, error) {
-			dials.Add(1)
-			return amqp.DefaultDial(5*time.Second)(network, addr)
-		},
-	}
-	r, err := New(Config{Subscriber: sub})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = r.Close() })
-	if dials.Load() == 0 {
-		t.Fatal("the subscriber's AmqpConfig.Dial was not used by the retry publisher")
-	}
-	c := publisherConn(t, r.Publisher())
-	if hb := c.Config.Heartbeat; hb != 4*time.Second {
-		t.Fatalf("retry publisher heartbeat %v, want the subscriber's 4s", hb)
-	}
-	// The subscriber's config is not modified (amqp091-go writes into the
-	// Properties it dials with).
-	if props := sub.Connection.AmqpConfig.Properties; len(props) != 1 || props["connection_name"] != subName {
-		t.Fatalf("subscriber's AmqpConfig.Properties modified: %v", props)
-	}
-	// What the broker sees: the heartbeat, and a connection name of its own.
-	if testkit.CtlCommand() != "" {
-		// Found by its name (behind a load balancer the broker sees the
-		// proxy's port, not ours).
-		want := subName + ".retry-publisher"
-		var bc brokerConn
-		waitFor(t, 10*time.Second, "the publisher's connection in list_connections", func() bool {
-			var ok bool
-			bc, ok = brokerSideConnection(t, want)
-			return ok
-		})
-		if bc.Timeout != 4 {
-			t.Fatalf("broker sees heartbeat %d s for %q, want 4", bc.Timeout, want)
-		}
-	}
-	// A redial goes through the same Dial.
-	before := dials.Load()
-	_ = c.Close()
-	queue := uniqueName(t, "rabbitretry.test")
-	declareTempQueue(t, testChannel(t), queue, nil)
-	if err := r.Publisher().PublishRaw(context.Background(), "", queue, amqp.Publishing{}); err != nil {
-		t.Fatal(err)
-	}
-	if dials.Load() == before {
-		t.Fatal("redial did not use the subscriber's Dial")
-	}
-}
-
-type brokerConn struct {
-	Timeout int    // negotiated heartbeat, s
-	Name    string // client-provided connection_name
-}
-
-// brokerSideConnection looks up the connection named name with rabbitmqctl
-// list_connections.
-func brokerSideConnection(t testing.TB, name string) (brokerConn, bool) {
-	t.Helper()
-	out, err := testkit.Ctl(t, 30*time.Second, "-q", "list_connections", "peer_port", "timeout", "client_properties", "--formatter", "json")
-	if err != nil {
-		t.Fatal(err)
-	}
-	var rows []struct {
-		PeerPort         int               `json:"peer_port"`
-		Timeout          int               `json:"timeout"`
-		ClientProperties []json.RawMessage `json:"client_properties"`
-	}
-	if err := json.Unmarshal([]byte(out), &rows); err != nil {
-		t.Fatalf("parsing list_connections: %v\n%s", err, out)
-	}
-	for _, r := range rows {
-		bc := brokerConn{Timeout: r.Timeout}
-		for _, raw := range r.ClientProperties { // [key, type, value] triples
-			var triple []any
-			if json.Unmarshal(raw, &triple) == nil && len(triple) == 3 && triple[0] == "connection_name" {
-				bc.Name, _ = triple[2].(string)
-			}
-		}
-		if bc.Name == name {
-			return bc, true
-		}
-	}
-	return brokerConn{}, false
-}
-
-// Item 12: New gives the retry publisher the subscriber's TLS settings, both
-// watermill-amqp's Connection.TLSConfig and AmqpConfig.TLSClientConfig,
-// against a TLS endpoint whose certificate only the test's CA pool trusts.
-func TestNew_PublisherUsesSubscriberTLSConfig(t *testing.T) {
-	uri := brokerURI(t)
-	u, err := amqp.ParseURI(uri)
-	if err != nil {
-		t.Fatal(err)
-	}
-	proxy := startTLSProxy(t, net.JoinHostPort(u.Host, strconv.Itoa(u.Port)))
-	tlsURI := fmt.Sprintf("amqps://%s:%s@localhost:%d/", u.Username, u.Password, proxy.port)
-	queue := uniqueName(t, "rabbitretry.test")
-	declareTempQueue(t, testChannel(t), queue, nil)
-
-	// Without the subscriber's TLS settings the certificate is refused.
-	if r, err := New(Config{Subscriber: wamqp.NewDurableQueueConfig(tlsURI)}); err == nil {
-		_ = r.Close()
-		t.Fatal("New without TLS settings connected through a TLS endpoint with an untrusted certificate")
-	}
-
-	// Both TLS settings at once: refused, as watermill-amqp refuses it.
-	both := wamqp.NewDurableQueueConfig(tlsURI)
-	both.Connection.TLSConfig = &tls.Config{RootCAs: proxy.roots}
-	both.Connection.AmqpConfig = &amqp.Config{TLSClientConfig: &tls.Config{RootCAs: proxy.roots}}
-	if r, err := New(Config{Subscriber: both}); err == nil {
-		_ = r.Close()
-		t.Fatal("New accepted both Connection.TLSConfig and AmqpConfig.TLSClientConfig")
-	} else if !strings.Contains(err.Error(), "both TLSConfig and AmqpConfig.TLSClientConfig") {
-		t.Fatalf("New with both TLS settings: %v", err)
-	}
-
-	for _, viaAmqpConfig := range []bool{false, true} {
-		t.Run(fmt.Sprintf("AmqpConfig=%v", viaAmqpConfig), func(t *testing.T) {
-			sub := wamqp.NewDurableQueueConfig(tlsURI)
-			tc := &tls.Config{RootCAs: proxy.roots}
-			if viaAmqpConfig {
-				sub.Connection.AmqpConfig = &amqp.Config{TLSClientConfig: tc}
-			} else {
-				sub.Connection.TLSConfig = tc
-			}
-			before := proxy.handshakes.Load()
-			r, err := New(Config{Subscriber: sub})
-			if err != nil {
-				t.Fatalf("New with the subscriber's TLS settings: %v", err)
-			}
-			defer r.Close()
-			if err := r.Publisher().PublishRaw(context.Background(), "", queue, amqp.Publishing{Body: []byte("over TLS")}); err != nil {
-				t.Fatal(err)
-			}
-			if proxy.handshakes.Load() == before {
-				t.Fatal("no TLS handshake through the test endpoint")
-			}
-		})
-	}
-}
-
-type tlsProxy struct {
-	port       int
-	roots      *x509.CertPool
-	handshakes atomic.Int64
-}
-
-// startTLSProxy terminates TLS on 127.0.0.1 (certificate for "localhost",
-// self-signed, trusted only by proxy.roots) and forwards to target.
-func startTLSProxy(t *testing.T, target string) *tlsProxy {
-	t.Helper()
-	key, err := ecdsa.GenerateKey(elliptic.P256(), crand.Reader)
-	if err != nil {
-		t.Fatal(err)
-	}
-	tmpl := &x509.Certificate{
-		SerialNumber: big.NewInt(1), Subject: pkix.Name{CommonName: "localhost"},
-		DNSNames: []string{"localhost"}, IPAddresses: []net.IP{net.IPv4(127, 0, 0, 1)},
-		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour),
-		KeyUsage:    x509.KeyUsageDigitalSignature | x509.KeyUsageCertSign,
-		ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth}, IsCA: true, BasicConstraintsValid: true,
-	}
-	der, err := x509.CreateCertificate(crand.Reader, tmpl, tmpl, &key.PublicKey, key)
-	if err != nil {
-		t.Fatal(err)
-	}
-	cert, err := x509.ParseCertificate(der)
-	if err != nil {
-		t.Fatal(err)
-	}
-	px := &tlsProxy{roots: x509.NewCertPool()}
-	px.roots.AddCert(cert)
-	ln, err := tls.Listen("tcp", "127.0.0.1:0", &tls.Config{Certificates: []tls.Certificate{{Certificate: [][]byte{der}, PrivateKey: key}}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	px.port = ln.Addr().(*net.TCPAddr).Port
-	var mu sync.Mutex
-	var conns []net.Conn
-	var wg sync.WaitGroup
-	t.Cleanup(func() {
-		_ = ln.Close()
-		mu.Lock()
-		for _, c := range conns {
-			_ = c.Close()
-		}
-		mu.Unlock()
-		wg.Wait()
-	})
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				defer c.Close()
-				if err := c.(*tls.Conn).Handshake(); err != nil {
-					return
-				}
-				px.handshakes.Add(1)
-				b, err := net.Dial("tcp", target)
-				if err != nil {
-					return
-				}
-				defer b.Close()
-				mu.Lock()
-				conns = append(conns, c, b)
-				mu.Unlock()
-				done := make(chan struct{}, 2)
-				go func() { _, _ = io.Copy(b, c); done <- struct{}{} }()
-				go func() { _, _ = io.Copy(c, b); done <- struct{}{} }()
-				<-done
-			}()
-		}
-	}()
-	return px
 }
 
 // A channel whose confirms stop coming (here: the broker's frames are held
@@ -1138,7 +895,7 @@ func TestConfirmPublisher_UnconfirmedChannelDoesNotHang(t *testing.T) {
 	}
 	proxy := startStallProxy(t, net.JoinHostPort(u.Host, strconv.Itoa(u.Port)))
 	u.Host, u.Port = "127.0.0.1", proxy.port
-	p := newTestPublisher(t, PublisherConfig{URI: u.String(), Channels: 1, ConfirmTimeout: time.Second, maxInFlight: 2})
+	p := newTestPublisher(t, Config{URI: u.String(), Channels: 1, ConfirmTimeout: time.Second, maxInFlight: 2})
 	queue := uniqueName(t, "rabbitretry.test")
 	declareTempQueue(t, testChannel(t), queue, nil)
 	ctx := context.Background()

@@ -1,4 +1,4 @@
-package amqpretry_test
+package amqpwire
 
 import (
 	"encoding/json"
@@ -8,8 +8,6 @@ import (
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
-
-	"github.com/rabbitretry/rabbitretry/amqpretry"
 )
 
 func TestHeadersToJSON(t *testing.T) {
@@ -25,7 +23,7 @@ func TestHeadersToJSON(t *testing.T) {
 		"tab": amqp.Table{"inner": []any{int32(1), []byte("hi"), amqp.Table{"deep": "x"}}},
 		"arr": []amqp.Table{{"count": int64(2)}},
 	}
-	j, err := amqpretry.HeadersToJSON(h)
+	j, err := HeadersToJSON(h)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -37,10 +35,10 @@ func TestHeadersToJSON(t *testing.T) {
 	if string(b) != want {
 		t.Fatalf("got  %s\nwant %s", b, want)
 	}
-	if j, err := amqpretry.HeadersToJSON(nil); j != nil || err != nil {
+	if j, err := HeadersToJSON(nil); j != nil || err != nil {
 		t.Errorf("nil headers: %v %v", j, err)
 	}
-	if _, err := amqpretry.HeadersToJSON(amqp.Table{"bad": struct{}{}}); err == nil {
+	if _, err := HeadersToJSON(amqp.Table{"bad": struct{}{}}); err == nil {
 		t.Error("unsupported value type: no error")
 	}
 }
@@ -55,24 +53,24 @@ func TestHeaderTableRoundTrip(t *testing.T) {
 		"D": amqp.Decimal{Scale: 2, Value: -12345}, "S": "héllo", "x": []byte{0, 0xff}, "T": time.Unix(1_790_000_000, 0),
 		"F": amqp.Table{"n": int32(1)}, "A": []any{int64(2), "a", []byte{1}}, "V": nil,
 	}
-	enc, err := amqpretry.EncodeHeaderTable(h)
+	enc, err := EncodeHeaderTable(h)
 	if err != nil {
 		t.Fatal(err)
 	}
-	got, err := amqpretry.DecodeHeaderTable(enc)
+	got, err := DecodeHeaderTable(enc)
 	if err != nil {
 		t.Fatal(err)
 	}
 	if !reflect.DeepEqual(got, h) {
 		t.Fatalf("round trip:\n got %#v\nwant %#v", got, h)
 	}
-	if _, err := amqpretry.EncodeHeaderTable(amqp.Table{"bad": struct{}{}}); err == nil {
+	if _, err := EncodeHeaderTable(amqp.Table{"bad": struct{}{}}); err == nil {
 		t.Fatal("a value of no AMQP type encoded")
 	}
-	if _, err := amqpretry.DecodeHeaderTable("not base64!"); err == nil {
+	if _, err := DecodeHeaderTable("not base64!"); err == nil {
 		t.Fatal("garbage decoded")
 	}
-	if tb, err := amqpretry.DecodeHeaderTable(""); tb != nil || err != nil {
+	if tb, err := DecodeHeaderTable(""); tb != nil || err != nil {
 		t.Fatalf("empty: %v %v", tb, err)
 	}
 }

@@ -1,4 +1,4 @@
-package amqpretry
+package amqpwire
 
 import (
 	"cmp"
@@ -23,18 +23,14 @@ import (
 // until it fits (listing them under DroppedHeadersKey).
 const MaxCopyHeaderBytes = 131072 - 8192
 
-// DroppedHeadersKey lists, comma-separated, the user headers the poison
-// publisher removed so that a poisoned copy fits MaxCopyHeaderBytes.
-const DroppedHeadersKey = "rabbitretry-dropped-headers"
-
-// encodedHeaderBytes returns the size of h encoded as an AMQP field table,
+// HeaderBytes returns the size of h encoded as an AMQP field table,
 // as amqp091-go writes it: a 4-byte length, then per entry a 1-byte name
-// length, the name and the tagged value (see fieldSize; typed values, which
+// length, the name and the tagged value (see FieldSize; typed values, which
 // Marshal restores from TypedHeadersKey, count with their AMQP encoding).
-func encodedHeaderBytes(h amqp.Table) int {
+func HeaderBytes(h amqp.Table) int {
 	n := 4
 	for k, v := range h {
-		n += 1 + len(k) + fieldSize(v)
+		n += 1 + len(k) + FieldSize(v)
 	}
 	return n
 }
@@ -45,10 +41,10 @@ func keptWhenTrimming(k string) bool {
 	return k == wamqp.DefaultMessageUUIDHeaderKey || strings.HasPrefix(k, "rabbitretry-") || strings.HasSuffix(k, "_poisoned")
 }
 
-// fitHeaders drops the largest user headers of p until its headers fit
+// FitHeaders drops the largest user headers of p until its headers fit
 // MaxCopyHeaderBytes, recording their names under DroppedHeadersKey.
-func fitHeaders(p *amqp.Publishing) {
-	if encodedHeaderBytes(p.Headers) <= MaxCopyHeaderBytes {
+func FitHeaders(p *amqp.Publishing) {
+	if HeaderBytes(p.Headers) <= MaxCopyHeaderBytes {
 		return
 	}
 	keys := make([]string, 0, len(p.Headers))
@@ -57,17 +53,17 @@ func fitHeaders(p *amqp.Publishing) {
 			keys = append(keys, k)
 		}
 	}
-	size := func(k string) int { return len(k) + fieldSize(p.Headers[k]) }
+	size := func(k string) int { return len(k) + FieldSize(p.Headers[k]) }
 	slices.SortFunc(keys, func(a, b string) int { return cmp.Compare(size(b), size(a)) })
 	var dropped []string
 	for _, k := range keys {
-		if encodedHeaderBytes(p.Headers) <= MaxCopyHeaderBytes {
+		if HeaderBytes(p.Headers) <= MaxCopyHeaderBytes {
 			break
 		}
 		delete(p.Headers, k)
 		dropped = append(dropped, k)
 	}
 	if len(dropped) > 0 {
-		p.Headers[DroppedHeadersKey] = middleware.Truncate(strings.Join(dropped, ","), 1024)
+		p.Headers[middleware.DroppedHeadersKey] = middleware.Truncate(strings.Join(dropped, ","), 1024)
 	}
 }

@@ -1,4 +1,4 @@
-package amqpretry
+package amqpwire
 
 import (
 	"encoding/json"
@@ -11,8 +11,6 @@ import (
 	"unicode/utf8"
 
 	amqp "github.com/rabbitmq/amqp091-go"
-
-	"github.com/rabbitretry/rabbitretry/middleware"
 )
 
 var xdeathTestTime = time.Date(2024, 5, 6, 7, 8, 9, 0, time.UTC)
@@ -32,20 +30,20 @@ func brokerXDeathEntry(queue, reason string, count interface{}) amqp.Table {
 }
 
 func TestDeathRecordsFromTable(t *testing.T) {
-	want1 := middleware.DeathRecord{
+	want1 := DeathRecord{
 		Queue: "A", Reason: "rejected", Count: 3, Exchange: "orders",
 		RoutingKeys: []string{"order.created"}, Time: xdeathTestTime,
 	}
-	withCount := func(n int64) []middleware.DeathRecord {
+	withCount := func(n int64) []DeathRecord {
 		r := want1
 		r.Count = n
-		return []middleware.DeathRecord{r}
+		return []DeathRecord{r}
 	}
 	thousand := make([]interface{}, 1000)
 	for i := range thousand {
 		thousand[i] = brokerXDeathEntry("A", "rejected", int64(1))
 	}
-	maxOK := make([]interface{}, middleware.MaxDeathRecords)
+	maxOK := make([]interface{}, MaxDeathRecords)
 	for i := range maxOK {
 		maxOK[i] = brokerXDeathEntry("Q"+strconv.Itoa(i), "expired", int64(i))
 	}
@@ -53,7 +51,7 @@ func TestDeathRecordsFromTable(t *testing.T) {
 	tests := []struct {
 		name    string
 		in      interface{}
-		want    []middleware.DeathRecord
+		want    []DeathRecord
 		wantLen int    // checked instead of want when > 0
 		wantErr string // substring; "" means no error
 	}{
@@ -61,7 +59,7 @@ func TestDeathRecordsFromTable(t *testing.T) {
 		{name: "two entries keep order", in: []interface{}{
 			brokerXDeathEntry("B", "expired", int64(2)),
 			brokerXDeathEntry("A", "rejected", int64(3)),
-		}, want: []middleware.DeathRecord{
+		}, want: []DeathRecord{
 			{Queue: "B", Reason: "expired", Count: 2, Exchange: "orders", RoutingKeys: []string{"order.created"}, Time: xdeathTestTime},
 			want1,
 		}},
@@ -85,16 +83,16 @@ func TestDeathRecordsFromTable(t *testing.T) {
 		{name: "count zero", in: []interface{}{brokerXDeathEntry("A", "rejected", int64(0))}, want: withCount(0)},
 		{name: "count MaxInt32", in: []interface{}{brokerXDeathEntry("A", "rejected", int64(math.MaxInt32))}, want: withCount(math.MaxInt32)},
 		{name: "count missing counts as one", in: []interface{}{amqp.Table{"queue": "A", "reason": "rejected"}},
-			want: []middleware.DeathRecord{{Queue: "A", Reason: "rejected", Count: 1}}},
+			want: []DeathRecord{{Queue: "A", Reason: "rejected", Count: 1}}},
 		{name: "routing-keys []string", in: []interface{}{amqp.Table{"queue": "A", "reason": "rejected", "count": int64(1), "routing-keys": []string{"a", "b"}}},
-			want: []middleware.DeathRecord{{Queue: "A", Reason: "rejected", Count: 1, RoutingKeys: []string{"a", "b"}}}},
+			want: []DeathRecord{{Queue: "A", Reason: "rejected", Count: 1, RoutingKeys: []string{"a", "b"}}}},
 		{name: "time RFC 3339 string", in: []interface{}{amqp.Table{"queue": "A", "count": int64(1), "time": "2024-05-06T09:08:09+02:00"}},
-			want: []middleware.DeathRecord{{Queue: "A", Count: 1, Time: xdeathTestTime}}},
+			want: []DeathRecord{{Queue: "A", Count: 1, Time: xdeathTestTime}}},
 		{name: "original-expiration ignored", in: []interface{}{amqp.Table{"queue": "A", "reason": "expired", "count": int64(1), "original-expiration": "1000"}},
-			want: []middleware.DeathRecord{{Queue: "A", Reason: "expired", Count: 1}}},
+			want: []DeathRecord{{Queue: "A", Reason: "expired", Count: 1}}},
 		{name: "nil", in: nil, want: nil},
-		{name: "empty array", in: []interface{}{}, want: []middleware.DeathRecord{}},
-		{name: "exactly MaxDeathRecords", in: maxOK, wantLen: middleware.MaxDeathRecords},
+		{name: "empty array", in: []interface{}{}, want: []DeathRecord{}},
+		{name: "exactly MaxDeathRecords", in: maxOK, wantLen: MaxDeathRecords},
 
 		{name: "count abc", in: []interface{}{brokerXDeathEntry("A", "rejected", "abc")}, wantErr: "entry 0: count"},
 		{name: "count negative", in: []interface{}{brokerXDeathEntry("A", "rejected", int64(-5))}, wantErr: "negative"},
@@ -151,7 +149,7 @@ func TestDeathRecordsFromTable(t *testing.T) {
 			}
 			// What the Marshaler stores must parse back to the same records.
 			if got != nil {
-				back, err := middleware.ParseXDeath(middleware.EncodeXDeath(got))
+				back, err := ParseXDeath(EncodeXDeath(got))
 				if err != nil {
 					t.Fatalf("ParseXDeath: %v", err)
 				}
@@ -176,14 +174,14 @@ func TestDeliveryCount(t *testing.T) {
 		{float64(4), 4}, {"12", 12}, {int64(math.MaxInt64), math.MaxInt64},
 	}
 	for _, tc := range ok {
-		got, err := DeliveryCount(tc.in)
+		got, err := Count("x-delivery-count", tc.in)
 		if err != nil || got != tc.want {
 			t.Errorf("DeliveryCount(%#v) = %d, %v; want %d", tc.in, got, err, tc.want)
 		}
 	}
 	bad := []interface{}{nil, int64(-1), int8(-1), "x", "-3", 2.5, uint64(math.MaxUint64), true, amqp.Table{}}
 	for _, in := range bad {
-		if got, err := DeliveryCount(in); err == nil {
+		if got, err := Count("x-delivery-count", in); err == nil {
 			t.Errorf("DeliveryCount(%#v) = %d, want an error", in, got)
 		} else if !strings.Contains(err.Error(), "x-delivery-count") {
 			t.Errorf("DeliveryCount(%#v) error %q does not name the header", in, err)
@@ -245,7 +243,7 @@ func TestHeaderToString(t *testing.T) {
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
-			got, err := headerToString(tc.in)
+			got, err := HeaderString(tc.in)
 			if err != nil {
 				t.Fatalf("unexpected error: %v", err)
 			}
@@ -271,7 +269,7 @@ func TestHeaderToString(t *testing.T) {
 		"cyclic table":   cyclic,
 		"too deep":       deep,
 	} {
-		if got, err := headerToString(in); err == nil {
+		if got, err := HeaderString(in); err == nil {
 			t.Errorf("%s: got %q, want an error", name, got)
 		}
 	}
@@ -309,7 +307,7 @@ func FuzzDeathRecordsFromJSONLike(f *testing.F) {
 		recs, err := DeathRecordsFromTable(entries)
 		year := ts.UTC().Year()
 		valid := queue != "" && count >= 0 && count <= math.MaxInt32 && year >= 0 && year <= 9999 &&
-			n <= middleware.MaxDeathRecords
+			n <= MaxDeathRecords
 		if n == 0 {
 			valid = true
 		}
@@ -328,8 +326,8 @@ func FuzzDeathRecordsFromJSONLike(f *testing.F) {
 				t.Fatalf("record %+v does not match the input", r)
 			}
 		}
-		s := middleware.EncodeXDeath(recs)
-		back, err := middleware.ParseXDeath(s)
+		s := EncodeXDeath(recs)
+		back, err := ParseXDeath(s)
 		if err != nil {
 			t.Fatalf("ParseXDeath(EncodeXDeath(...)): %v", err)
 		}
@@ -357,7 +355,7 @@ func validUTF8(ss ...string) bool {
 	return true
 }
 
-// FuzzHeaderToString checks that headerToString never panics, that numbers
+// FuzzHeaderToString checks that HeaderString never panics, that numbers
 // round-trip through their decimal form, and that tables and arrays give
 // valid JSON whose fields match the input.
 func FuzzHeaderToString(f *testing.F) {
@@ -367,9 +365,9 @@ func FuzzHeaderToString(f *testing.F) {
 	f.Fuzz(func(t *testing.T, s string, i int64, u uint64, fl float64, b []byte, bo bool, scale uint8, dv int32) {
 		mustStr := func(v interface{}) string {
 			t.Helper()
-			out, err := headerToString(v)
+			out, err := HeaderString(v)
 			if err != nil {
-				t.Fatalf("headerToString(%#v): %v", v, err)
+				t.Fatalf("HeaderString(%#v): %v", v, err)
 			}
 			return out
 		}

@@ -1,4 +1,4 @@
-package amqpretry
+package amqpwire
 
 import (
 	"encoding/base64"
