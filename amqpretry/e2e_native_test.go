@@ -127,7 +127,7 @@ func TestE2E_NativeDelayedRetry(t *testing.T) {
 		t.Fatalf("%d messages in the poison queue, want 1", len(ds))
 	}
 	h := ds[0].Headers
-	if h[middleware.AttemptKey] != "4" || h[middleware.ErrorClassKey] != middleware.ClassTransient && h[middleware.ErrorClassKey] != "exhausted" ||
+	if h[middleware.PoisonAttemptsKey] != "4" || h[middleware.ErrorClassKey] != middleware.ClassTransient && h[middleware.ErrorClassKey] != "exhausted" ||
 		h[middleware.LastErrorKey] == nil || h[middleware.FirstFailureKey] == nil || h[middleware.OriginalQueueKey] != q {
 		t.Errorf("poison copy lacks the failure metadata: %v", h)
 	}

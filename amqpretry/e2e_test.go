@@ -20,7 +20,6 @@ import (
 	"github.com/rabbitretry/rabbitretry/amqpretry"
 	"github.com/rabbitretry/rabbitretry/internal/testkit"
 	"github.com/rabbitretry/rabbitretry/middleware"
-	"github.com/rabbitretry/rabbitretry/poison"
 )
 
 // Two queues bound to one exchange with the same routing key; A fails twice
@@ -133,11 +132,11 @@ func TestE2E_PoisonPermanentAndExhausted(t *testing.T) {
 			if h(middleware.PoisonAttemptsKey) != attempts || h(middleware.ErrorClassKey) != class {
 				t.Errorf("%s: attempts %q class %q, want %s %s", uuid, h(middleware.PoisonAttemptsKey), h(middleware.ErrorClassKey), attempts, class)
 			}
-			if !strings.Contains(h(poison.ReasonKey), reason) {
-				t.Errorf("%s: reason %q does not contain %q", uuid, h(poison.ReasonKey), reason)
+			if !strings.Contains(h(middleware.PoisonReasonKey), reason) {
+				t.Errorf("%s: reason %q does not contain %q", uuid, h(middleware.PoisonReasonKey), reason)
 			}
-			if h(poison.TopicKey) != q || h(poison.HandlerKey) != "svc" || h(poison.SubscriberKey) == "" {
-				t.Errorf("%s: watermill poison keys wrong: topic %q handler %q subscriber %q", uuid, h(poison.TopicKey), h(poison.HandlerKey), h(poison.SubscriberKey))
+			if h(middleware.PoisonTopicKey) != q || h(middleware.PoisonHandlerKey) != "svc" || h(middleware.PoisonSubscriberKey) == "" {
+				t.Errorf("%s: watermill poison keys wrong: topic %q handler %q subscriber %q", uuid, h(middleware.PoisonTopicKey), h(middleware.PoisonHandlerKey), h(middleware.PoisonSubscriberKey))
 			}
 			if h(middleware.OriginalQueueKey) != q || h(middleware.OriginalExchangeKey) != e.exchange || h(middleware.OriginalRoutingKeyKey) != "order.created" {
 				t.Errorf("%s: origin %q %q %q", uuid, h(middleware.OriginalQueueKey), h(middleware.OriginalExchangeKey), h(middleware.OriginalRoutingKeyKey))

@@ -178,8 +178,20 @@ const (
 	// poison queue: the RFC 3339 time of the replay.
 	ReplayedKey = "rabbitretry-replayed"
 
+	// PoisonReasonKey, PoisonTopicKey, PoisonHandlerKey and
+	// PoisonSubscriberKey are Watermill's own poison keys
+	// (message/router/middleware.PoisonQueue: "reason_poisoned",
+	// "topic_poisoned", "handler_poisoned", "subscriber_poisoned"), written
+	// by the PoisonForwarder so that tools built for Watermill's poison
+	// queue read ours too. PoisonReasonKey holds the (truncated) error text.
+	PoisonReasonKey     = wmw.ReasonForPoisonedKey
+	PoisonTopicKey      = wmw.PoisonedTopicKey
+	PoisonHandlerKey    = wmw.PoisonedHandlerKey
+	PoisonSubscriberKey = wmw.PoisonedSubscriberKey
+
 	// PoisonAttemptsKey holds, on a poisoned message, how many attempts were
-	// made (decimal). Written by the poison forwarder (package poison).
+	// made (decimal). Written by the PoisonForwarder, which leaves AttemptKey
+	// and ProvenAttemptKey off the poison copy: this is its one attempt count.
 	PoisonAttemptsKey = "rabbitretry-attempts"
 
 	// PoisonedAtKey holds, on a poisoned message, the RFC 3339 time (with
@@ -244,7 +256,7 @@ func IsRetryState(k string) bool {
 	switch k {
 	case AttemptKey, ProvenAttemptKey, RedeliveriesKey, DelayKey, RemainingDelayKey,
 		PoisonAttemptsKey, PoisonedAtKey,
-		wmw.ReasonForPoisonedKey, wmw.PoisonedTopicKey, wmw.PoisonedHandlerKey, wmw.PoisonedSubscriberKey:
+		PoisonReasonKey, PoisonTopicKey, PoisonHandlerKey, PoisonSubscriberKey:
 		return true
 	}
 	return IsDeliveryOnly(k)

@@ -13,7 +13,6 @@ import (
 	"github.com/cenkalti/backoff/v4"
 
 	"github.com/rabbitretry/rabbitretry/middleware"
-	"github.com/rabbitretry/rabbitretry/poison"
 )
 
 var fixedNow = time.Date(2025, 3, 4, 5, 6, 7, 890, time.UTC)
@@ -495,7 +494,7 @@ func TestRepublisherDeadLetterRetry(t *testing.T) {
 	if scheduled != 1 {
 		t.Errorf("RetryScheduled called %d times, want 1", scheduled)
 	}
-	if poison.DefaultShouldPoison(herr) {
+	if middleware.DefaultShouldPoison(herr) {
 		t.Error("the poison forwarder would poison a dead-letter retry")
 	}
 }

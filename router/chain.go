@@ -7,7 +7,7 @@
 //	AttemptCounter       sets the attempt number before anything reads it
 //	  fallback             settles what nothing further in could: pause, copy back
 //	                       to the origin queue (confirmed), else nack with requeue
-//	    poison.Forwarder     poisons permanent and exhausted failures (confirmed, then ack)
+//	    PoisonForwarder      poisons permanent and exhausted failures (confirmed, then ack)
 //	      RedeliveryGuard      a delivery back before its whole delay is held again;
 //	                           a redelivered message is not run: a counted copy is
 //	                           requeued, or moved to the quarantine queue (confirmed,
@@ -47,7 +47,6 @@ import (
 	"github.com/cenkalti/backoff/v4"
 
 	"github.com/rabbitretry/rabbitretry/middleware"
-	"github.com/rabbitretry/rabbitretry/poison"
 )
 
 // Config configures the retry chain. Zero values take the defaults of the
@@ -146,7 +145,7 @@ func (c Config) Validate() error {
 // Chain is the assembled retry chain.
 type Chain struct {
 	Counter     *middleware.AttemptCounter
-	Forwarder   *poison.Forwarder
+	Forwarder   *middleware.PoisonForwarder
 	Guard       *middleware.RedeliveryGuard
 	Republisher *middleware.Republisher
 	Classifier  *middleware.Classifier
@@ -221,7 +220,7 @@ func New(cfg Config) (*Chain, error) {
 	if err != nil {
 		return nil, err
 	}
-	fwd, err := poison.NewForwarder(poison.ForwarderConfig{
+	fwd, err := middleware.NewPoisonForwarder(middleware.PoisonForwarderConfig{
 		Publisher: cfg.PoisonPublisher, Topic: cfg.PoisonTopic, QueueName: queueName,
 		ErrorText: cfg.ErrorText, Observer: cfg.Observer, Logger: cfg.Logger,
 	})

@@ -20,7 +20,6 @@ import (
 	"github.com/cenkalti/backoff/v4"
 
 	"github.com/rabbitretry/rabbitretry/middleware"
-	"github.com/rabbitretry/rabbitretry/poison"
 	"github.com/rabbitretry/rabbitretry/router"
 )
 
@@ -102,11 +101,11 @@ func TestTransientExhaustedIsPoisoned(t *testing.T) {
 	}
 	for k, want := range map[string]string{
 		middleware.PoisonAttemptsKey: "3",
-		middleware.AttemptKey:        "3",
+		middleware.AttemptKey:        "", // one attempt count on a poison copy: PoisonAttemptsKey
 		middleware.ErrorClassKey:     middleware.ClassExhausted,
-		poison.ReasonKey:             "gave up after 3 attempts: service unavailable",
-		poison.TopicKey:              topic,
-		poison.HandlerKey:            "worker",
+		middleware.PoisonReasonKey:   "gave up after 3 attempts: service unavailable",
+		middleware.PoisonTopicKey:    topic,
+		middleware.PoisonHandlerKey:  "worker",
 		middleware.OriginalQueueKey:  topic,
 	} {
 		if got := p.Metadata.Get(k); got != want {
@@ -149,7 +148,7 @@ func TestPermanentPoisonedAtOnce(t *testing.T) {
 		t.Fatalf("handler called %d times, want 1", seen.len())
 	}
 	if p.UUID != msg.UUID || p.Metadata.Get(middleware.ErrorClassKey) != middleware.ClassPermanent ||
-		p.Metadata.Get(middleware.PoisonAttemptsKey) != "1" || p.Metadata.Get(poison.ReasonKey) != "customer does not exist" {
+		p.Metadata.Get(middleware.PoisonAttemptsKey) != "1" || p.Metadata.Get(middleware.PoisonReasonKey) != "customer does not exist" {
 		t.Fatalf("poison metadata %v", p.Metadata)
 	}
 	if e.observer.count("retry") != 0 || e.delayer.Pending() != 0 {
@@ -240,7 +239,7 @@ func TestRecovererPanicIsRetriedThenPoisoned(t *testing.T) {
 	if p.UUID != msg.UUID || p.Metadata.Get(middleware.ErrorClassKey) != middleware.ClassExhausted || p.Metadata.Get(middleware.PoisonAttemptsKey) != "3" {
 		t.Fatalf("poison metadata %v", p.Metadata)
 	}
-	reason := p.Metadata.Get(poison.ReasonKey)
+	reason := p.Metadata.Get(middleware.PoisonReasonKey)
 	if !strings.Contains(reason, "panic occurred") || !strings.Contains(reason, "nil map write on attempt 3") {
 		t.Errorf("reason %q", reason)
 	}
@@ -554,7 +553,7 @@ func TestChainDirect(t *testing.T) {
 	_, err = chain2.Middleware(func(*message.Message) ([]*message.Message, error) {
 		return nil, middleware.Permanent(errors.New("x"))
 	})(message.NewMessage("d", nil))
-	var pe *poison.PoisonError
+	var pe *middleware.PoisonError
 	if !errors.As(err, &pe) {
 		t.Fatalf("got %v, want *PoisonError", err)
 	}
@@ -576,7 +575,7 @@ func TestChainClassifierConfigUsed(t *testing.T) {
 		t.Fatal(err)
 	}
 	ps := pub.all()
-	if len(ps) != 1 || ps[0].Metadata.Get(middleware.ErrorClassKey) != "not-found" || ps[0].Metadata.Get(poison.ReasonKey) != "redacted" || d.n.Load() != 0 {
+	if len(ps) != 1 || ps[0].Metadata.Get(middleware.ErrorClassKey) != "not-found" || ps[0].Metadata.Get(middleware.PoisonReasonKey) != "redacted" || d.n.Load() != 0 {
 		t.Fatalf("poisoned %v", ps)
 	}
 	pub.mu.Lock()

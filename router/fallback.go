@@ -10,7 +10,6 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/rabbitretry/rabbitretry/middleware"
-	"github.com/rabbitretry/rabbitretry/poison"
 )
 
 // DefaultFallbackPause is the default of Config.FallbackPause.
@@ -24,7 +23,7 @@ const fallbackMaxHold = time.Minute
 // fallback is the outermost settlement step, just inside the attempt
 // counter. It sees only failures that nothing further in could settle: a
 // retry copy the Delayer did not hold (*middleware.ScheduleError), a poison
-// copy the broker did not take (*poison.PoisonError), or anything else that
+// copy the broker did not take (*middleware.PoisonError), or anything else that
 // would end in a nack. For those it never relies on the broker's
 // dead-lettering of the original (at-most-once on classic queues) and never
 // requeues at once (a hot loop):
@@ -89,7 +88,7 @@ func (f *fallback) onFailure(msg *message.Message, err error) error {
 	var handlerErr error
 	var asked time.Duration // the handler's RetryAfter, if any
 	var se *middleware.ScheduleError
-	var pe *poison.PoisonError
+	var pe *middleware.PoisonError
 	switch {
 	case errors.As(err, &se) && se.HandlerRan():
 		next, handlerErr = se.Attempt+1, se.HandlerErr
@@ -108,7 +107,7 @@ func (f *fallback) onFailure(msg *message.Message, err error) error {
 		return err // shutting down: the subscriber returns the delivery
 	}
 	c := middleware.CloneMessage(msg)
-	middleware.RecordFailure(c.Metadata, time.Now(), f.errorText(handlerErr), poison.ErrorClass(handlerErr), f.queueName(ctx))
+	middleware.RecordFailure(c.Metadata, time.Now(), f.errorText(handlerErr), middleware.ErrorClass(handlerErr), f.queueName(ctx))
 	middleware.StripDeliveryMetadata(c.Metadata)
 	c.Metadata.Set(middleware.AttemptKey, strconv.Itoa(next))
 	c.Metadata.Set(middleware.ProvenAttemptKey, strconv.Itoa(proven))

@@ -1,5 +1,5 @@
 // Command poisonctl inspects and repairs RabbitMQ poison queues written by
-// rabbitretry's poison.Forwarder: list, show, replay, move, purge and
+// rabbitretry's middleware.PoisonForwarder: list, show, replay, move, purge and
 // summarise poisoned messages. It is a thin front end to package
 // github.com/rabbitretry/rabbitretry/poison/admin; see that package for how
 // queues are read (every read requeues the messages it does not remove).

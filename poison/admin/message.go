@@ -12,7 +12,6 @@ import (
 
 	"github.com/rabbitretry/rabbitretry/amqpretry"
 	"github.com/rabbitretry/rabbitretry/middleware"
-	"github.com/rabbitretry/rabbitretry/poison"
 )
 
 // WatermillUUIDHeader is the AMQP header in which watermill-amqp's default
@@ -20,7 +19,7 @@ import (
 const WatermillUUIDHeader = "_watermill_message_uuid"
 
 // Message is one message read from a poison queue, with the metadata the
-// poison.Forwarder and the retry middlewares wrote parsed out of its headers.
+// middleware.PoisonForwarder and the retry middlewares wrote parsed out of its headers.
 // Missing or malformed headers leave the corresponding field at its zero
 // value; the raw values stay available in Headers.
 type Message struct {
@@ -93,11 +92,11 @@ func MessageFromDelivery(d amqp.Delivery) Message {
 	if m.UUID == "" {
 		m.UUID = d.MessageId
 	}
-	m.Reason = h(poison.ReasonKey)
+	m.Reason = h(middleware.PoisonReasonKey)
 	m.Class = h(middleware.ErrorClassKey)
-	m.Handler = h(poison.HandlerKey)
-	m.Topic = h(poison.TopicKey)
-	m.Subscriber = h(poison.SubscriberKey)
+	m.Handler = h(middleware.PoisonHandlerKey)
+	m.Topic = h(middleware.PoisonTopicKey)
+	m.Subscriber = h(middleware.PoisonSubscriberKey)
 	m.LastError = h(middleware.LastErrorKey)
 	m.OriginalQueue = h(middleware.OriginalQueueKey)
 	m.OriginalExchange = h(middleware.OriginalExchangeKey)

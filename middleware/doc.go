@@ -1,0 +1,29 @@
+// Package middleware holds the retry chain's broker-agnostic Watermill
+// middlewares, one file each, each with its Config (defaults filled in,
+// Validate naming the bad field) and constructor:
+//
+//	classifier.go      Classifier: retry, poison, drop or nack for each handler error
+//	                   (Permanent, Drop, RetryAfter, DependencyUnavailable mark errors)
+//	attempt.go         AttemptCounter: the attempt number of each delivery, from AttemptSources
+//	republisher.go     Republisher: schedules retries through a Delayer with backoff;
+//	                   past MaxAttempts, an *ExhaustedError
+//	redelivery.go      RedeliveryGuard: redelivered messages, the remaining delay, quarantine
+//	poison.go          PoisonForwarder: publishes poisoned messages (confirmed), then acks
+//	pause.go           Pause: holds messages, uncharged, while a dependency is down
+//	tracing.go         Tracing: one OpenTelemetry span per attempt
+//	native.go          native delayed retry (the broker's dead-lettering holds the delay)
+//
+// and their seams: delayer.go (the Delayer interface; memory_delayer.go, an
+// in-process Delayer for gochannel and tests), observers.go (Observer,
+// told what the chain did with each failed message), errors.go (the errors
+// the chain returns), backoff.go, and metadata.go, the vocabulary of
+// metadata keys the library writes and reads.
+//
+// Most users never assemble these by hand: package router puts them in the
+// one correct order (router.New), and amqpretry.New does so for RabbitMQ.
+// The order and what each layer does are in docs/chain.md.
+//
+// This package may import only Watermill, backoff, gobreaker, OpenTelemetry
+// and the standard library: it knows nothing of AMQP beyond the metadata keys the
+// amqpretry Marshaler fills in.
+package middleware
