@@ -17,6 +17,8 @@ import (
 	"time"
 	"weak"
 
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
+
 	"github.com/ThreeDotsLabs/watermill"
 	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v2/pkg/amqp"
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -319,7 +321,7 @@ func DefaultTiers(policy func() backoff.BackOff, maxAttempts int) []time.Duratio
 	}
 	var tiers []time.Duration
 	for n := 1; n < maxAttempts && len(tiers) < MaxTiers; n++ {
-		d, ok := middleware.BackoffDelay(p, n)
+		d, ok := retrymeta.BackoffDelay(p, n)
 		if !ok {
 			break
 		}
@@ -522,12 +524,12 @@ func (r *Retry) Middleware(h message.HandlerFunc) message.HandlerFunc {
 		}
 		key := lateKey(msg)
 		fields := watermill.LogFields{"message_uuid": msg.UUID, "attempt": msg.Metadata.Get(middleware.AttemptKey)}
-		if msg.Metadata.Get(middleware.DeliveryRedeliveredKey) != "" {
+		if msg.Metadata.Get(retrymeta.DeliveryRedeliveredKey) != "" {
 			if err, ok := r.late.take(key); ok {
 				// Its redelivery is explained: the handler ran here and
 				// finished after the broker took the delivery back.
 				r.logger.Info("Redelivered message already ran here after its delivery was taken back (consumer timeout?); settling that result without running it again", fields)
-				delete(msg.Metadata, middleware.DeliveryRedeliveredKey)
+				delete(msg.Metadata, retrymeta.DeliveryRedeliveredKey)
 				replays.Store(weak.Make(msg), verdict{err: err})
 				defer replays.Delete(weak.Make(msg))
 			}
@@ -656,7 +658,7 @@ type Delayer struct {
 // Config.NativeDelayedRetry, a retry in its range (NativeDelayedRetry) returns
 // middleware.ErrNativeRetry without publishing; either only while the
 // route checks out (see Config.DeadLetterFirstRetry) and ctx is not
-// middleware.WithCopyRequired, else it publishes. The
+// retrymeta.WithCopyRequired, else it publishes. The
 // tier is TierFor(delay), or, when ctx carries a middleware.MinimumDelay (a
 // handler's RetryAfter), the smallest tier at or above it. A delay (or
 // RetryAfter) longer than the longest tier is held for the longest tier, and
@@ -688,7 +690,7 @@ func (d *Delayer) Schedule(ctx context.Context, msg *message.Message, delay time
 		return d.publish(ctx, msg, d.topology.naming.LoopBackExchange, q, q)
 	}
 	// Beyond the longest tier, the wait queue holds the copy for that tier
-	// and the copy carries the rest (middleware.RemainingDelayKey): the
+	// and the copy carries the rest (retrymeta.RemainingDelayKey): the
 	// RedeliveryGuard sends it round again, so it never runs earlier than
 	// asked. Within the tiers a backoff delay is rounded to the nearest tier
 	// (TierFor), a RetryAfter up (TierAtLeast).
@@ -724,13 +726,13 @@ type foreignDeathsKey struct{}
 // foreignDeaths reports whether msg carries x-death entries for q that the
 // broker did not write on the way back to q (a producer's, or copied from
 // another message): the message is not on a retry route
-// (middleware.DeliveryRetryRouteKey). The dead-letter path would keep them
+// (retrymeta.DeliveryRetryRouteKey). The dead-letter path would keep them
 // (RabbitMQ 3.x adds its own count to an x-death entry the message already
 // has), so that such a message's next delivery, back through the first wait
 // queue, would count them as attempts; a published copy, whose x-death is
 // stripped, counts only the attempts made here.
 func foreignDeaths(msg *message.Message, q string) bool {
-	if msg.Metadata.Get(middleware.DeliveryRetryRouteKey) == "true" {
+	if msg.Metadata.Get(retrymeta.DeliveryRetryRouteKey) == "true" {
 		return false
 	}
 	recs, err := middleware.ParseXDeath(msg.Metadata.Get(middleware.XDeathKey))

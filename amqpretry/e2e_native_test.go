@@ -8,6 +8,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
+
 	"github.com/ThreeDotsLabs/watermill"
 	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v2/pkg/amqp"
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -88,9 +90,9 @@ func TestE2E_NativeDelayedRetry(t *testing.T) {
 	okMeta := rec.meta[okUUID]
 	rec.mu.Unlock()
 	for i, md := range okMeta[1:] {
-		if md.Get(middleware.DeliveryRedeliveredKey) != "true" || md.Get(middleware.XAcquiredCountKey) != fmt.Sprint(i+1) {
+		if md.Get(retrymeta.DeliveryRedeliveredKey) != "true" || md.Get(retrymeta.XAcquiredCountKey) != fmt.Sprint(i+1) {
 			t.Errorf("attempt %d: redelivered=%q x-acquired-count=%q, want true and %d", i+2,
-				md.Get(middleware.DeliveryRedeliveredKey), md.Get(middleware.XAcquiredCountKey), i+1)
+				md.Get(retrymeta.DeliveryRedeliveredKey), md.Get(retrymeta.XAcquiredCountKey), i+1)
 		}
 		if md.Get(middleware.LastErrorKey) != "" || md.Get(middleware.DelayKey) != "" {
 			t.Errorf("attempt %d carries failure metadata after a native hop: %v", i+2, md)
@@ -119,7 +121,7 @@ func TestE2E_NativeDelayedRetry(t *testing.T) {
 	rec.mu.Lock()
 	fourth := rec.meta[badUUID][3]
 	rec.mu.Unlock()
-	if fourth.Get(middleware.DeliveryRedeliveredKey) != "" || fourth.Get(middleware.LastErrorKey) == "" {
+	if fourth.Get(retrymeta.DeliveryRedeliveredKey) != "" || fourth.Get(middleware.LastErrorKey) == "" {
 		t.Errorf("attempt 4 (from the wait queue) should be a first delivery with failure metadata: %v", fourth)
 	}
 	ds := e.drain(pq)
@@ -131,7 +133,7 @@ func TestE2E_NativeDelayedRetry(t *testing.T) {
 		h[middleware.LastErrorKey] == nil || h[middleware.FirstFailureKey] == nil || h[middleware.OriginalQueueKey] != q {
 		t.Errorf("poison copy lacks the failure metadata: %v", h)
 	}
-	if _, ok := h[middleware.XAcquiredCountKey]; ok {
+	if _, ok := h[retrymeta.XAcquiredCountKey]; ok {
 		t.Errorf("poison copy carries the broker's x-acquired-count: %v", h)
 	}
 	e.waitQueuesEmpty(q, 5*time.Second)

@@ -11,6 +11,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
+
 	"github.com/cenkalti/backoff/v4"
 	amqp "github.com/rabbitmq/amqp091-go"
 
@@ -135,8 +137,8 @@ func TestE2E_PoisonPermanentAndExhausted(t *testing.T) {
 			if !strings.Contains(h(middleware.PoisonReasonKey), reason) {
 				t.Errorf("%s: reason %q does not contain %q", uuid, h(middleware.PoisonReasonKey), reason)
 			}
-			if h(middleware.PoisonTopicKey) != q || h(middleware.PoisonHandlerKey) != "svc" || h(middleware.PoisonSubscriberKey) == "" {
-				t.Errorf("%s: watermill poison keys wrong: topic %q handler %q subscriber %q", uuid, h(middleware.PoisonTopicKey), h(middleware.PoisonHandlerKey), h(middleware.PoisonSubscriberKey))
+			if h(retrymeta.PoisonTopicKey) != q || h(retrymeta.PoisonHandlerKey) != "svc" || h(retrymeta.PoisonSubscriberKey) == "" {
+				t.Errorf("%s: watermill poison keys wrong: topic %q handler %q subscriber %q", uuid, h(retrymeta.PoisonTopicKey), h(retrymeta.PoisonHandlerKey), h(retrymeta.PoisonSubscriberKey))
 			}
 			if h(middleware.OriginalQueueKey) != q || h(middleware.OriginalExchangeKey) != e.exchange || h(middleware.OriginalRoutingKeyKey) != "order.created" {
 				t.Errorf("%s: origin %q %q %q", uuid, h(middleware.OriginalQueueKey), h(middleware.OriginalExchangeKey), h(middleware.OriginalRoutingKeyKey))
@@ -460,7 +462,7 @@ func forgedRetryHeaders(t *testing.T, mode, qt string, opts ...envOption) {
 				amqp.Table{"queue": q + ".wait.1s", "reason": "expired", "count": int64(50)},
 			}}},
 			{"another queue's chain", amqp.Table{middleware.AttemptKey: "3", middleware.OriginalQueueKey: "payments",
-				middleware.RedeliveriesKey: "2", middleware.DeliveryRetryPathKey: "true", middleware.DeliveryRetryRouteKey: "true",
+				retrymeta.RedeliveriesKey: "2", retrymeta.DeliveryRetryPathKey: "true", retrymeta.DeliveryRetryRouteKey: "true",
 				middleware.FirstFailureKey: "2026-01-01T00:00:00Z", "x-acquired-count": int64(7), "x-delivery-count": int64(7)}},
 		}
 		uuids := map[string]string{}

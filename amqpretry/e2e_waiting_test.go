@@ -6,6 +6,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
+
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/prometheus/client_golang/prometheus"
 
@@ -44,7 +46,7 @@ func TestE2E_WaitingCollector(t *testing.T) {
 	}
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(c)
-	tier := middleware.FormatDelay(time.Minute)
+	tier := retrymeta.FormatDelay(time.Minute)
 	mfs, err := reg.Gather()
 	if err != nil {
 		t.Fatal(err)

@@ -5,10 +5,10 @@ import (
 	"slices"
 	"strings"
 
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
+
 	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v2/pkg/amqp"
 	amqp "github.com/rabbitmq/amqp091-go"
-
-	"github.com/rabbitretry/rabbitretry/middleware"
 )
 
 // MaxCopyHeaderBytes is the largest encoded size, in bytes, of the headers of
@@ -68,6 +68,6 @@ func fitHeaders(p *amqp.Publishing) {
 		dropped = append(dropped, k)
 	}
 	if len(dropped) > 0 {
-		p.Headers[DroppedHeadersKey] = middleware.Truncate(strings.Join(dropped, ","), 1024)
+		p.Headers[DroppedHeadersKey] = retrymeta.Truncate(strings.Join(dropped, ","), 1024)
 	}
 }

@@ -11,10 +11,11 @@ import (
 	"text/tabwriter"
 	"time"
 
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
+
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitretry/rabbitretry/internal/mgmt"
-	"github.com/rabbitretry/rabbitretry/middleware"
 
 	"github.com/rabbitretry/rabbitretry/internal/redact"
 )
@@ -93,7 +94,7 @@ func (r *TopologyReport) String() string {
 	for _, q := range r.Queues {
 		tier, msgs, state := "-", "-", "ok"
 		if q.Tier > 0 {
-			tier = middleware.FormatDelay(q.Tier)
+			tier = retrymeta.FormatDelay(q.Tier)
 		}
 		if q.Exists {
 			msgs = fmt.Sprint(q.Messages)

@@ -6,6 +6,8 @@ import (
 	"sync"
 	"weak"
 
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
+
 	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v2/pkg/amqp"
 	"github.com/ThreeDotsLabs/watermill/message"
 
@@ -44,7 +46,7 @@ func newLateVerdicts() *lateVerdicts {
 // retry copy of the same message has another key; a redelivery of the same
 // delivery has the same).
 func lateKey(msg *message.Message) string {
-	return msg.UUID + "\x00" + msg.Metadata.Get(middleware.AttemptKey) + "\x00" + msg.Metadata.Get(middleware.RedeliveriesKey)
+	return msg.UUID + "\x00" + msg.Metadata.Get(middleware.AttemptKey) + "\x00" + msg.Metadata.Get(retrymeta.RedeliveriesKey)
 }
 
 func (l *lateVerdicts) add(k string, err error) {

@@ -9,6 +9,8 @@ import (
 	"strings"
 	"unicode/utf8"
 
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
+
 	"github.com/ThreeDotsLabs/watermill"
 	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v2/pkg/amqp"
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -78,7 +80,7 @@ type Marshaler struct {
 	// Topology names the retry topology (the loop-back exchange, each
 	// queue's wait queues) by which Unmarshal recognises a delivery that came
 	// back through the library's own retry path (see
-	// middleware.DeliveryRetryPathKey). nil means the default Naming with any
+	// retrymeta.DeliveryRetryPathKey). nil means the default Naming with any
 	// tier: loop-back exchange "rabbitretry.loopback", wait queues
 	// "<Q>.wait.<tier>". With a custom Config.Naming, set it to the Retry's
 	// Topology (Retry.Topology()); otherwise copies that come back through a
@@ -123,9 +125,9 @@ func (m Marshaler) uuidHeaderKey() string {
 //     middleware.EncodeXDeath under middleware.XDeathKey (see
 //     DeathRecordsFromTable);
 //   - x-delivery-count (RabbitMQ "Quorum Queues") becomes a decimal string
-//     under middleware.XDeliveryCountKey (see DeliveryCount);
+//     under retrymeta.XDeliveryCountKey (see DeliveryCount);
 //   - x-acquired-count (RabbitMQ 4.x quorum queues: every return of the
-//     message) becomes a decimal string under middleware.XAcquiredCountKey;
+//     message) becomes a decimal string under retrymeta.XAcquiredCountKey;
 //   - every other non-string header, the message UUID header included,
 //     becomes its string form (see headerToString for the formats: numbers in
 //     decimal, timestamps in RFC 3339 UTC, tables and arrays as JSON).
@@ -135,15 +137,15 @@ func (m Marshaler) uuidHeaderKey() string {
 //
 // A header that cannot be converted (a malformed x-death or x-delivery-count,
 // say a forged one) is dropped, and a description of the problem is stored
-// under middleware.HeaderErrorKey; it never makes Unmarshal fail. Headers that
+// under retrymeta.HeaderErrorKey; it never makes Unmarshal fail. Headers that
 // describe one publish or delivery only (PublishIDHeader, and any incoming
-// middleware.HeaderErrorKey, DeliveryExchangeKey, DeliveryRoutingKeyKey,
+// retrymeta.HeaderErrorKey, DeliveryExchangeKey, DeliveryRoutingKeyKey,
 // DeliveryRedeliveredKey, DeliveryRetryPathKey or TypedHeadersKey) are
 // dropped. The x-first-death-* and x-last-death-* headers are strings and pass
 // through as metadata.
 //
-// After Inner, the metadata gets middleware.DeliveryExchangeKey = d.Exchange,
-// middleware.DeliveryRoutingKeyKey = d.RoutingKey, and the delivery's AMQP
+// After Inner, the metadata gets retrymeta.DeliveryExchangeKey = d.Exchange,
+// retrymeta.DeliveryRoutingKeyKey = d.RoutingKey, and the delivery's AMQP
 // properties under the Prop*Key keys (restored by Marshal).
 //
 // Identity: the message UUID is the UUID header (Inner's key, default
@@ -154,9 +156,9 @@ func (m Marshaler) uuidHeaderKey() string {
 // that comes back without a copy in between (requeued, or dead-lettered by the
 // broker after a nack) is a new delivery of the original and gets a new UUID.
 //
-// Origin and attempts: middleware.DeliveryRetryRouteKey is set to "true"
+// Origin and attempts: retrymeta.DeliveryRetryRouteKey is set to "true"
 // when the delivery reached its queue through one of the library's retry
-// routes, and middleware.DeliveryRetryPathKey when, moreover, it is a copy
+// routes, and retrymeta.DeliveryRetryPathKey when, moreover, it is a copy
 // the library published for that queue (see retryRoute): only then does
 // the attempt counter read its attempt header (and, on a retry route, its
 // x-death entries for the queue). On any other delivery the origin keys cannot have been written by the library,
@@ -205,20 +207,20 @@ func (m Marshaler) Unmarshal(d amqp.Delivery) (*message.Message, error) {
 			}
 			deaths = recs
 			headers[middleware.XDeathKey] = middleware.EncodeXDeath(recs)
-		case middleware.XDeliveryCountKey:
+		case retrymeta.XDeliveryCountKey:
 			n, err := DeliveryCount(v)
 			if err != nil {
 				problems = append(problems, err.Error())
 				continue
 			}
-			headers[middleware.XDeliveryCountKey] = strconv.FormatInt(n, 10)
-		case middleware.XAcquiredCountKey:
+			headers[retrymeta.XDeliveryCountKey] = strconv.FormatInt(n, 10)
+		case retrymeta.XAcquiredCountKey:
 			n, err := acquiredCount(v)
 			if err != nil {
 				problems = append(problems, err.Error())
 				continue
 			}
-			headers[middleware.XAcquiredCountKey] = strconv.FormatInt(n, 10)
+			headers[retrymeta.XAcquiredCountKey] = strconv.FormatInt(n, 10)
 		default:
 			if droppedOnUnmarshal(k) {
 				continue
@@ -263,7 +265,7 @@ func onlyPlainStringHeaders(h amqp.Table) bool {
 			return false
 		}
 		switch k {
-		case middleware.XDeathKey, middleware.XDeliveryCountKey, middleware.XAcquiredCountKey:
+		case middleware.XDeathKey, retrymeta.XDeliveryCountKey, retrymeta.XAcquiredCountKey:
 			return false
 		case PublishIDHeader:
 		default:
@@ -290,17 +292,17 @@ func (m Marshaler) finishUnmarshal(msg *message.Message, d amqp.Delivery, proble
 	if msg.Metadata == nil {
 		msg.Metadata = make(message.Metadata)
 	}
-	msg.Metadata.Set(middleware.DeliveryExchangeKey, d.Exchange)
-	msg.Metadata.Set(middleware.DeliveryRoutingKeyKey, d.RoutingKey)
+	msg.Metadata.Set(retrymeta.DeliveryExchangeKey, d.Exchange)
+	msg.Metadata.Set(retrymeta.DeliveryRoutingKeyKey, d.RoutingKey)
 	if d.Redelivered {
-		msg.Metadata.Set(middleware.DeliveryRedeliveredKey, "true")
+		msg.Metadata.Set(retrymeta.DeliveryRedeliveredKey, "true")
 	}
 	route, copyOf := m.retryRoute(&d, deaths)
 	if route {
-		msg.Metadata.Set(middleware.DeliveryRetryRouteKey, "true")
+		msg.Metadata.Set(retrymeta.DeliveryRetryRouteKey, "true")
 	}
 	if copyOf {
-		msg.Metadata.Set(middleware.DeliveryRetryPathKey, "true")
+		msg.Metadata.Set(retrymeta.DeliveryRetryPathKey, "true")
 	} else {
 		// Whatever origin keys this message carries, the library did not
 		// write them: replace them by the delivery's, so that no copy of it
@@ -320,17 +322,17 @@ func (m Marshaler) finishUnmarshal(msg *message.Message, d amqp.Delivery, proble
 	propertiesToMetadata(&d, msg.Metadata)
 	if len(problems) > 0 {
 		sort.Strings(problems) // map order is random; keep the text stable
-		msg.Metadata.Set(middleware.HeaderErrorKey, strings.Join(problems, "; "))
+		msg.Metadata.Set(retrymeta.HeaderErrorKey, strings.Join(problems, "; "))
 	}
 	return msg
 }
 
 // isBrokerOwnedOrDeliveryOnly reports whether a header must not travel on a
 // publishing: the broker's dead-lettering and delivery-count headers and the
-// metadata that describes one delivery (middleware.IsDeliveryOnly), and
+// metadata that describes one delivery (retrymeta.IsDeliveryOnly), and
 // those of one publish (publishOnly).
 func isBrokerOwnedOrDeliveryOnly(k string) bool {
-	return middleware.IsDeliveryOnly(k) || publishOnly(k)
+	return retrymeta.IsDeliveryOnly(k) || publishOnly(k)
 }
 
 // publishOnly reports whether k belongs to one publish or one Unmarshal of
@@ -345,7 +347,7 @@ func publishOnly(k string) bool {
 // only come from an earlier publish or a producer, except the broker's
 // x-first-death-* and x-last-death-* strings, which pass through.
 func droppedOnUnmarshal(k string) bool {
-	if strings.HasPrefix(k, middleware.XFirstDeathPrefix) || strings.HasPrefix(k, middleware.XLastDeathPrefix) {
+	if strings.HasPrefix(k, retrymeta.XFirstDeathPrefix) || strings.HasPrefix(k, retrymeta.XLastDeathPrefix) {
 		return false
 	}
 	return isBrokerOwnedOrDeliveryOnly(k)
@@ -360,9 +362,9 @@ func droppedOnUnmarshal(k string) bool {
 //     4.x ignores a client-set x-death; and the string x-death that Unmarshal
 //     produces could confuse a broker that does read it ("Dead Letter
 //     Exchanges");
-//   - middleware.DeliveryExchangeKey, middleware.DeliveryRoutingKeyKey,
-//     middleware.DeliveryRedeliveredKey, middleware.DeliveryRetryPathKey,
-//     middleware.HeaderErrorKey and PublishIDHeader, which describe one
+//   - retrymeta.DeliveryExchangeKey, retrymeta.DeliveryRoutingKeyKey,
+//     retrymeta.DeliveryRedeliveredKey, retrymeta.DeliveryRetryPathKey,
+//     retrymeta.HeaderErrorKey and PublishIDHeader, which describe one
 //     delivery or one publish, and TypedHeadersKey.
 //
 // The headers recorded under TypedHeadersKey go out with their AMQP type
@@ -433,10 +435,10 @@ func (m Marshaler) restoreTypedHeaders(md message.Metadata, h amqp.Table) {
 }
 
 // retryRoute reports whether d reached its queue Q through one of the
-// library's retry routes (route: middleware.DeliveryRetryRouteKey), and
+// library's retry routes (route: retrymeta.DeliveryRetryRouteKey), and
 // whether, moreover, the message is a copy the library published for Q, so
 // that the attempt count and origin keys it carries were written by the
-// library (copyOf: middleware.DeliveryRetryPathKey). The routes are:
+// library (copyOf: retrymeta.DeliveryRetryPathKey). The routes are:
 //   - the loop-back exchange (zero-delay copies, fallback and redelivery
 //     copies, poison-queue replays; Q is bound to it with routing key Q), or
 //   - the default exchange with routing key Q, its most recent x-death
@@ -507,8 +509,8 @@ func (m Marshaler) retryRoute(d *amqp.Delivery, deaths []middleware.DeathRecord)
 // exchange (a zero-delay copy). A producer's message dead-lettered out of q
 // has q and its business exchange there.
 func (m Marshaler) copyBeforeDeath(d *amqp.Delivery, q, loopBack string) bool {
-	fq, _ := d.Headers[middleware.XFirstDeathPrefix+"queue"].(string)
-	fx, _ := d.Headers[middleware.XFirstDeathPrefix+"exchange"].(string)
+	fq, _ := d.Headers[retrymeta.XFirstDeathPrefix+"queue"].(string)
+	fx, _ := d.Headers[retrymeta.XFirstDeathPrefix+"exchange"].(string)
 	if fq == q {
 		return fx == loopBack
 	}
@@ -572,7 +574,7 @@ func (m Marshaler) retryPathDelivery(d *amqp.Delivery, deaths []middleware.Death
 
 // isWaitQueueOf reports whether name is one of queue's wait queues: by the
 // Topology's names when set, or by the default naming "<queue>.wait.<tier>"
-// with a tier as middleware.FormatDelay renders it ("200ms", "1s", "5m", "2h")
+// with a tier as retrymeta.FormatDelay renders it ("200ms", "1s", "5m", "2h")
 // for any tier, so that a copy waiting in the wait queue of a tier a later
 // deploy removed (or of the tiers that a deploy replaced by a
 // DelayerFactory) still counts as the library's when it comes back.

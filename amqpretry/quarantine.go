@@ -7,6 +7,8 @@ import (
 	"maps"
 	"sync"
 
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
+
 	"github.com/ThreeDotsLabs/watermill"
 	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v2/pkg/amqp"
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -68,7 +70,7 @@ func (s splitDelayer) Quarantine(ctx context.Context, msg *message.Message) erro
 // quarantineSubscriber consumes, for each subscribed topic, the originating
 // queue (the user's subscriber configuration) and its quarantine queue (the
 // same configuration with prefetch 1), and hands out the messages of both on
-// one channel; quarantine messages carry middleware.DeliveryQuarantineKey.
+// one channel; quarantine messages carry retrymeta.DeliveryQuarantineKey.
 type quarantineSubscriber struct {
 	origin, quarantine *wamqp.Subscriber
 	topo               *Topology
@@ -163,7 +165,7 @@ func (s *quarantineSubscriber) Subscribe(ctx context.Context, topic string) (<-c
 		}
 		for msg := range in {
 			if quarantined {
-				msg.Metadata.Set(middleware.DeliveryQuarantineKey, "true")
+				msg.Metadata.Set(retrymeta.DeliveryQuarantineKey, "true")
 			}
 			// watermill-amqp cancels the context it gave the message once it
 			// has written the ack or nack to the broker (its processMessage

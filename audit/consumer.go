@@ -15,13 +15,14 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
+
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/cenkalti/backoff/v4"
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitretry/rabbitretry/amqpretry"
 	"github.com/rabbitretry/rabbitretry/internal/redact"
-	"github.com/rabbitretry/rabbitretry/middleware"
 )
 
 // Consumer defaults.
@@ -1032,7 +1033,7 @@ func truncate(s string, n int) string {
 // deliveryOnlyHeaders describe the audit queue's delivery, not the publish:
 // left out of Arrival.Headers and of its ID (a redelivery must map to the
 // same record).
-var deliveryOnlyHeaders = map[string]bool{middleware.XDeliveryCountKey: true, middleware.XAcquiredCountKey: true}
+var deliveryOnlyHeaders = map[string]bool{retrymeta.XDeliveryCountKey: true, retrymeta.XAcquiredCountKey: true}
 
 // errUntrusted is logged for an attempt record whose user-id is not one
 // of ConsumerConfig.RecorderUsers.
@@ -1075,7 +1076,7 @@ const TimestampErrorProperty = "rabbitretry-timestamp-error"
 // is outside years 1-9999 (then zero, and TimestampErrorProperty says
 // why); headers become JSON values
 // (amqpretry.HeadersToJSON; a header that cannot be converted is recorded
-// under middleware.HeaderErrorKey, "rabbitretry-header-error"), without the queue's x-delivery-count
+// under retrymeta.HeaderErrorKey, "rabbitretry-header-error"), without the queue's x-delivery-count
 // and x-acquired-count; HeaderTable keeps them with their AMQP types; the
 // body is cut to bodyLimit bytes. contentID (and ID) is the hex SHA-256
 // over exchange, routing key, message id, timestamp, headers (canonical
@@ -1112,7 +1113,7 @@ func ArrivalFromDelivery(d amqp.Delivery, uuidHeader string, bodyLimit int, now 
 	}
 	h, err := amqpretry.HeadersToJSON(hdrs)
 	if err != nil {
-		h = map[string]any{middleware.HeaderErrorKey: err.Error()}
+		h = map[string]any{retrymeta.HeaderErrorKey: err.Error()}
 	}
 	if len(h) > 0 {
 		a.Headers, a.HeaderTable = h, hdrs

@@ -8,6 +8,8 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
+
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	wmw "github.com/ThreeDotsLabs/watermill/message/router/middleware"
@@ -88,8 +90,8 @@ type RecorderConfig struct {
 	// tier recorded (0).
 	TierFor func(queue string, d time.Duration) time.Duration
 	// ErrorText renders the handler error into Attempt.Error; use the same
-	// redaction as the retry chain. Default middleware.ErrorText(err,
-	// middleware.DefaultMaxErrorBytes), the chain's default.
+	// redaction as the retry chain. Default retrymeta.ErrorText(err,
+	// retrymeta.DefaultMaxErrorBytes), the chain's default.
 	ErrorText func(error) string
 	// Classifier gives Attempt.ErrorClass of a handler error. Default
 	// middleware.DefaultClassifier; pass the chain's (Chain().Classifier)
@@ -127,7 +129,7 @@ func (c *RecorderConfig) setDefaults() {
 		c.QueueName = message.SubscribeTopicFromCtx
 	}
 	if c.ErrorText == nil {
-		c.ErrorText = func(err error) string { return middleware.ErrorText(err, middleware.DefaultMaxErrorBytes) }
+		c.ErrorText = func(err error) string { return retrymeta.ErrorText(err, retrymeta.DefaultMaxErrorBytes) }
 	}
 	if c.Classifier == nil {
 		c.Classifier = middleware.DefaultClassifier
@@ -345,7 +347,7 @@ func stateOf(msg *message.Message) *attemptState {
 //   - else OutcomeSuccess if the handler ran (or without HandlerMiddleware);
 //   - else OutcomeRequeued: the handler did not run (a redelivered message
 //     the RedeliveryGuard copied back to its queue, or a delivery that came
-//     back before its retry delay was over, middleware.RemainingDelayKey,
+//     back before its retry delay was over, retrymeta.RemainingDelayKey,
 //     which the guard sent through the Delayer again).
 //
 // The record is queued for the background publisher; when Buffer records
@@ -431,7 +433,7 @@ func (r *Recorder) attemptFrom(msg *message.Message, st *attemptState, chainErr 
 		if !st.ran || a.Error == "" {
 			a.Error = joinText(a.Error, r.cfg.ErrorText(chainErr))
 		}
-	case middleware.RemainingDelay(msg) > 0:
+	case retrymeta.RemainingDelay(msg) > 0:
 		// The RedeliveryGuard never runs such a delivery (with or without
 		// HandlerMiddleware).
 		a.Outcome = OutcomeRequeued

@@ -10,6 +10,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
+
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
@@ -164,7 +166,7 @@ func TestRecorderOutcomes(t *testing.T) {
 	})
 	failSchedule.Store(nacked.UUID, 1) // the retry copy is refused; the fallback copy is held
 	redelivered := newMsg(nil)
-	redelivered.Metadata.Set(middleware.DeliveryRedeliveredKey, "true")
+	redelivered.Metadata.Set(retrymeta.DeliveryRedeliveredKey, "true")
 	redelivered.Metadata.Set("rabbitretry-amqp-correlation-id", "corr-7")
 
 	go func() { _ = r.Run(context.Background()) }()

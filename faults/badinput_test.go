@@ -15,6 +15,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
+
 	"github.com/ThreeDotsLabs/watermill"
 	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v2/pkg/amqp"
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -346,7 +348,7 @@ func TestBadInputNonStringHeaders(t *testing.T) {
 			t.Errorf("%s: %q on attempt 1, %q on the retry", k, v1, v2)
 		}
 	}
-	if p := metas[0][middleware.HeaderErrorKey]; p != "" {
+	if p := metas[0][retrymeta.HeaderErrorKey]; p != "" {
 		t.Errorf("header problems reported: %s", p)
 	}
 }

@@ -20,6 +20,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
+
 	"github.com/ThreeDotsLabs/watermill"
 	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v2/pkg/amqp"
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -587,7 +589,7 @@ func clusterHandler(l *ledger, tl *timeline, fs *fates) message.NoPublishHandler
 		if a > 1 {
 			tl.add(evRetryRun)
 		}
-		if r, err := strconv.Atoi(msg.Metadata.Get(middleware.RedeliveriesKey)); err == nil && r > 0 {
+		if r, err := strconv.Atoi(msg.Metadata.Get(retrymeta.RedeliveriesKey)); err == nil && r > 0 {
 			tl.sawRedelivered(msg.UUID, r)
 		}
 		time.Sleep(time.Millisecond) // simulated work

@@ -7,6 +7,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
+
 	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v2/pkg/amqp"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/cenkalti/backoff/v4"
@@ -39,7 +41,7 @@ func FuzzAttemptCounter(f *testing.F) {
 			msg.Metadata.Set(middleware.XDeathKey, xdeath)
 		}
 		if deliveryCount != "" {
-			msg.Metadata.Set(middleware.XDeliveryCountKey, deliveryCount)
+			msg.Metadata.Set(retrymeta.XDeliveryCountKey, deliveryCount)
 		}
 		c, err := middleware.NewAttemptCounter(middleware.AttemptCounterConfig{Sources: []middleware.AttemptSource{
 			middleware.HeaderSource(nil),

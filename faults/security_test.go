@@ -12,6 +12,8 @@ import (
 	"time"
 	"unicode/utf8"
 
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
+
 	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v2/pkg/amqp"
 	"github.com/ThreeDotsLabs/watermill/message"
 	amqp "github.com/rabbitmq/amqp091-go"
@@ -52,7 +54,7 @@ func TestForgedRetryHeaders(t *testing.T) {
 		{"x-death expired", amqp.Table{"x-death": xdeath("QUEUE", "expired", 500000)}, "[1 2 3]"},
 		{"x-death as string", amqp.Table{"x-death": `[{"queue":"QUEUE","reason":"rejected","count":999}]`}, "[1 2 3]"},
 		{"x-delivery-count 999", amqp.Table{"x-delivery-count": int64(999)}, "[1 2 3]"},
-		{"forged header-error", amqp.Table{middleware.HeaderErrorKey: "everything is fine"}, "[1 2 3]"},
+		{"forged header-error", amqp.Table{retrymeta.HeaderErrorKey: "everything is fine"}, "[1 2 3]"},
 		{"attempt 999 + x-death 5", amqp.Table{middleware.AttemptKey: "999", "x-death": xdeath("QUEUE", "rejected", 5)}, "[1 2 3]"},
 	}
 	var uuids []string
@@ -82,7 +84,7 @@ func TestForgedRetryHeaders(t *testing.T) {
 	problems := map[string]string{}
 	e.start(func(msg *message.Message) error {
 		l.attempt(msg.UUID, middleware.Attempt(msg))
-		if p := msg.Metadata.Get(middleware.HeaderErrorKey); p != "" {
+		if p := msg.Metadata.Get(retrymeta.HeaderErrorKey); p != "" {
 			mu.Lock()
 			problems[msg.UUID] = p
 			mu.Unlock()
@@ -119,7 +121,7 @@ func TestForgedRetryHeaders(t *testing.T) {
 			t.Errorf("%s: poisoned with class %v", byUUID[u], d.Headers[middleware.ErrorClassKey])
 		}
 		for k := range d.Headers {
-			if k == "x-death" || k == "x-delivery-count" || k == middleware.HeaderErrorKey {
+			if k == "x-death" || k == "x-delivery-count" || k == retrymeta.HeaderErrorKey {
 				t.Errorf("%s: forged %s carried into the poison queue", byUUID[u], k)
 			}
 		}
@@ -127,7 +129,7 @@ func TestForgedRetryHeaders(t *testing.T) {
 }
 
 // Error texts in failure headers are bounded: a 10 KiB error leaves at most
-// middleware.DefaultMaxErrorBytes (1 KiB) in rabbitretry-last-error on the
+// retrymeta.DefaultMaxErrorBytes (1 KiB) in rabbitretry-last-error on the
 // retry copy and in reason_poisoned / rabbitretry-last-error on the poison
 // copy.
 func TestErrorTextBounded(t *testing.T) {
@@ -157,8 +159,8 @@ func TestErrorTextBounded(t *testing.T) {
 	}
 	check := func(where, v string) {
 		t.Helper()
-		if v == "" || len(v) > middleware.DefaultMaxErrorBytes {
-			t.Errorf("%s: %d bytes, want 1..%d", where, len(v), middleware.DefaultMaxErrorBytes)
+		if v == "" || len(v) > retrymeta.DefaultMaxErrorBytes {
+			t.Errorf("%s: %d bytes, want 1..%d", where, len(v), retrymeta.DefaultMaxErrorBytes)
 		}
 		if !strings.Contains(v, "upstream said: ") || !strings.HasSuffix(v, "…") || !utf8.ValidString(v) {
 			t.Errorf("%s: not a clean UTF-8 prefix marked as cut: %q...", where, v[:min(len(v), 40)])
@@ -186,7 +188,7 @@ func TestErrorTextBounded(t *testing.T) {
 func TestErrorTextRedaction(t *testing.T) {
 	creds := regexp.MustCompile(`(amqps?|https?|postgres)://[^:/@\s]+:[^@/\s]+@`)
 	redact := func(err error) string {
-		return middleware.Truncate(creds.ReplaceAllString(err.Error(), "$1://REDACTED@"), middleware.DefaultMaxErrorBytes)
+		return retrymeta.Truncate(creds.ReplaceAllString(err.Error(), "$1://REDACTED@"), retrymeta.DefaultMaxErrorBytes)
 	}
 	e := newEnv(t, "classic", func(_ *env, c *amqpretry.Config) {
 		c.MaxAttempts = 3

@@ -11,6 +11,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
+
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
@@ -768,7 +770,7 @@ func TestFormatDelay(t *testing.T) {
 		5 * time.Minute:         "5m",
 		2 * time.Hour:           "2h",
 	} {
-		if got := middleware.FormatDelay(d); got != want {
+		if got := retrymeta.FormatDelay(d); got != want {
 			t.Errorf("FormatDelay(%s) = %q, want %q", d, got, want)
 		}
 	}

@@ -62,11 +62,11 @@ func (e *ScheduleError) Error() string {
 // Unwrap returns the Delayer's error.
 func (e *ScheduleError) Unwrap() error { return e.Err }
 
-// ErrHandlerNotRun is (wrapped in) the HandlerErr of a ScheduleError raised
+// errHandlerNotRun is (wrapped in) the HandlerErr of a ScheduleError raised
 // before the handler ran: the RedeliveryGuard's copy of a redelivered
 // message was not held.
-var ErrHandlerNotRun = errors.New("handler not run")
+var errHandlerNotRun = errors.New("handler not run")
 
 // HandlerRan reports whether the handler ran and failed before the schedule
 // failed (false for the RedeliveryGuard's copies).
-func (e *ScheduleError) HandlerRan() bool { return !errors.Is(e.HandlerErr, ErrHandlerNotRun) }
+func (e *ScheduleError) HandlerRan() bool { return !errors.Is(e.HandlerErr, errHandlerNotRun) }

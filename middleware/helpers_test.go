@@ -6,6 +6,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
+
 	"github.com/rabbitretry/rabbitretry/internal/testkit"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -177,8 +179,8 @@ func recv[T any](t testing.TB, ch <-chan T, timeout time.Duration) T {
 // library published for its queue, back through a retry route: its attempt
 // header and its queue's x-death entries count.
 func ownCopy(msg *message.Message) *message.Message {
-	msg.Metadata.Set(middleware.DeliveryExchangeKey, "")
-	msg.Metadata.Set(middleware.DeliveryRetryPathKey, "true")
-	msg.Metadata.Set(middleware.DeliveryRetryRouteKey, "true")
+	msg.Metadata.Set(retrymeta.DeliveryExchangeKey, "")
+	msg.Metadata.Set(retrymeta.DeliveryRetryPathKey, "true")
+	msg.Metadata.Set(retrymeta.DeliveryRetryRouteKey, "true")
 	return msg
 }

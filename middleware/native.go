@@ -3,6 +3,8 @@ package middleware
 import (
 	"fmt"
 
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
+
 	"github.com/ThreeDotsLabs/watermill/message"
 )
 
@@ -45,15 +47,15 @@ var ErrNativeRetry = fmt.Errorf("%w (native delayed retry: the queue holds the n
 // Absent: 0. Non-numeric or negative: an error (the counter ignores it).
 // Above MaxAttemptsCap: MaxAttemptsCap.
 func AcquiredCountSource() AttemptSource {
-	return AttemptSource{Name: XAcquiredCountKey, Previous: func(msg *message.Message) (int64, error) {
-		if msg.Metadata.Get(DeliveryRedeliveredKey) == "" {
+	return AttemptSource{Name: retrymeta.XAcquiredCountKey, Previous: func(msg *message.Message) (int64, error) {
+		if msg.Metadata.Get(retrymeta.DeliveryRedeliveredKey) == "" {
 			return 0, nil
 		}
-		v, ok := msg.Metadata[XAcquiredCountKey]
+		v, ok := msg.Metadata[retrymeta.XAcquiredCountKey]
 		if !ok {
 			return 0, nil
 		}
-		return parseCount(XAcquiredCountKey, v)
+		return parseCount(retrymeta.XAcquiredCountKey, v)
 	}}
 }
 
@@ -88,20 +90,20 @@ func AcquiredCountSource() AttemptSource {
 // counter ignores the source). Above MaxAttemptsCap: MaxAttemptsCap.
 func NackCountSource() AttemptSource {
 	return AttemptSource{Name: "nack-count", Previous: func(msg *message.Message) (int64, error) {
-		if msg.Metadata.Get(DeliveryRedeliveredKey) == "" {
+		if msg.Metadata.Get(retrymeta.DeliveryRedeliveredKey) == "" {
 			return 0, nil
 		}
-		v, ok := msg.Metadata[XAcquiredCountKey]
+		v, ok := msg.Metadata[retrymeta.XAcquiredCountKey]
 		if !ok {
 			return 0, nil
 		}
-		acquired, err := parseCount(XAcquiredCountKey, v)
+		acquired, err := parseCount(retrymeta.XAcquiredCountKey, v)
 		if err != nil {
 			return 0, err
 		}
 		var failures int64
-		if d, ok := msg.Metadata[XDeliveryCountKey]; ok {
-			if failures, err = parseCount(XDeliveryCountKey, d); err != nil {
+		if d, ok := msg.Metadata[retrymeta.XDeliveryCountKey]; ok {
+			if failures, err = parseCount(retrymeta.XDeliveryCountKey, d); err != nil {
 				return 0, err
 			}
 		}

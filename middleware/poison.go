@@ -7,6 +7,8 @@ import (
 	"strconv"
 	"time"
 
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
+
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 )
@@ -53,7 +55,7 @@ func (c *PoisonForwarderConfig) setDefaults() {
 		c.ShouldPoison = DefaultShouldPoison
 	}
 	if c.ErrorText == nil {
-		c.ErrorText = func(err error) string { return ErrorText(err, DefaultMaxErrorBytes) }
+		c.ErrorText = func(err error) string { return retrymeta.ErrorText(err, retrymeta.DefaultMaxErrorBytes) }
 	}
 	if c.Now == nil {
 		c.Now = time.Now
@@ -187,19 +189,19 @@ func ErrorClass(err error) string {
 }
 
 func (f *PoisonForwarder) poisonCopy(ctx context.Context, msg *message.Message, err error, attempt int, class string) *message.Message {
-	p := CloneMessage(msg)
+	p := retrymeta.CloneMessage(msg)
 	now := f.cfg.Now()
 	text := f.cfg.ErrorText(err)
-	RecordFailure(p.Metadata, now, text, class, f.cfg.QueueName(ctx))
-	StripDeliveryMetadata(p.Metadata)
+	retrymeta.RecordFailure(p.Metadata, now, text, class, f.cfg.QueueName(ctx))
+	retrymeta.StripDeliveryMetadata(p.Metadata)
 	// One attempt count on a poison copy: PoisonAttemptsKey. The delivery's
 	// own attempt numbers would only repeat it (or, proven, contradict it).
 	delete(p.Metadata, AttemptKey)
-	delete(p.Metadata, ProvenAttemptKey)
+	delete(p.Metadata, retrymeta.ProvenAttemptKey)
 	p.Metadata.Set(PoisonReasonKey, text)
-	p.Metadata.Set(PoisonTopicKey, message.SubscribeTopicFromCtx(ctx))
-	p.Metadata.Set(PoisonHandlerKey, message.HandlerNameFromCtx(ctx))
-	p.Metadata.Set(PoisonSubscriberKey, message.SubscriberNameFromCtx(ctx))
+	p.Metadata.Set(retrymeta.PoisonTopicKey, message.SubscribeTopicFromCtx(ctx))
+	p.Metadata.Set(retrymeta.PoisonHandlerKey, message.HandlerNameFromCtx(ctx))
+	p.Metadata.Set(retrymeta.PoisonSubscriberKey, message.SubscriberNameFromCtx(ctx))
 	p.Metadata.Set(PoisonAttemptsKey, strconv.Itoa(attempt))
 	p.Metadata.Set(PoisonedAtKey, now.UTC().Format(time.RFC3339Nano))
 	return p

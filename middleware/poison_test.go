@@ -10,6 +10,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
+
 	"github.com/rabbitretry/rabbitretry/internal/testkit"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -153,8 +155,8 @@ func TestForwarderPoisonsPermanentInRouter(t *testing.T) {
 	earlier := "2025-01-01T00:00:00Z"
 	msg.Metadata.Set(middleware.FirstFailureKey, earlier)
 	msg.Metadata.Set(middleware.XDeathKey, `[]`)
-	msg.Metadata.Set(middleware.DeliveryExchangeKey, "orders-ex")
-	msg.Metadata.Set(middleware.DeliveryRetryPathKey, "true") // a copy of this queue's chain, as the Marshaler tells
+	msg.Metadata.Set(retrymeta.DeliveryExchangeKey, "orders-ex")
+	msg.Metadata.Set(retrymeta.DeliveryRetryPathKey, "true") // a copy of this queue's chain, as the Marshaler tells
 
 	res := pfRunInRouter(t, msg, f.Middleware, pfFailWith(middleware.Permanent(errors.New("order 42 refused"))))
 	if res.err != nil || res.out != nil {
@@ -169,9 +171,9 @@ func TestForwarderPoisonsPermanentInRouter(t *testing.T) {
 	want := map[string]string{
 		"user-key":                       "user-value",
 		middleware.PoisonReasonKey:       "order 42 refused",
-		middleware.PoisonTopicKey:        "orders",
-		middleware.PoisonHandlerKey:      "orders-handler",
-		middleware.PoisonSubscriberKey:   "gochannel.GoChannel",
+		retrymeta.PoisonTopicKey:         "orders",
+		retrymeta.PoisonHandlerKey:       "orders-handler",
+		retrymeta.PoisonSubscriberKey:    "gochannel.GoChannel",
 		middleware.PoisonAttemptsKey:     "2",
 		middleware.PoisonedAtKey:         ts,
 		middleware.ErrorClassKey:         middleware.ClassPermanent,
@@ -187,20 +189,20 @@ func TestForwarderPoisonsPermanentInRouter(t *testing.T) {
 			t.Errorf("poison metadata %s = %q (present %v), want %q", k, got, ok, v)
 		}
 	}
-	for _, k := range []string{middleware.XDeathKey, middleware.DeliveryExchangeKey} {
+	for _, k := range []string{middleware.XDeathKey, retrymeta.DeliveryExchangeKey} {
 		if _, ok := p.Metadata[k]; ok {
 			t.Errorf("poison copy carries delivery-only key %s", k)
 		}
 	}
 	// One attempt count (issue #20 item 8): PoisonAttemptsKey, not also the
 	// delivery's own attempt numbers.
-	for _, k := range []string{middleware.AttemptKey, middleware.ProvenAttemptKey} {
+	for _, k := range []string{middleware.AttemptKey, retrymeta.ProvenAttemptKey} {
 		if v, ok := p.Metadata[k]; ok {
 			t.Errorf("poison copy carries %s=%q beside %s", k, v, middleware.PoisonAttemptsKey)
 		}
 	}
 	// The key names are Watermill's own.
-	for k, v := range map[string]string{middleware.PoisonReasonKey: "reason_poisoned", middleware.PoisonTopicKey: "topic_poisoned", middleware.PoisonHandlerKey: "handler_poisoned", middleware.PoisonSubscriberKey: "subscriber_poisoned", middleware.PoisonAttemptsKey: "rabbitretry-attempts"} {
+	for k, v := range map[string]string{middleware.PoisonReasonKey: "reason_poisoned", retrymeta.PoisonTopicKey: "topic_poisoned", retrymeta.PoisonHandlerKey: "handler_poisoned", retrymeta.PoisonSubscriberKey: "subscriber_poisoned", middleware.PoisonAttemptsKey: "rabbitretry-attempts"} {
 		if k != v {
 			t.Errorf("key %q, want %q", k, v)
 		}
@@ -230,7 +232,7 @@ func TestForwarderWithCounterInRouter(t *testing.T) {
 	// This queue's own evidence: a copy of its chain (gochannel: the origin
 	// queue is this one), back through a retry route.
 	msg.Metadata.Set(middleware.OriginalQueueKey, "orders")
-	msg.Metadata.Set(middleware.DeliveryRetryRouteKey, "true")
+	msg.Metadata.Set(retrymeta.DeliveryRetryRouteKey, "true")
 	mw := func(h message.HandlerFunc) message.HandlerFunc { return counter.Middleware(f.Middleware(h)) }
 	res := pfRunInRouter(t, msg, mw, pfFailWith(&middleware.ExhaustedError{Err: errors.New("down"), Attempts: 4}))
 	if res.err != nil {
@@ -295,7 +297,7 @@ func TestForwarderClasses(t *testing.T) {
 				t.Errorf("attempts %q", got)
 			}
 			// Outside a router the context names are empty, but present.
-			for _, k := range []string{middleware.PoisonTopicKey, middleware.PoisonHandlerKey, middleware.PoisonSubscriberKey} {
+			for _, k := range []string{retrymeta.PoisonTopicKey, retrymeta.PoisonHandlerKey, retrymeta.PoisonSubscriberKey} {
 				if v, ok := msgs[0].Metadata[k]; !ok || v != "" {
 					t.Errorf("%s = %q present %v", k, v, ok)
 				}
@@ -396,8 +398,8 @@ func TestForwarderErrorTextTruncated(t *testing.T) {
 	_, msgs := pub.published()
 	for _, k := range []string{middleware.PoisonReasonKey, middleware.LastErrorKey} {
 		v := msgs[0].Metadata.Get(k)
-		if len(v) > middleware.DefaultMaxErrorBytes || len(v) < middleware.DefaultMaxErrorBytes-4 {
-			t.Errorf("%s is %d bytes, want at most (and close to) %d", k, len(v), middleware.DefaultMaxErrorBytes)
+		if len(v) > retrymeta.DefaultMaxErrorBytes || len(v) < retrymeta.DefaultMaxErrorBytes-4 {
+			t.Errorf("%s is %d bytes, want at most (and close to) %d", k, len(v), retrymeta.DefaultMaxErrorBytes)
 		}
 		if !strings.HasSuffix(v, "…") || !strings.HasPrefix(v, "éé") || !strings.HasPrefix(long, strings.TrimSuffix(v, "…")) {
 			t.Errorf("%s not cut on a rune boundary with a mark", k)

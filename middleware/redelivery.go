@@ -7,6 +7,8 @@ import (
 	"strconv"
 	"time"
 
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
+
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 )
@@ -136,7 +138,7 @@ type Quarantiner interface {
 //
 // ErrCannotDelay from the Delayer poisons it as ClassUndelayable. If the
 // copy cannot be held for any other reason (publisher closed, broker alarm),
-// it returns a *ScheduleError whose HandlerErr wraps ErrHandlerNotRun: the
+// it returns a *ScheduleError whose HandlerErr wraps errHandlerNotRun: the
 // message goes back to the broker unprocessed and waits there until a copy
 // can be held.
 type RedeliveryGuard struct {
@@ -156,7 +158,7 @@ func NewRedeliveryGuard(cfg RedeliveryGuardConfig) (*RedeliveryGuard, error) {
 // Redeliveries returns the redelivery count a message carries
 // (RedeliveriesKey): 0 when absent or malformed, at most MaxAttemptsCap.
 func Redeliveries(msg *message.Message) int {
-	v := msg.Metadata.Get(RedeliveriesKey)
+	v := msg.Metadata.Get(retrymeta.RedeliveriesKey)
 	if v == "" {
 		return 0
 	}
@@ -171,10 +173,10 @@ func Redeliveries(msg *message.Message) int {
 // RedeliveryGuard for the others.
 func (g *RedeliveryGuard) Middleware(h message.HandlerFunc) message.HandlerFunc {
 	return func(msg *message.Message) ([]*message.Message, error) {
-		if d := RemainingDelay(msg); d > 0 {
+		if d := retrymeta.RemainingDelay(msg); d > 0 {
 			return nil, g.onEarly(msg, d)
 		}
-		if !g.cfg.RedeliveriesCounted && msg.Metadata.Get(DeliveryRedeliveredKey) != "" {
+		if !g.cfg.RedeliveriesCounted && msg.Metadata.Get(retrymeta.DeliveryRedeliveredKey) != "" {
 			return nil, g.onRedelivered(msg)
 		}
 		return h(msg)
@@ -190,11 +192,11 @@ func (g *RedeliveryGuard) onRedelivered(msg *message.Message) error {
 		"message_uuid": msg.UUID, "queue": g.cfg.QueueName(ctx), "attempt": attempt, "redeliveries": n,
 	}
 	q, _ := g.cfg.Delayer.(Quarantiner)
-	quarantined := msg.Metadata.Get(DeliveryQuarantineKey) != ""
-	c := CloneMessage(msg)
-	StripDeliveryMetadata(c.Metadata)
+	quarantined := msg.Metadata.Get(retrymeta.DeliveryQuarantineKey) != ""
+	c := retrymeta.CloneMessage(msg)
+	retrymeta.StripDeliveryMetadata(c.Metadata)
 	c.Metadata.Set(AttemptKey, strconv.Itoa(attempt))
-	c.Metadata.Set(RedeliveriesKey, strconv.Itoa(n))
+	c.Metadata.Set(retrymeta.RedeliveriesKey, strconv.Itoa(n))
 	if q != nil && !quarantined {
 		// Not attributable: the crash may have been a neighbour's. Move it
 		// to the quarantine, where it runs alone.
@@ -242,10 +244,10 @@ func (g *RedeliveryGuard) onEarly(msg *message.Message, d time.Duration) error {
 	fields := watermill.LogFields{
 		"message_uuid": msg.UUID, "queue": g.cfg.QueueName(ctx), "attempt": attempt, "remaining": d.String(),
 	}
-	c := CloneMessage(msg) // without RemainingDelayKey: the Delayer writes what it cannot hold
-	StripDeliveryMetadata(c.Metadata)
+	c := retrymeta.CloneMessage(msg) // without retrymeta.RemainingDelayKey: the Delayer writes what it cannot hold
+	retrymeta.StripDeliveryMetadata(c.Metadata)
 	c.Metadata.Set(AttemptKey, strconv.Itoa(attempt))
-	serr := g.cfg.Delayer.Schedule(WithCopyRequired(WithMinimumDelay(ctx, d)), c, d)
+	serr := g.cfg.Delayer.Schedule(retrymeta.WithCopyRequired(retrymeta.WithMinimumDelay(ctx, d)), c, d)
 	if serr == nil {
 		g.cfg.Logger.Debug("Delivery came back before its retry delay was over; held again for the rest", fields)
 		return nil
@@ -272,5 +274,5 @@ func (g *RedeliveryGuard) copyNotHeld(serr error, attempt int, fields watermill.
 		msg = "Copy of a delivery " + what + " not held; returning it to the broker"
 	}
 	g.cfg.Logger.Error(msg, serr, fields)
-	return &ScheduleError{Err: serr, HandlerErr: fmt.Errorf("%s: %w", what, ErrHandlerNotRun), Attempt: attempt}
+	return &ScheduleError{Err: serr, HandlerErr: fmt.Errorf("%s: %w", what, errHandlerNotRun), Attempt: attempt}
 }

@@ -7,6 +7,8 @@ import (
 	"strconv"
 	"time"
 
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
+
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/cenkalti/backoff/v4"
@@ -55,7 +57,7 @@ func (c *RepublisherConfig) setDefaults() {
 		c.QueueName = message.SubscribeTopicFromCtx
 	}
 	if c.ErrorText == nil {
-		c.ErrorText = func(err error) string { return ErrorText(err, DefaultMaxErrorBytes) }
+		c.ErrorText = func(err error) string { return retrymeta.ErrorText(err, retrymeta.DefaultMaxErrorBytes) }
 	}
 	if c.Now == nil {
 		c.Now = time.Now
@@ -103,7 +105,7 @@ func (r *Republisher) MaxAttempts() int { return r.cfg.MaxAttempts }
 // handler-requested delay (RetryAfter, 0 if none): the larger of the two.
 // ok is false when the backoff policy stops.
 func (r *Republisher) Delay(n int, requested time.Duration) (time.Duration, bool) {
-	d, ok := BackoffDelay(r.cfg.Backoff, n)
+	d, ok := retrymeta.BackoffDelay(r.cfg.Backoff, n)
 	if !ok {
 		return 0, false
 	}
@@ -158,8 +160,8 @@ func (r *Republisher) lastAttempt(msg *message.Message) {
 		"proven_attempt": ProvenAttempt(msg), "attempt": m,
 	})
 	msg.Metadata.Set(AttemptKey, strconv.Itoa(m))
-	msg.Metadata.Set(ProvenAttemptKey, strconv.Itoa(min(ProvenAttempt(msg), m)))
-	msg.SetContext(context.WithValue(ContextWithAttempt(msg.Context(), m), provenCtxKey{}, min(ProvenAttempt(msg), m)))
+	msg.Metadata.Set(retrymeta.ProvenAttemptKey, strconv.Itoa(min(ProvenAttempt(msg), m)))
+	msg.SetContext(context.WithValue(contextWithAttempt(msg.Context(), m), provenCtxKey{}, min(ProvenAttempt(msg), m)))
 }
 
 //go:noinline
@@ -203,7 +205,7 @@ func (r *Republisher) onFailure(msg *message.Message, err error) error {
 	retry := r.copyForRetry(ctx, msg, attempt, cl, err, delay)
 	schedCtx := ctx
 	if cl.Delay > 0 {
-		schedCtx = WithMinimumDelay(ctx, cl.Delay)
+		schedCtx = retrymeta.WithMinimumDelay(ctx, cl.Delay)
 	}
 	start := time.Now()
 	if serr := r.cfg.Delayer.Schedule(schedCtx, retry, delay); errors.Is(serr, ErrCannotDelay) {
@@ -246,11 +248,11 @@ func (r *Republisher) onFailure(msg *message.Message, err error) error {
 }
 
 func (r *Republisher) copyForRetry(ctx context.Context, msg *message.Message, attempt int, cl Classification, err error, delay time.Duration) *message.Message {
-	c := CloneMessage(msg)
-	RecordFailure(c.Metadata, r.cfg.Now(), r.cfg.ErrorText(err), cl.Class, r.cfg.QueueName(ctx))
-	StripDeliveryMetadata(c.Metadata)
+	c := retrymeta.CloneMessage(msg)
+	retrymeta.RecordFailure(c.Metadata, r.cfg.Now(), r.cfg.ErrorText(err), cl.Class, r.cfg.QueueName(ctx))
+	retrymeta.StripDeliveryMetadata(c.Metadata)
 	c.Metadata.Set(AttemptKey, strconv.Itoa(attempt+1))
-	c.Metadata.Set(ProvenAttemptKey, strconv.Itoa(min(ProvenAttempt(msg), attempt)+1))
+	c.Metadata.Set(retrymeta.ProvenAttemptKey, strconv.Itoa(min(ProvenAttempt(msg), attempt)+1))
 	c.Metadata.Set(DelayKey, strconv.FormatInt(delay.Milliseconds(), 10))
 	return c
 }

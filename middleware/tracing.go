@@ -7,6 +7,8 @@ import (
 	"strings"
 	"time"
 
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
+
 	"github.com/ThreeDotsLabs/watermill/message"
 	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/attribute"
@@ -17,10 +19,6 @@ import (
 
 // TracingScope is the instrumentation scope name of the Tracing spans.
 const TracingScope = "github.com/rabbitretry/rabbitretry"
-
-// TracePrevKey carries, on every retry and poison copy, the W3C traceparent
-// of the attempt that made the copy: the next attempt's span links to it.
-const TracePrevKey = "rabbitretry-trace-prev"
 
 // Span attribute keys this library adds to the messaging semantic
 // conventions (which have no retry attribute).
@@ -155,7 +153,7 @@ func (tr *Tracing) Middleware(h message.HandlerFunc) message.HandlerFunc {
 		if creation.IsValid() {
 			span.AddLink(trace.Link{SpanContext: creation})
 		}
-		if prevTP := msg.Metadata.Get(TracePrevKey); prevTP != "" {
+		if prevTP := msg.Metadata.Get(retrymeta.TracePrevKey); prevTP != "" {
 			prev := trace.SpanContextFromContext(propagation.TraceContext{}.Extract(context.Background(),
 				propagation.MapCarrier{"traceparent": prevTP}))
 			if prev.IsValid() {
@@ -165,7 +163,7 @@ func (tr *Tracing) Middleware(h message.HandlerFunc) message.HandlerFunc {
 		}
 		tp := propagation.MapCarrier{}
 		propagation.TraceContext{}.Inject(spanCtx, tp)
-		msg.Metadata.Set(TracePrevKey, tp["traceparent"])
+		msg.Metadata.Set(retrymeta.TracePrevKey, tp["traceparent"])
 		st := &attemptTrace{}
 		msg.SetContext(context.WithValue(trace.ContextWithSpan(ctx, span), attemptTraceKey{}, st))
 		out, err := h(msg)
@@ -244,12 +242,12 @@ func (tr *Tracing) attributes(msg *message.Message) []attribute.KeyValue {
 // message was first consumed with.
 func deliveredVia(msg *message.Message) (exchange, routingKey string) {
 	md := msg.Metadata
-	if md.Get(DeliveryRetryPathKey) != "" {
+	if md.Get(retrymeta.DeliveryRetryPathKey) != "" {
 		if ex, rk := md.Get(OriginalExchangeKey), md.Get(OriginalRoutingKeyKey); ex != "" || rk != "" {
 			return ex, rk
 		}
 	}
-	return md.Get(DeliveryExchangeKey), md.Get(DeliveryRoutingKeyKey)
+	return md.Get(retrymeta.DeliveryExchangeKey), md.Get(retrymeta.DeliveryRoutingKeyKey)
 }
 
 func messageID(msg *message.Message) string {

@@ -42,6 +42,8 @@ import (
 	"errors"
 	"time"
 
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
+
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/cenkalti/backoff/v4"
@@ -108,7 +110,7 @@ type Config struct {
 	// straight back to the queue, so the next attempt never runs earlier
 	// than asked. A longer RetryAfter is handed to the Delayer once more
 	// after the pause; if that fails too, the copy goes back to the queue
-	// carrying the remaining delay (middleware.RemainingDelayKey), and the
+	// carrying the remaining delay (retrymeta.RemainingDelayKey), and the
 	// RedeliveryGuard holds it again before it runs.
 	FallbackPause time.Duration
 	// Pause, when set, pauses consumption while a dependency is down instead
@@ -242,7 +244,7 @@ func New(cfg Config) (*Chain, error) {
 		fb.pause = DefaultFallbackPause
 	}
 	if fb.errorText == nil {
-		fb.errorText = func(err error) string { return middleware.ErrorText(err, middleware.DefaultMaxErrorBytes) }
+		fb.errorText = func(err error) string { return retrymeta.ErrorText(err, retrymeta.DefaultMaxErrorBytes) }
 	}
 	if fb.logger == nil {
 		fb.logger = watermill.NopLogger{}

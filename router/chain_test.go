@@ -14,6 +14,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
+
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	wmw "github.com/ThreeDotsLabs/watermill/message/router/middleware"
@@ -104,8 +106,8 @@ func TestTransientExhaustedIsPoisoned(t *testing.T) {
 		middleware.AttemptKey:        "", // one attempt count on a poison copy: PoisonAttemptsKey
 		middleware.ErrorClassKey:     middleware.ClassExhausted,
 		middleware.PoisonReasonKey:   "gave up after 3 attempts: service unavailable",
-		middleware.PoisonTopicKey:    topic,
-		middleware.PoisonHandlerKey:  "worker",
+		retrymeta.PoisonTopicKey:     topic,
+		retrymeta.PoisonHandlerKey:   "worker",
 		middleware.OriginalQueueKey:  topic,
 	} {
 		if got := p.Metadata.Get(k); got != want {
@@ -243,8 +245,8 @@ func TestRecovererPanicIsRetriedThenPoisoned(t *testing.T) {
 	if !strings.Contains(reason, "panic occurred") || !strings.Contains(reason, "nil map write on attempt 3") {
 		t.Errorf("reason %q", reason)
 	}
-	if len(reason) > middleware.DefaultMaxErrorBytes {
-		t.Errorf("reason (with stack trace) is %d bytes, over the %d cap", len(reason), middleware.DefaultMaxErrorBytes)
+	if len(reason) > retrymeta.DefaultMaxErrorBytes {
+		t.Errorf("reason (with stack trace) is %d bytes, over the %d cap", len(reason), retrymeta.DefaultMaxErrorBytes)
 	}
 	if e.observer.count("retry") != 2 || len(e.poison.all()) != 1 {
 		t.Errorf("retries %d poisoned %d", e.observer.count("retry"), len(e.poison.all()))
@@ -516,8 +518,8 @@ func TestChainDirect(t *testing.T) {
 	}
 	// x-death rejections from the queue count: header 1 + 1 rejection = attempt 2; + 1 more = 3 = exhausted.
 	msg = message.NewMessage("b", nil)
-	msg.Metadata.Set(middleware.DeliveryExchangeKey, "") // back through a retry route, as the Marshaler tells
-	msg.Metadata.Set(middleware.DeliveryRetryRouteKey, "true")
+	msg.Metadata.Set(retrymeta.DeliveryExchangeKey, "") // back through a retry route, as the Marshaler tells
+	msg.Metadata.Set(retrymeta.DeliveryRetryRouteKey, "true")
 	msg.Metadata.Set(middleware.XDeathKey, middleware.EncodeXDeath([]middleware.DeathRecord{{Queue: "q", Reason: "rejected", Count: 2}}))
 	if _, err := chain.Middleware(fail)(msg); err != nil {
 		t.Fatal(err)
@@ -631,7 +633,7 @@ func TestForeignCountsNeverDecideFirstRun(t *testing.T) {
 		"x-death 50 for Q": {middleware.XDeathKey: middleware.EncodeXDeath([]middleware.DeathRecord{
 			{Queue: topic, Reason: "rejected", Count: 50}})},
 		"another queue's chain": {middleware.AttemptKey: "4", middleware.OriginalQueueKey: "payments",
-			middleware.RedeliveriesKey: "2", middleware.FirstFailureKey: "2026-01-01T00:00:00Z"},
+			retrymeta.RedeliveriesKey: "2", middleware.FirstFailureKey: "2026-01-01T00:00:00Z"},
 	}
 	names := map[string]string{}
 	for name, md := range forged {
@@ -682,7 +684,7 @@ func TestRetryAfterLongerThanDelayerHoldsEndToEnd(t *testing.T) {
 			}
 			held := min(delay, hold)
 			middleware.SetRemainingDelay(msg.Metadata, delay-held)
-			msg.Metadata.Set(middleware.DeliveryRetryPathKey, "true") // amqpretry's Marshaler sets it from the delivery
+			msg.Metadata.Set(retrymeta.DeliveryRetryPathKey, "true") // amqpretry's Marshaler sets it from the delivery
 			hops.Add(1)
 			return inner.Schedule(ctx, msg, held)
 		})
@@ -709,7 +711,7 @@ func TestRetryAfterLongerThanDelayerHoldsEndToEnd(t *testing.T) {
 	if n := hops.Load(); n != 5 { // 60+60+60+60+10 ms
 		t.Errorf("%d hops, want 5", n)
 	}
-	if got[1].md.Get(middleware.RedeliveriesKey) != "" || got[1].md.Get(middleware.DelayKey) != "250" {
+	if got[1].md.Get(retrymeta.RedeliveriesKey) != "" || got[1].md.Get(middleware.DelayKey) != "250" {
 		t.Errorf("second attempt's metadata %v", got[1].md)
 	}
 	if e.observer.count("poisoned") != 0 || e.observer.count("retry") != 1 {

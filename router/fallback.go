@@ -6,6 +6,8 @@ import (
 	"strconv"
 	"time"
 
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
+
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 
@@ -36,7 +38,7 @@ const fallbackMaxHold = time.Minute
 //     A RetryAfter above one minute is not held here: after the pause the
 //     copy is handed to the Delayer once more with the remaining delay; if
 //     that fails too, the copy goes back to the queue carrying the
-//     remaining delay (middleware.RemainingDelayKey), so the
+//     remaining delay (retrymeta.RemainingDelayKey), so the
 //     RedeliveryGuard does not run it but hands it to the Delayer again
 //     (logged at Error);
 //  2. it hands a copy to the Delayer with delay 0 (amqpretry: straight back to
@@ -106,17 +108,17 @@ func (f *fallback) onFailure(msg *message.Message, err error) error {
 	if !f.wait(ctx, f.pause) {
 		return err // shutting down: the subscriber returns the delivery
 	}
-	c := middleware.CloneMessage(msg)
-	middleware.RecordFailure(c.Metadata, time.Now(), f.errorText(handlerErr), middleware.ErrorClass(handlerErr), f.queueName(ctx))
-	middleware.StripDeliveryMetadata(c.Metadata)
+	c := retrymeta.CloneMessage(msg)
+	retrymeta.RecordFailure(c.Metadata, time.Now(), f.errorText(handlerErr), middleware.ErrorClass(handlerErr), f.queueName(ctx))
+	retrymeta.StripDeliveryMetadata(c.Metadata)
 	c.Metadata.Set(middleware.AttemptKey, strconv.Itoa(next))
-	c.Metadata.Set(middleware.ProvenAttemptKey, strconv.Itoa(proven))
+	c.Metadata.Set(retrymeta.ProvenAttemptKey, strconv.Itoa(proven))
 	if remaining := asked - time.Since(start); remaining > 0 {
 		// The handler asked for a delay (RetryAfter) and the copy below goes
 		// straight back to the queue: never let it run earlier than asked.
 		if remaining > fallbackMaxHold {
 			// Too long to hold the delivery here: try the delayed path again.
-			serr := f.delayer.Schedule(middleware.WithMinimumDelay(ctx, remaining), c, remaining)
+			serr := f.delayer.Schedule(retrymeta.WithMinimumDelay(ctx, remaining), c, remaining)
 			if serr == nil {
 				f.logger.Info("Fallback: retry copy held on the second try", watermill.LogFields{
 					"message_uuid": msg.UUID, "queue": f.queueName(ctx), "attempt": attempt, "next_attempt": next, "delay": remaining.String(),

@@ -11,6 +11,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
+
 	"github.com/ThreeDotsLabs/watermill/components/delay"
 	"github.com/ThreeDotsLabs/watermill/message"
 	amqp "github.com/rabbitmq/amqp091-go"
@@ -376,7 +378,7 @@ func TestDelayerFloorClampAndRedeclare(t *testing.T) {
 	d := f.delayer(q)
 
 	sent := time.Now()
-	ctx := middleware.WithMinimumDelay(queueCtx(q), 200*time.Millisecond)
+	ctx := retrymeta.WithMinimumDelay(queueCtx(q), 200*time.Millisecond)
 	if err := d.Schedule(ctx, message.NewMessage("floor", nil), 10*time.Millisecond); err != nil {
 		t.Fatal(err)
 	}

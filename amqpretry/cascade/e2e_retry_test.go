@@ -9,6 +9,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
+
 	"github.com/ThreeDotsLabs/watermill"
 	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v2/pkg/amqp"
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -238,7 +240,7 @@ func checkOrigin(t *testing.T, s seen, q, exchange string) {
 		middleware.OriginalQueueKey:      q,
 		middleware.OriginalExchangeKey:   exchange,
 		middleware.OriginalRoutingKeyKey: routingKey,
-		middleware.DeliveryRetryPathKey:  "true",
+		retrymeta.DeliveryRetryPathKey:   "true",
 	}
 	for k, v := range want {
 		if got := s.md.Get(k); got != v {
@@ -280,7 +282,7 @@ func TestRetryAfterExact(t *testing.T) {
 	}
 	checkGap(t, first, second, retryAfter)
 	checkOrigin(t, second, q, e.exchange)
-	if got := second.md.Get(middleware.DeliveryExchangeKey); got == e.exchange {
+	if got := second.md.Get(retrymeta.DeliveryExchangeKey); got == e.exchange {
 		t.Errorf("attempt 2 was delivered from the business exchange, not the cascade")
 	}
 
@@ -443,7 +445,7 @@ func TestRetryAfterBeyondMaxDelay(t *testing.T) {
 	if gap < retryAfter-7*earlyPerHop { // 3 + 3 + 1 level hops
 		t.Errorf("attempt 2 came %v after attempt 1, earlier than the RetryAfter %v", gap, retryAfter)
 	}
-	if got := second.md.Get(middleware.RemainingDelayKey); got != "" {
-		t.Errorf("attempt 2 carries %s=%q", middleware.RemainingDelayKey, got)
+	if got := second.md.Get(retrymeta.RemainingDelayKey); got != "" {
+		t.Errorf("attempt 2 carries %s=%q", retrymeta.RemainingDelayKey, got)
 	}
 }

@@ -8,6 +8,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
+
 	"github.com/rabbitretry/rabbitretry/internal/testkit"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -43,7 +45,7 @@ func TestCDNPurgeBurst(t *testing.T) {
 		defer ch.Close()
 		queues := []string{cfg.Queue, cfg.Queue + ".poison"}
 		for _, tier := range tiers {
-			queues = append(queues, cfg.Queue+".wait."+middleware.FormatDelay(tier))
+			queues = append(queues, cfg.Queue+".wait."+retrymeta.FormatDelay(tier))
 		}
 		for _, q := range queues {
 			_, _ = ch.QueueDelete(q, false, false, false)

@@ -8,6 +8,8 @@ import (
 	"strings"
 	"time"
 
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
+
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitretry/rabbitretry/amqpretry"
@@ -94,9 +96,9 @@ func MessageFromDelivery(d amqp.Delivery) Message {
 	}
 	m.Reason = h(middleware.PoisonReasonKey)
 	m.Class = h(middleware.ErrorClassKey)
-	m.Handler = h(middleware.PoisonHandlerKey)
-	m.Topic = h(middleware.PoisonTopicKey)
-	m.Subscriber = h(middleware.PoisonSubscriberKey)
+	m.Handler = h(retrymeta.PoisonHandlerKey)
+	m.Topic = h(retrymeta.PoisonTopicKey)
+	m.Subscriber = h(retrymeta.PoisonSubscriberKey)
 	m.LastError = h(middleware.LastErrorKey)
 	m.OriginalQueue = h(middleware.OriginalQueueKey)
 	m.OriginalExchange = h(middleware.OriginalExchangeKey)

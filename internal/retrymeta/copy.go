@@ -1,4 +1,4 @@
-package middleware
+package retrymeta
 
 import (
 	"strconv"
@@ -33,7 +33,7 @@ const DefaultMaxErrorBytes = 1024
 // (LastErrorKey, reason_poisoned): err.Error() cut to at most maxBytes bytes
 // on a UTF-8 boundary, with "…" appended when cut. Error texts can contain
 // secrets (URLs with credentials, tokens): configure ErrorText in the
-// Republisher and poison Forwarder configs to redact them.
+// Republisher and PoisonForwarder configs to redact them.
 func ErrorText(err error, maxBytes int) string {
 	return Truncate(err.Error(), maxBytes)
 }
