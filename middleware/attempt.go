@@ -330,13 +330,6 @@ func NewAttemptCounter(cfg AttemptCounterConfig) (*AttemptCounter, error) {
 	return &AttemptCounter{sources: cfg.Sources, logger: cfg.Logger}, nil
 }
 
-// Count returns the attempt number of msg in [1, MaxAttemptsCap], and a
-// description of malformed values it ignored ("" if none).
-func (c *AttemptCounter) Count(msg *message.Message) (int, string) {
-	n, _, bad := c.count(msg)
-	return n, bad
-}
-
 // count returns the attempt number, the proven attempt number (only the
 // Proven parts of the sources; never above the attempt number) and the
 // ignored malformed values.
@@ -356,6 +349,13 @@ func (c *AttemptCounter) count(msg *message.Message) (int, int, string) {
 		proven = min(proven+s.proven(msg, n), MaxAttemptsCap)
 	}
 	return clampAttempt(1 + prev), clampAttempt(1 + proven), bad
+}
+
+// Count returns the attempt number of msg in [1, MaxAttemptsCap], and a
+// description of malformed values it ignored ("" if none).
+func (c *AttemptCounter) Count(msg *message.Message) (int, string) {
+	n, _, bad := c.count(msg)
+	return n, bad
 }
 
 // Middleware stores the attempt number (AttemptKey, and in the context for Attempt) and

@@ -101,10 +101,10 @@ func NewRepublisher(cfg RepublisherConfig) (*Republisher, error) {
 // MaxAttempts returns the configured total number of attempts.
 func (r *Republisher) MaxAttempts() int { return r.cfg.MaxAttempts }
 
-// Delay returns the delay before the attempt after failed attempt n, given a
+// delayFor returns the delay before the attempt after failed attempt n, given a
 // handler-requested delay (RetryAfter, 0 if none): the larger of the two.
 // ok is false when the backoff policy stops.
-func (r *Republisher) Delay(n int, requested time.Duration) (time.Duration, bool) {
+func (r *Republisher) delayFor(n int, requested time.Duration) (time.Duration, bool) {
 	d, ok := retrymeta.BackoffDelay(r.cfg.Backoff, n)
 	if !ok {
 		return 0, false
@@ -197,7 +197,7 @@ func (r *Republisher) onFailure(msg *message.Message, err error) error {
 	if attempt >= r.cfg.MaxAttempts {
 		return &ExhaustedError{Err: err, Attempts: attempt}
 	}
-	delay, ok := r.Delay(attempt, cl.Delay)
+	delay, ok := r.delayFor(attempt, cl.Delay)
 	if !ok {
 		return &ExhaustedError{Err: err, Attempts: attempt}
 	}

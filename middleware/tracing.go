@@ -17,19 +17,6 @@ import (
 	"go.opentelemetry.io/otel/trace"
 )
 
-// TracingScope is the instrumentation scope name of the Tracing spans.
-const TracingScope = "github.com/rabbitretry/rabbitretry"
-
-// Span attribute keys this library adds to the messaging semantic
-// conventions (which have no retry attribute).
-const (
-	AttrAttempt     = "rabbitretry.retry.attempt"      // int, 1-based
-	AttrMaxAttempts = "rabbitretry.retry.max_attempts" // int
-	AttrOutcome     = "rabbitretry.retry.outcome"      // ack | retry_scheduled | poisoned | dropped | nack
-	AttrErrorClass  = "rabbitretry.retry.error_class"  // ErrorClassKey's value
-	AttrDelayMs     = "rabbitretry.retry.delay_ms"     // int, the delay chosen for the retry
-)
-
 // TracingConfig configures Tracing. Zero values take the defaults.
 type TracingConfig struct {
 	// TracerProvider makes the tracer. Default otel.GetTracerProvider()
@@ -100,7 +87,7 @@ func NewTracing(cfg TracingConfig) *Tracing {
 		cfg.QueueName = message.SubscribeTopicFromCtx
 	}
 	return &Tracing{
-		tracer: tp.Tracer(TracingScope), prop: prop, system: cfg.System,
+		tracer: tp.Tracer(retrymeta.TracingScope), prop: prop, system: cfg.System,
 		queue: cfg.QueueName, maxAttempt: cfg.MaxAttempts, fields: prop.Fields(),
 	}
 }
@@ -167,7 +154,7 @@ func (tr *Tracing) Middleware(h message.HandlerFunc) message.HandlerFunc {
 		st := &attemptTrace{}
 		msg.SetContext(context.WithValue(trace.ContextWithSpan(ctx, span), attemptTraceKey{}, st))
 		out, err := h(msg)
-		span.SetAttributes(attribute.Int(AttrAttempt, Attempt(msg)))
+		span.SetAttributes(attribute.Int(retrymeta.AttrAttempt, Attempt(msg)))
 		outcome := st.outcome
 		if err != nil {
 			span.SetStatus(codes.Error, err.Error())
@@ -187,9 +174,9 @@ func (tr *Tracing) Middleware(h message.HandlerFunc) message.HandlerFunc {
 			// copy was confirmed).
 			span.SetStatus(codes.Error, "handler failed: "+outcome)
 		}
-		span.SetAttributes(attribute.String(AttrOutcome, outcome))
+		span.SetAttributes(attribute.String(retrymeta.AttrOutcome, outcome))
 		if st.class != "" {
-			span.SetAttributes(attribute.String(AttrErrorClass, st.class))
+			span.SetAttributes(attribute.String(retrymeta.AttrErrorClass, st.class))
 		}
 		return out, err
 	}
@@ -232,7 +219,7 @@ func (tr *Tracing) attributes(msg *message.Message) []attribute.KeyValue {
 		attrs = append(attrs, attribute.String("messaging.message.conversation_id", cid))
 	}
 	if tr.maxAttempt > 0 {
-		attrs = append(attrs, attribute.Int(AttrMaxAttempts, tr.maxAttempt))
+		attrs = append(attrs, attribute.Int(retrymeta.AttrMaxAttempts, tr.maxAttempt))
 	}
 	return attrs
 }
@@ -347,25 +334,25 @@ func markOutcome(msg *message.Message, outcome, class string, attrs ...attribute
 }
 
 func (tracingObserver) RetryScheduled(msg *message.Message, attempt int, delay, took time.Duration) {
-	markOutcome(msg, "retry_scheduled", msg.Metadata.Get(ErrorClassKey), attribute.Int(AttrAttempt, attempt),
-		attribute.Int64(AttrDelayMs, delay.Milliseconds()), attribute.Int64("rabbitretry.retry.confirm_ms", took.Milliseconds()))
-	trace.SpanFromContext(msg.Context()).SetAttributes(attribute.Int64(AttrDelayMs, delay.Milliseconds()))
+	markOutcome(msg, "retry_scheduled", msg.Metadata.Get(ErrorClassKey), attribute.Int(retrymeta.AttrAttempt, attempt),
+		attribute.Int64(retrymeta.AttrDelayMs, delay.Milliseconds()), attribute.Int64("rabbitretry.retry.confirm_ms", took.Milliseconds()))
+	trace.SpanFromContext(msg.Context()).SetAttributes(attribute.Int64(retrymeta.AttrDelayMs, delay.Milliseconds()))
 }
 
 func (tracingObserver) RetryFailed(msg *message.Message, attempt int, err error) {
 	trace.SpanFromContext(msg.Context()).AddEvent("rabbitretry.retry_failed",
-		trace.WithAttributes(attribute.Int(AttrAttempt, attempt), attribute.String("error.type", errorType(err))))
+		trace.WithAttributes(attribute.Int(retrymeta.AttrAttempt, attempt), attribute.String("error.type", errorType(err))))
 }
 
 func (tracingObserver) Poisoned(msg *message.Message, attempt int, class string) {
-	markOutcome(msg, "poisoned", class, attribute.Int(AttrAttempt, attempt), attribute.String(AttrErrorClass, class))
+	markOutcome(msg, "poisoned", class, attribute.Int(retrymeta.AttrAttempt, attempt), attribute.String(retrymeta.AttrErrorClass, class))
 }
 
 func (tracingObserver) PoisonFailed(msg *message.Message, attempt int, err error) {
 	trace.SpanFromContext(msg.Context()).AddEvent("rabbitretry.poison_failed",
-		trace.WithAttributes(attribute.Int(AttrAttempt, attempt), attribute.String("error.type", errorType(err))))
+		trace.WithAttributes(attribute.Int(retrymeta.AttrAttempt, attempt), attribute.String("error.type", errorType(err))))
 }
 
 func (tracingObserver) Dropped(msg *message.Message, attempt int) {
-	markOutcome(msg, "dropped", "", attribute.Int(AttrAttempt, attempt))
+	markOutcome(msg, "dropped", "", attribute.Int(retrymeta.AttrAttempt, attempt))
 }
