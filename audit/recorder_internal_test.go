@@ -116,7 +116,7 @@ func TestRecorderOutcomes(t *testing.T) {
 		return mem.Schedule(ctx, msg, d)
 	})
 	chain, err := router.New(router.Config{
-		Delayer: delayer, PoisonPublisher: ps, MaxAttempts: 3, Backoff: testkit.ExactBackoff(20 * time.Millisecond),
+		Delayer: delayer, PoisonPublisher: gochannel.NewGoChannel(gochannel.Config{Persistent: true}, logger), MaxAttempts: 3, Backoff: testkit.ExactBackoff(20 * time.Millisecond),
 		Observer: middleware.Observers(middleware.NopObserver{}, rec), FallbackPause: -1, Logger: logger,
 	})
 	if err != nil {

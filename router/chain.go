@@ -40,12 +40,14 @@ package router
 import (
 	"context"
 	"errors"
+	"reflect"
 	"time"
 
 	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 	"github.com/cenkalti/backoff/v4"
 
 	"github.com/rabbitretry/rabbitretry/middleware"
@@ -58,7 +60,10 @@ type Config struct {
 	// middleware.MemoryDelayer for gochannel). Required.
 	Delayer middleware.Delayer
 	// PoisonPublisher receives poisoned messages; Publish must return only
-	// once the message is durably stored. Required.
+	// once the message is durably stored. Required. A Watermill
+	// gochannel.GoChannel (tests) must be created with Persistent: true:
+	// Validate refuses one without, which would drop a poisoned message
+	// published before anything subscribed to the poison topic.
 	PoisonPublisher message.Publisher
 	// PoisonTopic names the poison topic per message. Default "poison".
 	PoisonTopic func(ctx context.Context) string
@@ -110,7 +115,7 @@ type Config struct {
 	// straight back to the queue, so the next attempt never runs earlier
 	// than asked. A longer RetryAfter is handed to the Delayer once more
 	// after the pause; if that fails too, the copy goes back to the queue
-	// carrying the remaining delay (retrymeta.RemainingDelayKey), and the
+	// carrying the remaining delay (header rabbitretry-remaining-delay-ms), and the
 	// RedeliveryGuard holds it again before it runs.
 	FallbackPause time.Duration
 	// Pause, when set, pauses consumption while a dependency is down instead
@@ -141,7 +146,31 @@ func (c Config) Validate() error {
 	if c.PoisonPublisher == nil {
 		return errors.New("router.Config.PoisonPublisher is nil")
 	}
+	if volatileGoChannel(c.PoisonPublisher) {
+		return errors.New("router.Config.PoisonPublisher is a gochannel.GoChannel without Persistent: " +
+			"it silently drops a poisoned message when nothing subscribes to the poison topic yet; " +
+			"create it with gochannel.Config{Persistent: true}")
+	}
 	return nil
+}
+
+// volatileGoChannel reports whether p is a Watermill gochannel.GoChannel
+// made without Config.Persistent. Such a GoChannel's Publish returns nil for a
+// topic nobody subscribes to and discards the message ("No subscribers to
+// send message"), which breaks the PoisonPublisher contract (Publish returns
+// nil only once the message is stored): the original would be acked and the
+// poisoned message lost. A persistent GoChannel keeps every message for later
+// subscribers. GoChannel does not export its config, so this reads the
+// Persistent flag (set once, in NewGoChannel, never written again) by
+// reflection; TestNewRefusesVolatileGoChannelPoison fails if a Watermill
+// upgrade renames it.
+func volatileGoChannel(p message.Publisher) bool {
+	g, ok := p.(*gochannel.GoChannel)
+	if !ok || g == nil {
+		return false
+	}
+	persistent := reflect.ValueOf(g).Elem().FieldByName("config").FieldByName("Persistent")
+	return persistent.IsValid() && persistent.Kind() == reflect.Bool && !persistent.Bool()
 }
 
 // Chain is the assembled retry chain.

@@ -19,6 +19,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	wmw "github.com/ThreeDotsLabs/watermill/message/router/middleware"
+	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 	"github.com/cenkalti/backoff/v4"
 
 	"github.com/rabbitretry/rabbitretry/middleware"
@@ -717,4 +718,43 @@ func TestRetryAfterLongerThanDelayerHoldsEndToEnd(t *testing.T) {
 	if e.observer.count("poisoned") != 0 || e.observer.count("retry") != 1 {
 		t.Errorf("observer: %d poisoned, %d retries; want 0, 1", e.observer.count("poisoned"), e.observer.count("retry"))
 	}
+}
+
+// A gochannel poison topic nobody subscribes to yet silently drops the
+// message (issue #20 item 8): router.New refuses a non-persistent GoChannel
+// as PoisonPublisher, naming the field and the fix, and accepts a persistent
+// one, whose poisoned message a late subscriber still receives.
+func TestNewRefusesVolatileGoChannelPoison(t *testing.T) {
+	d := &fakeDelayer{}
+	volatile := gochannel.NewGoChannel(gochannel.Config{}, watermill.NopLogger{})
+	defer volatile.Close()
+	_, err := router.New(router.Config{Delayer: d, PoisonPublisher: volatile})
+	if err == nil || !strings.Contains(err.Error(), "PoisonPublisher") || !strings.Contains(err.Error(), "Persistent: true") {
+		t.Fatalf("New with a non-persistent gochannel poison publisher: %v", err)
+	}
+
+	persistent := gochannel.NewGoChannel(gochannel.Config{Persistent: true}, watermill.NopLogger{})
+	defer persistent.Close()
+	chain, err := router.New(router.Config{Delayer: d, PoisonPublisher: persistent})
+	if err != nil {
+		t.Fatal(err)
+	}
+	msg := message.NewMessage(watermill.NewUUID(), []byte("p"))
+	refuse := func(*message.Message) ([]*message.Message, error) {
+		return nil, middleware.Permanent(errors.New("bad"))
+	}
+	if _, err := chain.Middleware(refuse)(msg); err != nil {
+		t.Fatal(err)
+	}
+	// Subscribed only after the poisoning: the message is still there.
+	ch, err := persistent.Subscribe(context.Background(), "poison")
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := recv(t, ch, 5*time.Second)
+	p.Ack()
+	if p.UUID != msg.UUID || p.Metadata.Get(middleware.ErrorClassKey) != middleware.ClassPermanent {
+		t.Fatalf("poisoned %s class %q", p.UUID, p.Metadata.Get(middleware.ErrorClassKey))
+	}
+	t.Logf("ACCOUNT published=1 handled=0 poisoned=1 duplicates=0 lost=0")
 }

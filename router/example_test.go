@@ -22,7 +22,9 @@ import (
 func ExampleChain() {
 	pubSub := gochannel.NewGoChannel(gochannel.Config{}, watermill.NopLogger{})
 	defer pubSub.Close()
-	poisonPubSub := gochannel.NewGoChannel(gochannel.Config{}, watermill.NopLogger{})
+	// The poison topic must be persistent: a plain GoChannel drops a message
+	// published before anything subscribed (router.New refuses one).
+	poisonPubSub := gochannel.NewGoChannel(gochannel.Config{Persistent: true}, watermill.NopLogger{})
 	defer poisonPubSub.Close()
 	poisoned, err := poisonPubSub.Subscribe(context.Background(), "poison")
 	if err != nil {
