@@ -101,3 +101,83 @@ func ExampleChain() {
 	// bad: attempt 1 refused
 	// poisoned order-2: class=permanent attempts=1 reason="no such customer"
 }
+
+// A GoChannel drops a message published to a topic nobody subscribes to
+// yet, so as the poison publisher it would lose poisoned messages: the chain
+// refuses one that is not persistent.
+func ExampleConfig_Validate() {
+	pubSub := gochannel.NewGoChannel(gochannel.Config{}, watermill.NopLogger{})
+	defer pubSub.Close()
+	delayer, err := middleware.NewMemoryDelayer(pubSub, nil, nil)
+	if err != nil {
+		panic(err)
+	}
+	defer delayer.Close()
+
+	_, err = router.New(router.Config{Delayer: delayer, PoisonPublisher: pubSub})
+	fmt.Println(err)
+
+	poison := gochannel.NewGoChannel(gochannel.Config{Persistent: true}, watermill.NopLogger{})
+	defer poison.Close()
+	_, err = router.New(router.Config{Delayer: delayer, PoisonPublisher: poison})
+	fmt.Println(err)
+	// Output:
+	// router.Config.PoisonPublisher is a gochannel.GoChannel without Persistent: it silently drops a poisoned message when nothing subscribes to the poison topic yet; create it with gochannel.Config{Persistent: true}
+	// <nil>
+}
+
+// With Config.Pause, a handler error that says a dependency is down
+// (middleware.DependencyUnavailable) pauses consumption instead of charging
+// an attempt: the message is held and run again as a probe until the
+// dependency is back, still as attempt 1.
+func ExampleConfig_pause() {
+	pubSub := gochannel.NewGoChannel(gochannel.Config{}, watermill.NopLogger{})
+	defer pubSub.Close()
+	poison := gochannel.NewGoChannel(gochannel.Config{Persistent: true}, watermill.NopLogger{})
+	defer poison.Close()
+	delayer, err := middleware.NewMemoryDelayer(pubSub, nil, nil)
+	if err != nil {
+		panic(err)
+	}
+	defer delayer.Close()
+
+	chain, err := router.New(router.Config{
+		Delayer: delayer, PoisonPublisher: poison, MaxAttempts: 2,
+		Pause: &middleware.PauseConfig{ProbeInterval: 10 * time.Millisecond, MaxProbeInterval: 20 * time.Millisecond},
+	})
+	if err != nil {
+		panic(err)
+	}
+	r, err := message.NewRouter(message.RouterConfig{}, watermill.NopLogger{})
+	if err != nil {
+		panic(err)
+	}
+	chain.AddTo(r)
+	done := make(chan struct{})
+	runs := 0
+	r.AddConsumerHandler("billing", "orders", pubSub, func(msg *message.Message) error {
+		runs++
+		if runs <= 3 {
+			fmt.Printf("run %d, attempt %d: database down\n", runs, middleware.Attempt(msg))
+			return middleware.DependencyUnavailable(errors.New("connection refused"))
+		}
+		fmt.Printf("run %d, attempt %d: ok\n", runs, middleware.Attempt(msg))
+		close(done)
+		return nil
+	})
+	go func() { _ = r.Run(context.Background()) }()
+	defer r.Close()
+	<-r.Running()
+
+	_ = pubSub.Publish("orders", message.NewMessage("order-1", []byte("{}")))
+	select {
+	case <-done:
+	case <-time.After(5 * time.Second):
+		fmt.Println("timeout")
+	}
+	// Output:
+	// run 1, attempt 1: database down
+	// run 2, attempt 1: database down
+	// run 3, attempt 1: database down
+	// run 4, attempt 1: ok
+}
