@@ -16,9 +16,9 @@ import (
 	"github.com/rabbitretry/rabbitretry/middleware"
 )
 
-// WatermillUUIDHeader is the AMQP header in which watermill-amqp's default
+// watermillUUIDHeader is the AMQP header in which watermill-amqp's default
 // marshaler carries the Watermill message UUID.
-const WatermillUUIDHeader = "_watermill_message_uuid"
+const watermillUUIDHeader = "_watermill_message_uuid"
 
 // Message is one message read from a poison queue, with the metadata the
 // middleware.PoisonForwarder and the retry middlewares wrote parsed out of its headers.
@@ -77,9 +77,9 @@ type Message struct {
 	Redelivered bool `json:"redelivered"`
 }
 
-// MessageFromDelivery parses a delivery read from a poison queue. It never
+// messageFromDelivery parses a delivery read from a poison queue. It never
 // fails: missing or malformed metadata leaves fields at their zero values.
-func MessageFromDelivery(d amqp.Delivery) Message {
+func messageFromDelivery(d amqp.Delivery) Message {
 	m := Message{
 		Body:        d.Body,
 		Headers:     make(map[string]string, len(d.Headers)),
@@ -90,7 +90,7 @@ func MessageFromDelivery(d amqp.Delivery) Message {
 		m.Headers[k] = stringify(v)
 	}
 	h := func(key string) string { return m.Headers[key] }
-	m.UUID = h(WatermillUUIDHeader)
+	m.UUID = h(watermillUUIDHeader)
 	if m.UUID == "" {
 		m.UUID = d.MessageId
 	}

@@ -183,7 +183,7 @@ func perMessage(err error) bool {
 // others, and Duplicated holds at most the one message in flight (copy
 // enqueued or possibly enqueued, removal unconfirmed).
 //
-// Errors: a *NotFoundError matching ErrQueueNotFound (queue missing) or
+// Errors: a *notFoundError matching ErrQueueNotFound (queue missing) or
 // ErrExchangeNotFound (loop-back exchange missing; nothing is changed); a
 // Filter.Validate error; ErrClosed; ctx.Err(); channel, connection or
 // confirm errors (amqpretry.ErrChannelClosed, amqpretry.ErrConfirmTimeout).
@@ -393,7 +393,7 @@ func (a *Admin) Purge(ctx context.Context, queue string, f Filter, dryRun bool) 
 // and the error wraps a *MessageError naming it that matches
 // ErrMaybeDuplicated.
 //
-// Errors: a *NotFoundError matching ErrQueueNotFound naming from or to; an
+// Errors: a *notFoundError matching ErrQueueNotFound naming from or to; an
 // error if from == to; a Filter.Validate error; ErrClosed; ctx.Err()
 // (Move stops before the next message; messages not moved stay in from);
 // publish errors from amqpretry.ConfirmPublisher (the first one stops
