@@ -17,14 +17,13 @@ import (
 	"time"
 	"weak"
 
-	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
-
 	"github.com/ThreeDotsLabs/watermill"
 	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v2/pkg/amqp"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/cenkalti/backoff/v4"
 	amqp "github.com/rabbitmq/amqp091-go"
 
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 	"github.com/rabbitretry/rabbitretry/middleware"
 	"github.com/rabbitretry/rabbitretry/router"
 )

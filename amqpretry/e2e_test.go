@@ -11,8 +11,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
-
 	"github.com/cenkalti/backoff/v4"
 	amqp "github.com/rabbitmq/amqp091-go"
 
@@ -20,6 +18,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/rabbitretry/rabbitretry/amqpretry"
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 	"github.com/rabbitretry/rabbitretry/internal/testkit"
 	"github.com/rabbitretry/rabbitretry/middleware"
 )

@@ -6,12 +6,11 @@ import (
 	"testing"
 	"time"
 
-	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
-
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/rabbitretry/rabbitretry/amqpretry"
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 	"github.com/rabbitretry/rabbitretry/metrics"
 	"github.com/rabbitretry/rabbitretry/middleware"
 )

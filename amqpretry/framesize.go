@@ -5,10 +5,10 @@ import (
 	"slices"
 	"strings"
 
-	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
-
 	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v2/pkg/amqp"
 	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 )
 
 // MaxCopyHeaderBytes is the largest encoded size, in bytes, of the headers of

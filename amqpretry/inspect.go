@@ -11,13 +11,12 @@ import (
 	"text/tabwriter"
 	"time"
 
-	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
-
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitretry/rabbitretry/internal/mgmt"
 
 	"github.com/rabbitretry/rabbitretry/internal/redact"
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 )
 
 // Roles of a queue in a TopologyReport (QueueState.Role).

@@ -6,11 +6,10 @@ import (
 	"sync"
 	"weak"
 
-	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
-
 	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v2/pkg/amqp"
 	"github.com/ThreeDotsLabs/watermill/message"
 
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 	"github.com/rabbitretry/rabbitretry/middleware"
 )
 

@@ -10,12 +10,11 @@ import (
 	"time"
 	"unicode/utf8"
 
-	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
-
 	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v2/pkg/amqp"
 	"github.com/ThreeDotsLabs/watermill/message"
 	amqp "github.com/rabbitmq/amqp091-go"
 
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 	"github.com/rabbitretry/rabbitretry/middleware"
 )
 

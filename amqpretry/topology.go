@@ -9,11 +9,11 @@ import (
 	"sync"
 	"time"
 
-	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
-
 	"github.com/ThreeDotsLabs/watermill"
 	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v2/pkg/amqp"
 	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 )
 
 // Queue types for Config.QueueType ("Quorum Queues", "Classic Queues").

@@ -5,9 +5,9 @@ import (
 	"errors"
 	"fmt"
 
-	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
-
 	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 )
 
 // WaitingDepth is one queue of the retry path and the messages ready in it.

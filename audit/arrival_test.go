@@ -4,11 +4,10 @@ import (
 	"testing"
 	"time"
 
-	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
-
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitretry/rabbitretry/audit"
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 )
 
 // Headers that cannot be converted are recorded under the library's one

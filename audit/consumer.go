@@ -15,14 +15,13 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
-
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/cenkalti/backoff/v4"
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitretry/rabbitretry/amqpretry"
 	"github.com/rabbitretry/rabbitretry/internal/redact"
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 )
 
 // Consumer defaults.

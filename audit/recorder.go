@@ -8,8 +8,6 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
-
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	wmw "github.com/ThreeDotsLabs/watermill/message/router/middleware"
@@ -20,6 +18,7 @@ import (
 	"github.com/rabbitretry/rabbitretry/middleware"
 
 	"github.com/rabbitretry/rabbitretry/internal/redact"
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 )
 
 // Recorder defaults.

@@ -10,13 +10,12 @@ import (
 	"testing"
 	"time"
 
-	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
-
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 	amqp "github.com/rabbitmq/amqp091-go"
 
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 	"github.com/rabbitretry/rabbitretry/internal/testkit"
 	"github.com/rabbitretry/rabbitretry/middleware"
 	"github.com/rabbitretry/rabbitretry/router"

@@ -20,14 +20,13 @@ import (
 	"testing"
 	"time"
 
-	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
-
 	"github.com/ThreeDotsLabs/watermill"
 	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v2/pkg/amqp"
 	"github.com/ThreeDotsLabs/watermill/message"
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitretry/rabbitretry/amqpretry"
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 	"github.com/rabbitretry/rabbitretry/internal/testkit"
 	"github.com/rabbitretry/rabbitretry/middleware"
 )

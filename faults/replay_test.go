@@ -13,11 +13,10 @@ import (
 	"testing"
 	"time"
 
-	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
-
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/rabbitretry/rabbitretry/amqpretry"
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 	"github.com/rabbitretry/rabbitretry/middleware"
 	padmin "github.com/rabbitretry/rabbitretry/poison/admin"
 )

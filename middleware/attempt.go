@@ -6,10 +6,10 @@ import (
 	"fmt"
 	"strconv"
 
-	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
-
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 )
 
 // MaxAttemptsCap is the hard cap on the attempt number: whatever headers a

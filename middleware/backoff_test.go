@@ -5,12 +5,11 @@ import (
 	"testing"
 	"time"
 
-	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
-
 	"github.com/rabbitretry/rabbitretry/internal/testkit"
 
 	"github.com/cenkalti/backoff/v4"
 
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 	"github.com/rabbitretry/rabbitretry/middleware"
 )
 

@@ -6,14 +6,13 @@ import (
 	"testing"
 	"time"
 
-	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
-
 	"github.com/rabbitretry/rabbitretry/internal/testkit"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 	"github.com/rabbitretry/rabbitretry/middleware"
 )
 

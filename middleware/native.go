@@ -3,9 +3,9 @@ package middleware
 import (
 	"fmt"
 
-	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
-
 	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 )
 
 // ErrNativeRetry is returned (possibly wrapped) by a Delayer that leaves the

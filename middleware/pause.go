@@ -7,11 +7,11 @@ import (
 	"sync"
 	"time"
 
-	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
-
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/sony/gobreaker"
+
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 )
 
 // ErrDependencyUnavailable marks a handler error caused by a dependency that

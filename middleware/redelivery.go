@@ -7,10 +7,10 @@ import (
 	"strconv"
 	"time"
 
-	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
-
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 )
 
 // DefaultMaxRedeliveries is the default of RedeliveryGuardConfig.MaxRedeliveries.

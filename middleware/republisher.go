@@ -7,11 +7,11 @@ import (
 	"strconv"
 	"time"
 
-	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
-
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/cenkalti/backoff/v4"
+
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 )
 
 // DefaultMaxAttempts is the default of RepublisherConfig.MaxAttempts (and

@@ -7,14 +7,14 @@ import (
 	"strings"
 	"time"
 
-	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
-
 	"github.com/ThreeDotsLabs/watermill/message"
 	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/propagation"
 	"go.opentelemetry.io/otel/trace"
+
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 )
 
 // TracingConfig configures Tracing. Zero values take the defaults.

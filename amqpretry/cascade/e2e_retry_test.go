@@ -9,8 +9,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
-
 	"github.com/ThreeDotsLabs/watermill"
 	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v2/pkg/amqp"
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -19,6 +17,7 @@ import (
 
 	"github.com/rabbitretry/rabbitretry/amqpretry"
 	"github.com/rabbitretry/rabbitretry/amqpretry/cascade"
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 	"github.com/rabbitretry/rabbitretry/internal/testkit"
 	"github.com/rabbitretry/rabbitretry/middleware"
 )

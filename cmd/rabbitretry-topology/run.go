@@ -15,8 +15,6 @@ import (
 	"text/tabwriter"
 	"time"
 
-	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
-
 	"github.com/ThreeDotsLabs/watermill"
 	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v2/pkg/amqp"
 	amqp "github.com/rabbitmq/amqp091-go"
@@ -26,6 +24,7 @@ import (
 	"github.com/rabbitretry/rabbitretry/middleware"
 
 	"github.com/rabbitretry/rabbitretry/internal/redact"
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 )
 
 // Exit codes.

@@ -8,11 +8,10 @@ import (
 	"strings"
 	"time"
 
-	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
-
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitretry/rabbitretry/amqpretry"
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 	"github.com/rabbitretry/rabbitretry/middleware"
 )
 
