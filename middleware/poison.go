@@ -32,7 +32,7 @@ type PoisonForwarderConfig struct {
 	// returned unchanged (the message is nacked).
 	ShouldPoison func(err error) bool
 	// ErrorText renders the error into reason_poisoned and LastErrorKey.
-	// Default ErrorText(err, DefaultMaxErrorBytes).
+	// Default: the error text cut to 1 KiB on a UTF-8 boundary.
 	// Error texts can carry secrets: redact them here.
 	ErrorText func(error) string
 	// Now returns the current time. Default time.Now.

@@ -24,7 +24,7 @@ type RedeliveryGuardConfig struct {
 	Delayer Delayer
 	// MaxRedeliveries bounds the crashes (runs that ended in a redelivery:
 	// a consumer crash, a connection loss, a consumer timeout) a message may
-	// cause: the redelivery that brings its count (RedeliveriesKey) to
+	// cause: the redelivery that brings its count (rabbitretry-redeliveries) to
 	// MaxRedeliveries poisons it (class ClassRedeliveryLimit) without running
 	// the handler again, if that redelivery is attributable to the message
 	// (see Quarantiner). With a quarantine the message's first crash, outside
@@ -101,8 +101,8 @@ type Quarantiner interface {
 // keep no count, and quorum queues count differently across versions (4.3:
 // only basic.reject and crashes raise x-delivery-count). The guard therefore
 // keeps its own count on the message: a delivery with
-// DeliveryRedeliveredKey set is not handed to the handler; instead a copy
-// with RedeliveriesKey incremented (attempt number, payload and metadata
+// rabbitretry-delivery-redelivered set is not handed to the handler; instead a copy
+// with rabbitretry-redeliveries incremented (attempt number, payload and metadata
 // unchanged) is handed to the Delayer with delay 0, and the redelivered
 // original is acked once the copy is held (confirmed). The copy then runs as
 // usual. A redelivery does not consume an attempt: the flag cannot tell a
@@ -111,11 +111,11 @@ type Quarantiner interface {
 //
 // Early deliveries: a delivery that came back through the library's retry
 // path before its whole delay was over (a RetryAfter or backoff delay longer
-// than the Delayer's longest hold, see RemainingDelayKey) is not run either,
+// than the Delayer's longest hold, see rabbitretry-remaining-delay-ms) is not run either,
 // and is not counted as a redelivery or an attempt (the handler never saw
 // it): a copy with the same attempt number and redelivery count is handed to
-// the Delayer for the remaining delay (with WithMinimumDelay, so a tiered
-// Delayer rounds up, and WithCopyRequired), and the original is acked once
+// the Delayer for the remaining delay (with MinimumDelay set, so a tiered
+// Delayer rounds up, and CopyRequired), and the original is acked once
 // the copy is held. This check comes first, also for a redelivered delivery
 // and with RedeliveriesCounted. The errors are the same as for a
 // redelivery's copy.
@@ -156,7 +156,7 @@ func NewRedeliveryGuard(cfg RedeliveryGuardConfig) (*RedeliveryGuard, error) {
 }
 
 // Redeliveries returns the redelivery count a message carries
-// (RedeliveriesKey): 0 when absent or malformed, at most MaxAttemptsCap.
+// (rabbitretry-redeliveries): 0 when absent or malformed, at most MaxAttemptsCap.
 func Redeliveries(msg *message.Message) int {
 	v := msg.Metadata.Get(retrymeta.RedeliveriesKey)
 	if v == "" {
@@ -244,7 +244,7 @@ func (g *RedeliveryGuard) onEarly(msg *message.Message, d time.Duration) error {
 	fields := watermill.LogFields{
 		"message_uuid": msg.UUID, "queue": g.cfg.QueueName(ctx), "attempt": attempt, "remaining": d.String(),
 	}
-	c := retrymeta.CloneMessage(msg) // without retrymeta.RemainingDelayKey: the Delayer writes what it cannot hold
+	c := retrymeta.CloneMessage(msg) // without rabbitretry-remaining-delay-ms: the Delayer writes what it cannot hold
 	retrymeta.StripDeliveryMetadata(c.Metadata)
 	c.Metadata.Set(AttemptKey, strconv.Itoa(attempt))
 	serr := g.cfg.Delayer.Schedule(retrymeta.WithCopyRequired(retrymeta.WithMinimumDelay(ctx, d)), c, d)

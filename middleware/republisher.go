@@ -27,7 +27,7 @@ type RepublisherConfig struct {
 	// [1, MaxAttemptsCap].
 	MaxAttempts int
 	// Backoff makes a fresh backoff policy; the delay after attempt n is the
-	// n-th NextBackOff of a fresh value (BackoffDelay). Default DefaultBackoff.
+	// n-th NextBackOff of a fresh value. Default DefaultBackoff.
 	// A policy returning backoff.Stop ends the retries (the message is then
 	// exhausted and poisoned).
 	Backoff func() backoff.BackOff
@@ -35,7 +35,7 @@ type RepublisherConfig struct {
 	// OriginalQueueKey. Default: the router's subscribe topic.
 	QueueName func(ctx context.Context) string
 	// ErrorText renders the handler error into LastErrorKey. Default:
-	// ErrorText(err, DefaultMaxErrorBytes). Use it to redact secrets.
+	// the error text cut to 1 KiB on a UTF-8 boundary. Use it to redact secrets.
 	ErrorText func(error) string
 	// Now returns the current time. Default time.Now.
 	Now func() time.Time

@@ -30,7 +30,7 @@ type TracingConfig struct {
 	System string
 	// QueueName names the consumed queue. Default the router's subscribe topic.
 	QueueName func(ctx context.Context) string
-	// MaxAttempts is recorded as AttrMaxAttempts when > 0 (router.New
+	// MaxAttempts is recorded as rabbitretry.retry.max_attempts when > 0 (router.New
 	// passes its own).
 	MaxAttempts int
 }
@@ -42,15 +42,15 @@ type TracingConfig struct {
 // ("<exchange>:<routing key>:<queue>", empty parts dropped, a routing key
 // equal to the queue collapsed), messaging.rabbitmq.destination.routing_key,
 // messaging.message.id, messaging.message.conversation_id (correlation id),
-// error.type and an Error status on failure; plus AttrAttempt,
-// AttrMaxAttempts, AttrOutcome, AttrErrorClass and AttrDelayMs.
+// error.type and an Error status on failure; plus rabbitretry.retry.attempt,
+// .max_attempts, .outcome, .error_class and .delay_ms (docs/tracing.md).
 //
 // One trace per message: the span is a child of the creation context the
 // message carries (traceparent/tracestate, written by an instrumented
 // producer) and links to it, as the conventions recommend. A message that
 // arrives without one gets the first attempt's span context written into its
 // metadata, so every retry copy and the poison copy carry it, unchanged, and
-// all attempts join one trace. Each copy also carries TracePrevKey, the
+// all attempts join one trace. Each copy also carries rabbitretry-trace-prev, the
 // attempt that made it, which the next attempt's span links to. Retries and
 // the poison forward are span events (as Observer, combined by router.New).
 //

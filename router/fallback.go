@@ -37,7 +37,7 @@ const fallbackMaxHold = time.Minute
 //     A RetryAfter above one minute is not held here: after the pause the
 //     copy is handed to the Delayer once more with the remaining delay; if
 //     that fails too, the copy goes back to the queue carrying the
-//     remaining delay (retrymeta.RemainingDelayKey), so the
+//     remaining delay (rabbitretry-remaining-delay-ms), so the
 //     RedeliveryGuard does not run it but hands it to the Delayer again
 //     (logged at Error);
 //  2. it hands a copy to the Delayer with delay 0 (amqpretry: straight back to
