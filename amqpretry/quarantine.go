@@ -13,7 +13,6 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
-	"github.com/rabbitretry/rabbitretry/middleware"
 )
 
 // quarantines counts, per originating queue, the quarantine subscriptions
@@ -43,11 +42,11 @@ func (q *quarantines) consumed(queue string) bool {
 	return q.n[queue] > 0
 }
 
-// Quarantine implements middleware.Quarantiner: it publishes msg to the
+// Quarantine implements retrymeta.Quarantiner: it publishes msg to the
 // quarantine queue of its originating queue through the loop-back exchange
 // (mandatory, confirmed; a missing queue is redeclared once) and returns
 // once the broker confirmed it. It returns an error wrapping
-// middleware.ErrNoQuarantine when no subscriber of this process consumes
+// retrymeta.ErrNoQuarantine when no subscriber of this process consumes
 // that quarantine (the subscriber did not come from Retry.NewSubscriber).
 func (d *Delayer) Quarantine(ctx context.Context, msg *message.Message) error {
 	q := d.queueName(ctx)
@@ -55,13 +54,13 @@ func (d *Delayer) Quarantine(ctx context.Context, msg *message.Message) error {
 		return err
 	}
 	if !d.topology.quarantines.consumed(q) {
-		return fmt.Errorf("amqpretry: queue %q: %w", q, middleware.ErrNoQuarantine)
+		return fmt.Errorf("amqpretry: queue %q: %w", q, retrymeta.ErrNoQuarantine)
 	}
 	qq := d.topology.QuarantineQueue(q)
 	return d.publish(ctx, msg, d.topology.naming.LoopBackExchange, qq, q)
 }
 
-// Quarantine implements middleware.Quarantiner through the loop-back path.
+// Quarantine implements retrymeta.Quarantiner through the loop-back path.
 func (s splitDelayer) Quarantine(ctx context.Context, msg *message.Message) error {
 	return s.loopBack.Quarantine(ctx, msg)
 }

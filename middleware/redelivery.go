@@ -27,7 +27,7 @@ type RedeliveryGuardConfig struct {
 	// cause: the redelivery that brings its count (rabbitretry-redeliveries) to
 	// MaxRedeliveries poisons it (class ClassRedeliveryLimit) without running
 	// the handler again, if that redelivery is attributable to the message
-	// (see Quarantiner). With a quarantine the message's first crash, outside
+	// (a quarantining Delayer: amqpretry's with Retry.NewSubscriber). With a quarantine the message's first crash, outside
 	// it, is not attributable, so MaxRedeliveries 1 allows two crashes.
 	// Default DefaultMaxRedeliveries (3); range [1, MaxAttemptsCap].
 	MaxRedeliveries int
@@ -66,28 +66,6 @@ func (c RedeliveryGuardConfig) Validate() error {
 		return fmt.Errorf("RedeliveryGuardConfig.MaxRedeliveries %d is outside [1, %d]", c.MaxRedeliveries, MaxAttemptsCap)
 	}
 	return nil
-}
-
-// ErrNoQuarantine is returned (wrapped) by a Quarantiner that has no
-// quarantine for the message's queue in this process (nothing consumes it):
-// the RedeliveryGuard then counts the redelivery on a copy in the queue
-// itself.
-var ErrNoQuarantine = errors.New("no quarantine consumer for this queue")
-
-// Quarantiner is implemented by a Delayer that can move a redelivered
-// message to its queue's quarantine queue: a queue consumed by the same
-// handler with prefetch 1, so that a redelivery there names the message
-// that crashed (a crash returns every unacked delivery of the connection,
-// and RabbitMQ's x-delivery-count and x-acquired-count rise for each of
-// them: RabbitMQ quorum queue docs, "When is delivery count incremented?").
-// amqpretry's Delayer implements it when the subscriber comes from
-// Retry.NewSubscriber.
-type Quarantiner interface {
-	// Quarantine publishes msg (a copy, delivery metadata stripped) to the
-	// quarantine queue of the message's queue and returns once the broker
-	// confirmed it. An error wrapping ErrNoQuarantine means nothing
-	// consumes that quarantine in this process.
-	Quarantine(ctx context.Context, msg *message.Message) error
 }
 
 // RedeliveryGuard counts broker redeliveries, so that a message that kills
@@ -191,7 +169,7 @@ func (g *RedeliveryGuard) onRedelivered(msg *message.Message) error {
 	fields := watermill.LogFields{
 		"message_uuid": msg.UUID, "queue": g.cfg.QueueName(ctx), "attempt": attempt, "redeliveries": n,
 	}
-	q, _ := g.cfg.Delayer.(Quarantiner)
+	q, _ := g.cfg.Delayer.(retrymeta.Quarantiner)
 	quarantined := msg.Metadata.Get(retrymeta.DeliveryQuarantineKey) != ""
 	c := retrymeta.CloneMessage(msg)
 	retrymeta.StripDeliveryMetadata(c.Metadata)
@@ -205,7 +183,7 @@ func (g *RedeliveryGuard) onRedelivered(msg *message.Message) error {
 		case qerr == nil:
 			g.cfg.Logger.Info("Redelivered message moved to the quarantine queue", fields)
 			return nil
-		case errors.Is(qerr, ErrNoQuarantine):
+		case errors.Is(qerr, retrymeta.ErrNoQuarantine):
 			q = nil // count it here, as without a quarantine
 		default:
 			return g.copyNotHeld(qerr, attempt, fields, "redelivered")
@@ -221,7 +199,7 @@ func (g *RedeliveryGuard) onRedelivered(msg *message.Message) error {
 	var serr error
 	if q != nil {
 		serr = q.Quarantine(ctx, c) // attributable: counted, and it stays in the quarantine
-		if errors.Is(serr, ErrNoQuarantine) {
+		if errors.Is(serr, retrymeta.ErrNoQuarantine) {
 			serr = g.cfg.Delayer.Schedule(ctx, c, 0)
 		}
 	} else {

@@ -147,7 +147,7 @@ func TestRedeliveryGuardQuarantine(t *testing.T) {
 		t.Fatalf("at the limit in the quarantine: %v", err)
 	}
 	// No quarantine consumer in this process: counted in Q as before.
-	d.qerr = middleware.ErrNoQuarantine
+	d.qerr = retrymeta.ErrNoQuarantine
 	if _, err := g.Middleware(h)(redelivered(1, "1")); err != nil || len(d.Calls()) != 1 {
 		t.Fatalf("no quarantine: err %v, %d scheduled", err, len(d.Calls()))
 	}

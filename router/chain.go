@@ -96,7 +96,7 @@ type Config struct {
 	// timeouts, returns) a message may cause: the one that brings its count
 	// to MaxRedeliveries poisons it with class
 	// middleware.ClassRedeliveryLimit (attributable ones only when the
-	// Delayer is a middleware.Quarantiner; see middleware.RedeliveryGuard).
+	// Delayer can quarantine: amqpretry's, with Retry.NewSubscriber; see middleware.RedeliveryGuard).
 	// Default middleware.DefaultMaxRedeliveries.
 	MaxRedeliveries int
 	// RedeliveriesCounted: AttemptSources count every broker redelivery as
