@@ -381,13 +381,18 @@ func TestExhaustedPoisons(t *testing.T) {
 		t.Errorf("poisoned %v, want order-3", got)
 	}
 	for k, want := range map[string]string{
-		middleware.AttemptKey:          "2",
+		middleware.PoisonAttemptsKey:   "2",
 		middleware.OriginalQueueKey:    q,
 		middleware.OriginalExchangeKey: e.exchange,
 	} {
 		if got := d.Headers[k]; got != want {
 			t.Errorf("poison copy %s = %v, want %q", k, got, want)
 		}
+	}
+	// One attempt count on a poison copy (PoisonAttemptsKey), not also the
+	// delivery's attempt header.
+	if got, ok := d.Headers[middleware.AttemptKey]; ok {
+		t.Errorf("poison copy carries %s = %v", middleware.AttemptKey, got)
 	}
 	if n := len(orders.all()); n != 2 {
 		t.Errorf("handler ran %d times, want 2", n)
