@@ -3,6 +3,8 @@ package router
 import (
 	"context"
 	"errors"
+	"fmt"
+	"strings"
 	"sync"
 	"time"
 
@@ -251,4 +253,16 @@ func (s *DrainingSubscriber) SubscribeInitialize(topic string) error {
 		return si.SubscribeInitialize(topic)
 	}
 	return nil
+}
+
+// String names the wrapped subscriber, e.g. "amqp.Subscriber", as Watermill
+// would name it unwrapped (its Stringer, else its type without the pointer
+// marker): Watermill's router logs subscribers by this name and the
+// PoisonForwarder writes it into subscriber_poisoned, where
+// "router.DrainingSubscriber" would say nothing about the source.
+func (s *DrainingSubscriber) String() string {
+	if st, ok := s.inner.(fmt.Stringer); ok {
+		return st.String()
+	}
+	return strings.TrimLeft(fmt.Sprintf("%T", s.inner), "*")
 }
