@@ -16,6 +16,7 @@ import (
 
 	"github.com/rabbitretry/rabbitretry/amqpwire"
 	"github.com/rabbitretry/rabbitretry/confirm"
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 	"github.com/rabbitretry/rabbitretry/middleware"
 	"github.com/rabbitretry/rabbitretry/router"
 )
@@ -227,7 +228,7 @@ func DefaultTiers(policy func() backoff.BackOff, maxAttempts int) []time.Duratio
 	}
 	var tiers []time.Duration
 	for n := 1; n < maxAttempts && len(tiers) < MaxTiers; n++ {
-		d, ok := middleware.BackoffDelay(p, n)
+		d, ok := retrymeta.BackoffDelay(p, n)
 		if !ok {
 			break
 		}
@@ -420,12 +421,12 @@ func (r *Retry) Middleware(h message.HandlerFunc) message.HandlerFunc {
 		}
 		key := lateKey(msg)
 		fields := watermill.LogFields{"message_uuid": msg.UUID, "attempt": msg.Metadata.Get(middleware.AttemptKey)}
-		if msg.Metadata.Get(middleware.DeliveryRedeliveredKey) != "" {
+		if msg.Metadata.Get(retrymeta.DeliveryRedeliveredKey) != "" {
 			if err, ok := r.late.take(key); ok {
 				// Its redelivery is explained: the handler ran here and
 				// finished after the broker took the delivery back.
 				r.logger.Info("Redelivered message already ran here after its delivery was taken back (consumer timeout?); settling that result without running it again", fields)
-				delete(msg.Metadata, middleware.DeliveryRedeliveredKey)
+				delete(msg.Metadata, retrymeta.DeliveryRedeliveredKey)
 				replays.Store(weak.Make(msg), verdict{err: err})
 				defer replays.Delete(weak.Make(msg))
 			}

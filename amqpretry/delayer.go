@@ -12,6 +12,7 @@ import (
 
 	"github.com/rabbitretry/rabbitretry/amqpwire"
 	"github.com/rabbitretry/rabbitretry/confirm"
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 	"github.com/rabbitretry/rabbitretry/middleware"
 )
 
@@ -63,7 +64,7 @@ type retryPlan struct {
 	// minimum is the handler's RetryAfter floor (0: none).
 	minimum time.Duration
 	// remaining is the part of the delay beyond the longest tier, carried
-	// by the copy (middleware.RemainingDelayKey).
+	// by the copy (retrymeta.RemainingDelayKey).
 	remaining time.Duration
 }
 
@@ -88,7 +89,7 @@ func (d *Delayer) plan(ctx context.Context, msg *message.Message, delay time.Dur
 		p.tier, _ = d.topology.TierAtLeast(asked)
 	}
 	// Beyond the longest tier, the wait queue holds the copy for that tier
-	// and the copy carries the rest (middleware.RemainingDelayKey): the
+	// and the copy carries the rest (retrymeta.RemainingDelayKey): the
 	// RedeliveryGuard sends it round again, so it never runs earlier than
 	// asked. Within the tiers a backoff delay is rounded to the nearest tier
 	// (TierFor), a RetryAfter up (TierAtLeast).
@@ -118,13 +119,13 @@ type foreignDeathsKey struct{}
 // foreignDeaths reports whether msg carries x-death entries for q that the
 // broker did not write on the way back to q (a producer's, or copied from
 // another message): the message is not on a retry route
-// (middleware.DeliveryRetryRouteKey). The dead-letter path would keep them
+// (retrymeta.DeliveryRetryRouteKey). The dead-letter path would keep them
 // (RabbitMQ 3.x adds its own count to an x-death entry the message already
 // has), so that such a message's next delivery, back through the first wait
 // queue, would count them as attempts; a published copy, whose x-death is
 // stripped, counts only the attempts made here.
 func foreignDeaths(msg *message.Message, q string) bool {
-	if msg.Metadata.Get(middleware.DeliveryRetryRouteKey) == "true" {
+	if msg.Metadata.Get(retrymeta.DeliveryRetryRouteKey) == "true" {
 		return false
 	}
 	recs, err := amqpwire.ParseXDeath(msg.Metadata.Get(middleware.XDeathKey))

@@ -15,6 +15,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitretry/rabbitretry/amqpretry"
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 	"github.com/rabbitretry/rabbitretry/middleware"
 	"github.com/rabbitretry/rabbitretry/router"
 )
@@ -89,9 +90,9 @@ func TestE2E_NativeDelayedRetry(t *testing.T) {
 	okMeta := rec.meta[okUUID]
 	rec.mu.Unlock()
 	for i, md := range okMeta[1:] {
-		if md.Get(middleware.DeliveryRedeliveredKey) != "true" || md.Get(middleware.XAcquiredCountKey) != fmt.Sprint(i+1) {
+		if md.Get(retrymeta.DeliveryRedeliveredKey) != "true" || md.Get(retrymeta.XAcquiredCountKey) != fmt.Sprint(i+1) {
 			t.Errorf("attempt %d: redelivered=%q x-acquired-count=%q, want true and %d", i+2,
-				md.Get(middleware.DeliveryRedeliveredKey), md.Get(middleware.XAcquiredCountKey), i+1)
+				md.Get(retrymeta.DeliveryRedeliveredKey), md.Get(retrymeta.XAcquiredCountKey), i+1)
 		}
 		if md.Get(middleware.LastErrorKey) != "" || md.Get(middleware.DelayKey) != "" {
 			t.Errorf("attempt %d carries failure metadata after a native hop: %v", i+2, md)
@@ -120,7 +121,7 @@ func TestE2E_NativeDelayedRetry(t *testing.T) {
 	rec.mu.Lock()
 	fourth := rec.meta[badUUID][3]
 	rec.mu.Unlock()
-	if fourth.Get(middleware.DeliveryRedeliveredKey) != "" || fourth.Get(middleware.LastErrorKey) == "" {
+	if fourth.Get(retrymeta.DeliveryRedeliveredKey) != "" || fourth.Get(middleware.LastErrorKey) == "" {
 		t.Errorf("attempt 4 (from the wait queue) should be a first delivery with failure metadata: %v", fourth)
 	}
 	ds := e.drain(pq)
@@ -128,11 +129,11 @@ func TestE2E_NativeDelayedRetry(t *testing.T) {
 		t.Fatalf("%d messages in the poison queue, want 1", len(ds))
 	}
 	h := ds[0].Headers
-	if h[middleware.AttemptKey] != "4" || h[middleware.ErrorClassKey] != middleware.ClassTransient && h[middleware.ErrorClassKey] != "exhausted" ||
+	if h[middleware.PoisonAttemptsKey] != "4" || h[middleware.ErrorClassKey] != middleware.ClassTransient && h[middleware.ErrorClassKey] != "exhausted" ||
 		h[middleware.LastErrorKey] == nil || h[middleware.FirstFailureKey] == nil || h[middleware.OriginalQueueKey] != q {
 		t.Errorf("poison copy lacks the failure metadata: %v", h)
 	}
-	if _, ok := h[middleware.XAcquiredCountKey]; ok {
+	if _, ok := h[retrymeta.XAcquiredCountKey]; ok {
 		t.Errorf("poison copy carries the broker's x-acquired-count: %v", h)
 	}
 	e.waitQueuesEmpty(q, 5*time.Second)

@@ -19,9 +19,9 @@ import (
 
 	"github.com/rabbitretry/rabbitretry/amqpretry"
 	"github.com/rabbitretry/rabbitretry/amqpwire"
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 	"github.com/rabbitretry/rabbitretry/internal/testkit"
 	"github.com/rabbitretry/rabbitretry/middleware"
-	"github.com/rabbitretry/rabbitretry/poison"
 )
 
 // Two queues bound to one exchange with the same routing key; A fails twice
@@ -134,11 +134,11 @@ func TestE2E_PoisonPermanentAndExhausted(t *testing.T) {
 			if h(middleware.PoisonAttemptsKey) != attempts || h(middleware.ErrorClassKey) != class {
 				t.Errorf("%s: attempts %q class %q, want %s %s", uuid, h(middleware.PoisonAttemptsKey), h(middleware.ErrorClassKey), attempts, class)
 			}
-			if !strings.Contains(h(poison.ReasonKey), reason) {
-				t.Errorf("%s: reason %q does not contain %q", uuid, h(poison.ReasonKey), reason)
+			if !strings.Contains(h(middleware.PoisonReasonKey), reason) {
+				t.Errorf("%s: reason %q does not contain %q", uuid, h(middleware.PoisonReasonKey), reason)
 			}
-			if h(poison.TopicKey) != q || h(poison.HandlerKey) != "svc" || h(poison.SubscriberKey) == "" {
-				t.Errorf("%s: watermill poison keys wrong: topic %q handler %q subscriber %q", uuid, h(poison.TopicKey), h(poison.HandlerKey), h(poison.SubscriberKey))
+			if h(retrymeta.PoisonTopicKey) != q || h(retrymeta.PoisonHandlerKey) != "svc" || h(retrymeta.PoisonSubscriberKey) == "" {
+				t.Errorf("%s: watermill poison keys wrong: topic %q handler %q subscriber %q", uuid, h(retrymeta.PoisonTopicKey), h(retrymeta.PoisonHandlerKey), h(retrymeta.PoisonSubscriberKey))
 			}
 			if h(middleware.OriginalQueueKey) != q || h(middleware.OriginalExchangeKey) != e.exchange || h(middleware.OriginalRoutingKeyKey) != "order.created" {
 				t.Errorf("%s: origin %q %q %q", uuid, h(middleware.OriginalQueueKey), h(middleware.OriginalExchangeKey), h(middleware.OriginalRoutingKeyKey))
@@ -462,7 +462,7 @@ func forgedRetryHeaders(t *testing.T, mode, qt string, opts ...envOption) {
 				amqp.Table{"queue": q + ".wait.1s", "reason": "expired", "count": int64(50)},
 			}}},
 			{"another queue's chain", amqp.Table{middleware.AttemptKey: "3", middleware.OriginalQueueKey: "payments",
-				middleware.RedeliveriesKey: "2", middleware.DeliveryRetryPathKey: "true", middleware.DeliveryRetryRouteKey: "true",
+				retrymeta.RedeliveriesKey: "2", retrymeta.DeliveryRetryPathKey: "true", retrymeta.DeliveryRetryRouteKey: "true",
 				middleware.FirstFailureKey: "2026-01-01T00:00:00Z", "x-acquired-count": int64(7), "x-delivery-count": int64(7)}},
 		}
 		uuids := map[string]string{}

@@ -14,6 +14,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/rabbitretry/rabbitretry/amqpretry"
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 	"github.com/rabbitretry/rabbitretry/middleware"
 )
 
@@ -98,20 +99,20 @@ func TestE2E_TracingOneTracePerMessage(t *testing.T) {
 				"messaging.system": "rabbitmq", "messaging.operation.type": "process",
 				"messaging.destination.name":                 e.exchange + ":order.created:" + q,
 				"messaging.rabbitmq.destination.routing_key": "order.created",
-				middleware.AttrOutcome:                       outcomes[i],
+				retrymeta.AttrOutcome:                        outcomes[i],
 			} {
 				if v, _ := spanAttr(s, key); v.AsString() != want {
 					t.Errorf("%s attempt %d: %s = %q, want %q", id, i+1, key, v.AsString(), want)
 				}
 			}
-			if v, _ := spanAttr(s, middleware.AttrAttempt); v.AsInt64() != int64(i+1) {
+			if v, _ := spanAttr(s, retrymeta.AttrAttempt); v.AsInt64() != int64(i+1) {
 				t.Errorf("%s span %d: attempt %d", id, i+1, v.AsInt64())
 			}
-			if v, _ := spanAttr(s, middleware.AttrMaxAttempts); v.AsInt64() != 3 {
+			if v, _ := spanAttr(s, retrymeta.AttrMaxAttempts); v.AsInt64() != 3 {
 				t.Errorf("%s: max attempts %d, want 3", id, v.AsInt64())
 			}
 			if outcomes[i] == "retry_scheduled" {
-				if _, ok := spanAttr(s, middleware.AttrDelayMs); !ok {
+				if _, ok := spanAttr(s, retrymeta.AttrDelayMs); !ok {
 					t.Errorf("%s attempt %d: no delay attribute", id, i+1)
 				}
 			}

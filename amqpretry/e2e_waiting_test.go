@@ -10,6 +10,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/rabbitretry/rabbitretry/amqpretry"
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 	"github.com/rabbitretry/rabbitretry/metrics"
 	"github.com/rabbitretry/rabbitretry/middleware"
 )
@@ -44,7 +45,7 @@ func TestE2E_WaitingCollector(t *testing.T) {
 	}
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(c)
-	tier := middleware.FormatDelay(time.Minute)
+	tier := retrymeta.FormatDelay(time.Minute)
 	mfs, err := reg.Gather()
 	if err != nil {
 		t.Fatal(err)

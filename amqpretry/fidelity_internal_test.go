@@ -10,6 +10,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitretry/rabbitretry/amqpwire"
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 	"github.com/rabbitretry/rabbitretry/middleware"
 )
 
@@ -51,8 +52,8 @@ func TestMarshalerTypedHeaders(t *testing.T) {
 	if msg.Metadata["I"] != "-2147483648" || msg.Metadata["x"] != "\x00\x01\xff" || msg.Metadata[middleware.AttemptKey] != "2" {
 		t.Errorf("metadata not readable strings: %q %q %q", msg.Metadata["I"], msg.Metadata["x"], msg.Metadata[middleware.AttemptKey])
 	}
-	if msg.Metadata[middleware.TypedHeadersKey] == "forged" || msg.Metadata[middleware.HeaderErrorKey] != "" {
-		t.Errorf("typed key %q, header error %q", msg.Metadata[middleware.TypedHeadersKey], msg.Metadata[middleware.HeaderErrorKey])
+	if msg.Metadata[middleware.TypedHeadersKey] == "forged" || msg.Metadata[retrymeta.HeaderErrorKey] != "" {
+		t.Errorf("typed key %q, header error %q", msg.Metadata[middleware.TypedHeadersKey], msg.Metadata[retrymeta.HeaderErrorKey])
 	}
 	msg.Metadata["i"] = "changed"
 	delete(msg.Metadata, "F")
@@ -240,7 +241,7 @@ func TestRetryPathDelivery(t *testing.T) {
 func TestMarshalerOriginKeys(t *testing.T) {
 	forged := amqp.Table{
 		middleware.OriginalQueueKey: "other", middleware.OriginalExchangeKey: "evil", middleware.OriginalRoutingKeyKey: "evil.key",
-		middleware.DeliveryRetryPathKey: "true", // never taken from a header
+		retrymeta.DeliveryRetryPathKey: "true", // never taken from a header
 	}
 	msg, err := Marshaler{}.Unmarshal(amqp.Delivery{Headers: forged, Exchange: "orders", RoutingKey: "order.created", DeliveryTag: 1})
 	if err != nil {
@@ -252,7 +253,7 @@ func TestMarshalerOriginKeys(t *testing.T) {
 			t.Errorf("%s = %q, want %q", k, msg.Metadata[k], v)
 		}
 	}
-	for _, k := range []string{middleware.OriginalQueueKey, middleware.DeliveryRetryPathKey} {
+	for _, k := range []string{middleware.OriginalQueueKey, retrymeta.DeliveryRetryPathKey} {
 		if v, ok := msg.Metadata[k]; ok {
 			t.Errorf("%s = %q, want absent", k, v)
 		}
@@ -268,14 +269,14 @@ func TestMarshalerOriginKeys(t *testing.T) {
 			t.Errorf("retry path: %s = %q, want %q", k, msg.Metadata[k], v)
 		}
 	}
-	if msg.Metadata[middleware.DeliveryRetryPathKey] != "true" {
+	if msg.Metadata[retrymeta.DeliveryRetryPathKey] != "true" {
 		t.Error("retry-path delivery not marked")
 	}
 	p, err := Marshaler{}.Marshal(msg)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, ok := p.Headers[middleware.DeliveryRetryPathKey]; ok {
+	if _, ok := p.Headers[retrymeta.DeliveryRetryPathKey]; ok {
 		t.Error("the retry-path mark travels on the wire")
 	}
 }

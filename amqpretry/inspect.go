@@ -14,9 +14,9 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitretry/rabbitretry/internal/mgmt"
-	"github.com/rabbitretry/rabbitretry/middleware"
 
 	"github.com/rabbitretry/rabbitretry/internal/redact"
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 )
 
 // Roles of a queue in a TopologyReport (QueueState.Role).
@@ -93,7 +93,7 @@ func (r *TopologyReport) String() string {
 	for _, q := range r.Queues {
 		tier, msgs, state := "-", "-", "ok"
 		if q.Tier > 0 {
-			tier = middleware.FormatDelay(q.Tier)
+			tier = retrymeta.FormatDelay(q.Tier)
 		}
 		if q.Exists {
 			msgs = fmt.Sprint(q.Messages)

@@ -9,6 +9,7 @@ import (
 	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v2/pkg/amqp"
 	"github.com/ThreeDotsLabs/watermill/message"
 
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 	"github.com/rabbitretry/rabbitretry/middleware"
 )
 
@@ -44,7 +45,7 @@ func newLateVerdicts() *lateVerdicts {
 // retry copy of the same message has another key; a redelivery of the same
 // delivery has the same).
 func lateKey(msg *message.Message) string {
-	return msg.UUID + "\x00" + msg.Metadata.Get(middleware.AttemptKey) + "\x00" + msg.Metadata.Get(middleware.RedeliveriesKey)
+	return msg.UUID + "\x00" + msg.Metadata.Get(middleware.AttemptKey) + "\x00" + msg.Metadata.Get(retrymeta.RedeliveriesKey)
 }
 
 func (l *lateVerdicts) add(k string, err error) {

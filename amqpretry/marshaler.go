@@ -16,6 +16,7 @@ import (
 
 	"github.com/rabbitretry/rabbitretry/amqpwire"
 	"github.com/rabbitretry/rabbitretry/confirm"
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 	"github.com/rabbitretry/rabbitretry/middleware"
 )
 
@@ -80,7 +81,7 @@ type Marshaler struct {
 	// Topology names the retry topology (the loop-back exchange, each
 	// queue's wait queues) by which Unmarshal recognises a delivery that came
 	// back through the library's own retry path (see
-	// middleware.DeliveryRetryPathKey). nil means the default Naming with any
+	// retrymeta.DeliveryRetryPathKey). nil means the default Naming with any
 	// tier: loop-back exchange "rabbitretry.loopback", wait queues
 	// "<Q>.wait.<tier>". With a custom Config.Naming, set it to the Retry's
 	// Topology (Retry.Topology()); otherwise copies that come back through a
@@ -125,9 +126,9 @@ func (m Marshaler) uuidHeaderKey() string {
 //     amqpwire.EncodeXDeath under middleware.XDeathKey (see
 //     DeathRecordsFromTable);
 //   - x-delivery-count (RabbitMQ "Quorum Queues") becomes a decimal string
-//     under middleware.XDeliveryCountKey (see DeliveryCount);
+//     under retrymeta.XDeliveryCountKey (see DeliveryCount);
 //   - x-acquired-count (RabbitMQ 4.x quorum queues: every return of the
-//     message) becomes a decimal string under middleware.XAcquiredCountKey;
+//     message) becomes a decimal string under retrymeta.XAcquiredCountKey;
 //   - every other non-string header, the message UUID header included,
 //     becomes its string form (see headerToString for the formats: numbers in
 //     decimal, timestamps in RFC 3339 UTC, tables and arrays as JSON).
@@ -137,15 +138,15 @@ func (m Marshaler) uuidHeaderKey() string {
 //
 // A header that cannot be converted (a malformed x-death or x-delivery-count,
 // say a forged one) is dropped, and a description of the problem is stored
-// under middleware.HeaderErrorKey; it never makes Unmarshal fail. Headers that
+// under retrymeta.HeaderErrorKey; it never makes Unmarshal fail. Headers that
 // describe one publish or delivery only (PublishIDHeader, and any incoming
-// middleware.HeaderErrorKey, DeliveryExchangeKey, DeliveryRoutingKeyKey,
+// retrymeta.HeaderErrorKey, DeliveryExchangeKey, DeliveryRoutingKeyKey,
 // DeliveryRedeliveredKey, DeliveryRetryPathKey or TypedHeadersKey) are
 // dropped. The x-first-death-* and x-last-death-* headers are strings and pass
 // through as metadata.
 //
-// After Inner, the metadata gets middleware.DeliveryExchangeKey = d.Exchange,
-// middleware.DeliveryRoutingKeyKey = d.RoutingKey, and the delivery's AMQP
+// After Inner, the metadata gets retrymeta.DeliveryExchangeKey = d.Exchange,
+// retrymeta.DeliveryRoutingKeyKey = d.RoutingKey, and the delivery's AMQP
 // properties under the Prop*Key keys (restored by Marshal).
 //
 // Identity: the message UUID is the UUID header (Inner's key, default
@@ -156,9 +157,9 @@ func (m Marshaler) uuidHeaderKey() string {
 // that comes back without a copy in between (requeued, or dead-lettered by the
 // broker after a nack) is a new delivery of the original and gets a new UUID.
 //
-// Origin and attempts: middleware.DeliveryRetryRouteKey is set to "true"
+// Origin and attempts: retrymeta.DeliveryRetryRouteKey is set to "true"
 // when the delivery reached its queue through one of the library's retry
-// routes, and middleware.DeliveryRetryPathKey when, moreover, it is a copy
+// routes, and retrymeta.DeliveryRetryPathKey when, moreover, it is a copy
 // the library published for that queue (see retryRoute): only then does
 // the attempt counter read its attempt header (and, on a retry route, its
 // x-death entries for the queue). On any other delivery the origin keys cannot have been written by the library,
@@ -211,20 +212,20 @@ func (m Marshaler) Unmarshal(d amqp.Delivery) (*message.Message, error) {
 			}
 			deaths = recs
 			headers[middleware.XDeathKey] = amqpwire.EncodeXDeath(recs)
-		case middleware.XDeliveryCountKey:
-			n, err := amqpwire.Count(middleware.XDeliveryCountKey, v)
+		case retrymeta.XDeliveryCountKey:
+			n, err := amqpwire.Count(retrymeta.XDeliveryCountKey, v)
 			if err != nil {
 				problems = append(problems, err.Error())
 				continue
 			}
-			headers[middleware.XDeliveryCountKey] = strconv.FormatInt(n, 10)
-		case middleware.XAcquiredCountKey:
+			headers[retrymeta.XDeliveryCountKey] = strconv.FormatInt(n, 10)
+		case retrymeta.XAcquiredCountKey:
 			n, err := acquiredCount(v)
 			if err != nil {
 				problems = append(problems, err.Error())
 				continue
 			}
-			headers[middleware.XAcquiredCountKey] = strconv.FormatInt(n, 10)
+			headers[retrymeta.XAcquiredCountKey] = strconv.FormatInt(n, 10)
 		default:
 			if droppedOnUnmarshal(k) {
 				continue
@@ -269,7 +270,7 @@ func onlyPlainStringHeaders(h amqp.Table) bool {
 			return false
 		}
 		switch k {
-		case middleware.XDeathKey, middleware.XDeliveryCountKey, middleware.XAcquiredCountKey:
+		case middleware.XDeathKey, retrymeta.XDeliveryCountKey, retrymeta.XAcquiredCountKey:
 			return false
 		case confirm.PublishIDHeader:
 		default:
@@ -296,17 +297,17 @@ func (m Marshaler) finishUnmarshal(msg *message.Message, d amqp.Delivery, proble
 	if msg.Metadata == nil {
 		msg.Metadata = make(message.Metadata)
 	}
-	msg.Metadata.Set(middleware.DeliveryExchangeKey, d.Exchange)
-	msg.Metadata.Set(middleware.DeliveryRoutingKeyKey, d.RoutingKey)
+	msg.Metadata.Set(retrymeta.DeliveryExchangeKey, d.Exchange)
+	msg.Metadata.Set(retrymeta.DeliveryRoutingKeyKey, d.RoutingKey)
 	if d.Redelivered {
-		msg.Metadata.Set(middleware.DeliveryRedeliveredKey, "true")
+		msg.Metadata.Set(retrymeta.DeliveryRedeliveredKey, "true")
 	}
 	route, copyOf := m.retryRoute(&d, deaths)
 	if route {
-		msg.Metadata.Set(middleware.DeliveryRetryRouteKey, "true")
+		msg.Metadata.Set(retrymeta.DeliveryRetryRouteKey, "true")
 	}
 	if copyOf {
-		msg.Metadata.Set(middleware.DeliveryRetryPathKey, "true")
+		msg.Metadata.Set(retrymeta.DeliveryRetryPathKey, "true")
 	} else {
 		// Whatever origin keys this message carries, the library did not
 		// write them: replace them by the delivery's, so that no copy of it
@@ -326,17 +327,17 @@ func (m Marshaler) finishUnmarshal(msg *message.Message, d amqp.Delivery, proble
 	amqpwire.PropertiesToMetadata(&d, msg.Metadata)
 	if len(problems) > 0 {
 		sort.Strings(problems) // map order is random; keep the text stable
-		msg.Metadata.Set(middleware.HeaderErrorKey, strings.Join(problems, "; "))
+		msg.Metadata.Set(retrymeta.HeaderErrorKey, strings.Join(problems, "; "))
 	}
 	return msg
 }
 
 // isBrokerOwnedOrDeliveryOnly reports whether a header must not travel on a
 // publishing: the broker's dead-lettering and delivery-count headers and the
-// metadata that describes one delivery (middleware.IsDeliveryOnly), and
+// metadata that describes one delivery (retrymeta.IsDeliveryOnly), and
 // those of one publish (publishOnly).
 func isBrokerOwnedOrDeliveryOnly(k string) bool {
-	return middleware.IsDeliveryOnly(k) || publishOnly(k)
+	return retrymeta.IsDeliveryOnly(k) || publishOnly(k)
 }
 
 // publishOnly reports whether k belongs to one publish or one Unmarshal of
@@ -351,7 +352,7 @@ func publishOnly(k string) bool {
 // only come from an earlier publish or a producer, except the broker's
 // x-first-death-* and x-last-death-* strings, which pass through.
 func droppedOnUnmarshal(k string) bool {
-	if strings.HasPrefix(k, middleware.XFirstDeathPrefix) || strings.HasPrefix(k, middleware.XLastDeathPrefix) {
+	if strings.HasPrefix(k, retrymeta.XFirstDeathPrefix) || strings.HasPrefix(k, retrymeta.XLastDeathPrefix) {
 		return false
 	}
 	return isBrokerOwnedOrDeliveryOnly(k)
@@ -366,9 +367,9 @@ func droppedOnUnmarshal(k string) bool {
 //     4.x ignores a client-set x-death; and the string x-death that Unmarshal
 //     produces could confuse a broker that does read it ("Dead Letter
 //     Exchanges");
-//   - middleware.DeliveryExchangeKey, middleware.DeliveryRoutingKeyKey,
-//     middleware.DeliveryRedeliveredKey, middleware.DeliveryRetryPathKey,
-//     middleware.HeaderErrorKey and PublishIDHeader, which describe one
+//   - retrymeta.DeliveryExchangeKey, retrymeta.DeliveryRoutingKeyKey,
+//     retrymeta.DeliveryRedeliveredKey, retrymeta.DeliveryRetryPathKey,
+//     retrymeta.HeaderErrorKey and PublishIDHeader, which describe one
 //     delivery or one publish, and TypedHeadersKey.
 //
 // The headers recorded under TypedHeadersKey go out with their AMQP type

@@ -16,6 +16,7 @@ import (
 
 	"github.com/rabbitretry/rabbitretry/amqpwire"
 	"github.com/rabbitretry/rabbitretry/confirm"
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 	"github.com/rabbitretry/rabbitretry/middleware"
 )
 
@@ -102,24 +103,24 @@ func TestMarshalerUnmarshalBrokerHeaders(t *testing.T) {
 		t.Fatalf("x-death records %#v, want %#v", recs, want)
 	}
 	for k, v := range map[string]string{
-		"user-key":                       "user-value",
-		"x-first-death-queue":            "A",
-		"x-first-death-reason":           "rejected",
-		"x-first-death-exchange":         "orders",
-		"x-last-death-queue":             "A",
-		middleware.XDeliveryCountKey:     "2",
-		"num":                            "5",
-		"flag":                           "true",
-		"ts":                             "2024-05-06T07:08:09Z",
-		middleware.DeliveryExchangeKey:   "",
-		middleware.DeliveryRoutingKeyKey: "B",
+		"user-key":                      "user-value",
+		"x-first-death-queue":           "A",
+		"x-first-death-reason":          "rejected",
+		"x-first-death-exchange":        "orders",
+		"x-last-death-queue":            "A",
+		retrymeta.XDeliveryCountKey:     "2",
+		"num":                           "5",
+		"flag":                          "true",
+		"ts":                            "2024-05-06T07:08:09Z",
+		retrymeta.DeliveryExchangeKey:   "",
+		retrymeta.DeliveryRoutingKeyKey: "B",
 	} {
 		got, ok := msg.Metadata[k]
 		if !ok || got != v {
 			t.Errorf("metadata %q = %q (present %v), want %q", k, got, ok, v)
 		}
 	}
-	for _, k := range []string{confirm.PublishIDHeader, middleware.HeaderErrorKey, wamqp.DefaultMessageUUIDHeaderKey} {
+	for _, k := range []string{confirm.PublishIDHeader, retrymeta.HeaderErrorKey, wamqp.DefaultMessageUUIDHeaderKey} {
 		if v, ok := msg.Metadata[k]; ok {
 			t.Errorf("metadata %q = %q should be absent", k, v)
 		}
@@ -143,7 +144,7 @@ func TestMarshalerUnmarshalMalformedBrokerHeaders(t *testing.T) {
 				"x-delivery-count": int64(-1),
 			},
 			wantErrs: []string{"x-death: x-death entry 0: count -1 is negative", "x-delivery-count -1 is negative"},
-			absent:   []string{middleware.XDeathKey, middleware.XDeliveryCountKey},
+			absent:   []string{middleware.XDeathKey, retrymeta.XDeliveryCountKey},
 		},
 		"huge count and missing queue": {
 			headers: amqp.Table{"x-death": []interface{}{
@@ -159,7 +160,7 @@ func TestMarshalerUnmarshalMalformedBrokerHeaders(t *testing.T) {
 			absent:   []string{"weird"},
 		},
 		"stale header error is replaced": {
-			headers:  amqp.Table{middleware.HeaderErrorKey: "old", "x-delivery-count": "x"},
+			headers:  amqp.Table{retrymeta.HeaderErrorKey: "old", "x-delivery-count": "x"},
 			wantErrs: []string{"x-delivery-count"},
 		},
 	}
@@ -171,14 +172,14 @@ func TestMarshalerUnmarshalMalformedBrokerHeaders(t *testing.T) {
 			if err != nil {
 				t.Fatalf("Unmarshal must not fail because of broker headers: %v", err)
 			}
-			he := msg.Metadata.Get(middleware.HeaderErrorKey)
+			he := msg.Metadata.Get(retrymeta.HeaderErrorKey)
 			for _, w := range tc.wantErrs {
 				if !strings.Contains(he, w) {
-					t.Errorf("%s = %q, want it to contain %q", middleware.HeaderErrorKey, he, w)
+					t.Errorf("%s = %q, want it to contain %q", retrymeta.HeaderErrorKey, he, w)
 				}
 			}
 			if strings.Contains(he, "old") {
-				t.Errorf("stale %s survived: %q", middleware.HeaderErrorKey, he)
+				t.Errorf("stale %s survived: %q", retrymeta.HeaderErrorKey, he)
 			}
 			for _, k := range tc.absent {
 				if v, ok := msg.Metadata[k]; ok {
@@ -234,7 +235,7 @@ func TestMarshalerUnmarshalUUID(t *testing.T) {
 	} {
 		cm := Marshaler{Inner: inner}
 		msg, err = cm.Unmarshal(amqp.Delivery{Headers: amqp.Table{"id": int64(7), "x-delivery-count": int64(1)}})
-		if err != nil || msg.UUID != "7" || msg.Metadata.Get(middleware.XDeliveryCountKey) != "1" {
+		if err != nil || msg.UUID != "7" || msg.Metadata.Get(retrymeta.XDeliveryCountKey) != "1" {
 			t.Fatalf("%T custom key: UUID %q metadata %v err %v", inner, msg.UUID, msg.Metadata, err)
 		}
 		if cm.uuidHeaderKey() != "id" {
@@ -248,9 +249,9 @@ func TestMarshalerMarshalStripsDeliveryHeaders(t *testing.T) {
 	stripped := []string{
 		"x-death", "x-first-death-queue", "x-first-death-reason", "x-first-death-exchange",
 		"x-last-death-queue", "x-last-death-reason", "x-last-death-exchange", "x-delivery-count",
-		middleware.XDeathKey, middleware.XDeliveryCountKey,
-		middleware.DeliveryExchangeKey, middleware.DeliveryRoutingKeyKey,
-		middleware.HeaderErrorKey, confirm.PublishIDHeader,
+		middleware.XDeathKey, retrymeta.XDeliveryCountKey,
+		retrymeta.DeliveryExchangeKey, retrymeta.DeliveryRoutingKeyKey,
+		retrymeta.HeaderErrorKey, confirm.PublishIDHeader,
 	}
 	for _, k := range stripped {
 		msg.Metadata.Set(k, "v")
@@ -513,10 +514,10 @@ func FuzzMarshalerUnmarshal(f *testing.F) {
 			if err != nil || len(recs) != 1 || (utf8.ValidString(dq) && recs[0].Queue != dq) || recs[0].Count != dcount {
 				t.Fatalf("x-death metadata %q: %v %v", xd, recs, err)
 			}
-		} else if !strings.Contains(msg.Metadata[middleware.HeaderErrorKey], "x-death") {
+		} else if !strings.Contains(msg.Metadata[retrymeta.HeaderErrorKey], "x-death") {
 			t.Fatalf("x-death dropped without a header error: %v", msg.Metadata)
 		}
-		if msg.Metadata.Get(middleware.DeliveryRoutingKeyKey) != key || msg.Metadata.Get(middleware.DeliveryExchangeKey) != "ex" {
+		if msg.Metadata.Get(retrymeta.DeliveryRoutingKeyKey) != key || msg.Metadata.Get(retrymeta.DeliveryExchangeKey) != "ex" {
 			t.Fatal("delivery keys not set")
 		}
 
@@ -596,8 +597,8 @@ func assertCleanCopy(t *testing.T, msg *message.Message) amqp.Publishing {
 	}
 	for k := range p.Headers {
 		if k == "x-death" || k == "x-delivery-count" || strings.HasPrefix(k, "x-first-death-") ||
-			strings.HasPrefix(k, "x-last-death-") || k == middleware.DeliveryExchangeKey ||
-			k == middleware.DeliveryRoutingKeyKey || k == middleware.HeaderErrorKey || k == confirm.PublishIDHeader {
+			strings.HasPrefix(k, "x-last-death-") || k == retrymeta.DeliveryExchangeKey ||
+			k == retrymeta.DeliveryRoutingKeyKey || k == retrymeta.HeaderErrorKey || k == confirm.PublishIDHeader {
 			t.Errorf("publishing still carries %q = %v", k, p.Headers[k])
 		}
 	}
@@ -645,7 +646,7 @@ func TestMarshalerBrokerDeadLetteredMessage(t *testing.T) {
 	if err != nil {
 		t.Fatalf("Marshaler.Unmarshal: %v", err)
 	}
-	if he, ok := msg.Metadata[middleware.HeaderErrorKey]; ok {
+	if he, ok := msg.Metadata[retrymeta.HeaderErrorKey]; ok {
 		t.Fatalf("unexpected header error: %s", he)
 	}
 	recs, err := amqpwire.ParseXDeath(msg.Metadata.Get(middleware.XDeathKey))
@@ -664,12 +665,12 @@ func TestMarshalerBrokerDeadLetteredMessage(t *testing.T) {
 		t.Errorf("x-death time %v", r.Time)
 	}
 	for k, v := range map[string]string{
-		"x-first-death-queue":            qa,
-		"x-first-death-reason":           "rejected",
-		"x-first-death-exchange":         "",
-		middleware.DeliveryExchangeKey:   "",
-		middleware.DeliveryRoutingKeyKey: qb,
-		"user-key":                       "user-value",
+		"x-first-death-queue":           qa,
+		"x-first-death-reason":          "rejected",
+		"x-first-death-exchange":        "",
+		retrymeta.DeliveryExchangeKey:   "",
+		retrymeta.DeliveryRoutingKeyKey: qb,
+		"user-key":                      "user-value",
 	} {
 		if got, ok := msg.Metadata[k]; !ok || got != v {
 			t.Errorf("metadata %q = %q (present %v), want %q", k, got, ok, v)
@@ -761,14 +762,14 @@ func TestMarshalerBrokerQuorumDeliveryCount(t *testing.T) {
 	if got := msg.Metadata.Get(countKey); got != "1" {
 		t.Fatalf("metadata %s = %q, want \"1\" (metadata %v)", countKey, got, msg.Metadata)
 	}
-	if msg.Metadata.Get(middleware.DeliveryRedeliveredKey) != "true" {
+	if msg.Metadata.Get(retrymeta.DeliveryRedeliveredKey) != "true" {
 		t.Errorf("redelivered flag not in metadata: %v", msg.Metadata)
 	}
-	if he, ok := msg.Metadata[middleware.HeaderErrorKey]; ok {
+	if he, ok := msg.Metadata[retrymeta.HeaderErrorKey]; ok {
 		t.Fatalf("unexpected header error: %s", he)
 	}
 	if msg.UUID != "uuid-broker-1" || msg.Metadata.Get("user-key") != "user-value" ||
-		msg.Metadata.Get(middleware.DeliveryRoutingKeyKey) != q {
+		msg.Metadata.Get(retrymeta.DeliveryRoutingKeyKey) != q {
 		t.Errorf("UUID %q metadata %v", msg.UUID, msg.Metadata)
 	}
 	assertCleanCopy(t, msg)

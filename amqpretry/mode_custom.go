@@ -92,7 +92,7 @@ type CustomDelayer struct {
 	// queue through the mechanism, from basic.deliver's exchange and
 	// routing key: it returns the queue the copy was addressed to and true,
 	// else false. The Marshaler then treats such a delivery as a retry-path
-	// delivery (middleware.DeliveryRetryPathKey), so that the origin
+	// delivery (retrymeta.DeliveryRetryPathKey), so that the origin
 	// metadata (middleware.OriginalQueueKey, OriginalExchangeKey,
 	// OriginalRoutingKeyKey) recorded on the first failure is kept. Without
 	// it, a retried delivery whose routing key is not the queue name gets

@@ -66,7 +66,7 @@ func (deadLetterFirstMode) delayer(base *Delayer, _ DelayerDeps) (middleware.Del
 
 // deadLetterFirstDelayer returns middleware.ErrDeadLetter, without
 // publishing, for a retry the first tier holds in full, unless ctx is
-// middleware.WithCopyRequired, the delivery carries foreign x-death
+// retrymeta.WithCopyRequired, the delivery carries foreign x-death
 // entries for Q (foreignDeaths, marked by Retry.Middleware: the dead-letter
 // path would keep them), or the route does not check out; everything else
 // is published as in the Tiers mode.

@@ -90,7 +90,7 @@ func (m nativeMode) delayer(base *Delayer, _ DelayerDeps) (middleware.Delayer, f
 
 // nativeDelayer returns middleware.ErrNativeRetry, without publishing, for
 // a retry in the native range (NativeDelayedRetry.fits) unless ctx is
-// middleware.WithCopyRequired or the route does not check out (adopted
+// retrymeta.WithCopyRequired or the route does not check out (adopted
 // queues); everything else is published as in the Tiers mode.
 type nativeDelayer struct {
 	*Delayer

@@ -12,7 +12,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	amqp "github.com/rabbitmq/amqp091-go"
 
-	"github.com/rabbitretry/rabbitretry/middleware"
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 )
 
 // quarantines counts, per originating queue, the quarantine subscriptions
@@ -42,11 +42,11 @@ func (q *quarantines) consumed(queue string) bool {
 	return q.n[queue] > 0
 }
 
-// Quarantine implements middleware.Quarantiner: it publishes msg to the
+// Quarantine implements retrymeta.Quarantiner: it publishes msg to the
 // quarantine queue of its originating queue through the loop-back exchange
 // (mandatory, confirmed; a missing queue is redeclared once) and returns
 // once the broker confirmed it. It returns an error wrapping
-// middleware.ErrNoQuarantine when no subscriber of this process consumes
+// retrymeta.ErrNoQuarantine when no subscriber of this process consumes
 // that quarantine (the subscriber did not come from Retry.NewSubscriber).
 func (d *Delayer) Quarantine(ctx context.Context, msg *message.Message) error {
 	q := d.queueName(ctx)
@@ -54,13 +54,13 @@ func (d *Delayer) Quarantine(ctx context.Context, msg *message.Message) error {
 		return err
 	}
 	if !d.topology.quarantines.consumed(q) {
-		return fmt.Errorf("amqpretry: queue %q: %w", q, middleware.ErrNoQuarantine)
+		return fmt.Errorf("amqpretry: queue %q: %w", q, retrymeta.ErrNoQuarantine)
 	}
 	qq := d.topology.QuarantineQueue(q)
 	return d.publish(ctx, msg, d.topology.naming.LoopBackExchange, qq, q)
 }
 
-// Quarantine implements middleware.Quarantiner through the loop-back path.
+// Quarantine implements retrymeta.Quarantiner through the loop-back path.
 func (s splitDelayer) Quarantine(ctx context.Context, msg *message.Message) error {
 	return s.loopBack.Quarantine(ctx, msg)
 }
@@ -68,7 +68,7 @@ func (s splitDelayer) Quarantine(ctx context.Context, msg *message.Message) erro
 // quarantineSubscriber consumes, for each subscribed topic, the originating
 // queue (the user's subscriber configuration) and its quarantine queue (the
 // same configuration with prefetch 1), and hands out the messages of both on
-// one channel; quarantine messages carry middleware.DeliveryQuarantineKey.
+// one channel; quarantine messages carry retrymeta.DeliveryQuarantineKey.
 type quarantineSubscriber struct {
 	origin, quarantine *wamqp.Subscriber
 	topo               *Topology
@@ -163,7 +163,7 @@ func (s *quarantineSubscriber) Subscribe(ctx context.Context, topic string) (<-c
 		}
 		for msg := range in {
 			if quarantined {
-				msg.Metadata.Set(middleware.DeliveryQuarantineKey, "true")
+				msg.Metadata.Set(retrymeta.DeliveryQuarantineKey, "true")
 			}
 			// watermill-amqp cancels the context it gave the message once it
 			// has written the ack or nack to the broker (its processMessage

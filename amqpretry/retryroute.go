@@ -6,14 +6,14 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitretry/rabbitretry/amqpwire"
-	"github.com/rabbitretry/rabbitretry/middleware"
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 )
 
 // retryRoute reports whether d reached its queue Q through one of the
-// library's retry routes (route: middleware.DeliveryRetryRouteKey), and
+// library's retry routes (route: retrymeta.DeliveryRetryRouteKey), and
 // whether, moreover, the message is a copy the library published for Q, so
 // that the attempt count and origin keys it carries were written by the
-// library (copyOf: middleware.DeliveryRetryPathKey). The routes are:
+// library (copyOf: retrymeta.DeliveryRetryPathKey). The routes are:
 //   - the loop-back exchange (zero-delay copies, fallback and redelivery
 //     copies, poison-queue replays; Q is bound to it with routing key Q), or
 //   - the default exchange with routing key Q, its most recent x-death
@@ -84,8 +84,8 @@ func (m Marshaler) retryRoute(d *amqp.Delivery, deaths []amqpwire.DeathRecord) (
 // exchange (a zero-delay copy). A producer's message dead-lettered out of q
 // has q and its business exchange there.
 func (m Marshaler) copyBeforeDeath(d *amqp.Delivery, q, loopBack string) bool {
-	fq, _ := d.Headers[middleware.XFirstDeathPrefix+"queue"].(string)
-	fx, _ := d.Headers[middleware.XFirstDeathPrefix+"exchange"].(string)
+	fq, _ := d.Headers[retrymeta.XFirstDeathPrefix+"queue"].(string)
+	fx, _ := d.Headers[retrymeta.XFirstDeathPrefix+"exchange"].(string)
 	if fq == q {
 		return fx == loopBack
 	}
@@ -149,7 +149,7 @@ func (m Marshaler) retryPathDelivery(d *amqp.Delivery, deaths []amqpwire.DeathRe
 
 // isWaitQueueOf reports whether name is one of queue's wait queues: by the
 // Topology's names when set, or by the default naming "<queue>.wait.<tier>"
-// with a tier as middleware.FormatDelay renders it ("200ms", "1s", "5m", "2h")
+// with a tier as retrymeta.FormatDelay renders it ("200ms", "1s", "5m", "2h")
 // for any tier, so that a copy waiting in the wait queue of a tier a later
 // deploy removed (or of the tiers that a deploy replaced by a
 // DelayerFactory) still counts as the library's when it comes back.

@@ -9,11 +9,11 @@ import (
 	"sync"
 	"time"
 
-	"github.com/rabbitretry/rabbitretry/middleware"
-
 	"github.com/ThreeDotsLabs/watermill"
 	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v2/pkg/amqp"
 	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 )
 
 // Queue types for Config.QueueType ("Quorum Queues", "Classic Queues").
@@ -46,7 +46,7 @@ type Naming struct {
 	// their own names. Default "rabbitretry.poison".
 	PoisonExchange string
 	// WaitQueue names Q's wait queue for a delay tier. Default
-	// "<Q>.wait.<tier>" with tier as middleware.FormatDelay renders it:
+	// "<Q>.wait.<tier>" with tier as retrymeta.FormatDelay renders it:
 	// "500ms", "1s", "2m", "1h".
 	WaitQueue func(queue string, tier time.Duration) string
 	// PoisonQueue names Q's poison queue. Default "<Q>.poison".
@@ -54,7 +54,7 @@ type Naming struct {
 	// QuarantineQueue names Q's quarantine queue: where the RedeliveryGuard
 	// moves a message redelivered in Q (a crash or consumer timeout may
 	// have been any of the unacked deliveries), to run it with prefetch 1 so
-	// that a crash there is attributable (middleware.Quarantiner). It is
+	// that a crash there is attributable (the RedeliveryGuard's quarantine). It is
 	// bound to LoopBackExchange with its own name and consumed by the
 	// subscriber from Retry.NewSubscriber. Default "<Q>.quarantine".
 	QuarantineQueue func(queue string) string
@@ -71,7 +71,7 @@ func (n *Naming) setDefaults() {
 		n.PoisonExchange = "rabbitretry.poison"
 	}
 	if n.WaitQueue == nil {
-		n.WaitQueue = func(q string, tier time.Duration) string { return q + ".wait." + middleware.FormatDelay(tier) }
+		n.WaitQueue = func(q string, tier time.Duration) string { return q + ".wait." + retrymeta.FormatDelay(tier) }
 	}
 	if n.PoisonQueue == nil {
 		n.PoisonQueue = func(q string) string { return q + ".poison" }
@@ -240,7 +240,7 @@ func (t *Topology) TierFor(d time.Duration) time.Duration {
 // (a handler's RetryAfter): the message never comes back earlier than asked.
 // ok is false when d exceeds the longest tier; the longest tier is returned
 // then (the Delayer holds the copy for it and the copy carries the rest,
-// middleware.RemainingDelayKey, so it is held again when it comes back).
+// retrymeta.RemainingDelayKey, so it is held again when it comes back).
 // With no tiers (a Custom mode) it returns 0, false.
 func (t *Topology) TierAtLeast(d time.Duration) (tier time.Duration, ok bool) {
 	if len(t.tiers) == 0 {

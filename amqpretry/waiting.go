@@ -7,7 +7,7 @@ import (
 
 	amqp "github.com/rabbitmq/amqp091-go"
 
-	"github.com/rabbitretry/rabbitretry/middleware"
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 )
 
 // WaitingDepth is one queue of the retry path and the messages ready in it.
@@ -33,7 +33,7 @@ func (r *Retry) Waiting(ctx context.Context, queues ...string) ([]WaitingDepth, 
 	for _, q := range queues {
 		stages := make([]struct{ name, stage string }, 0, len(r.topology.tiers)+1)
 		for _, tier := range r.topology.tiers {
-			stages = append(stages, struct{ name, stage string }{r.topology.naming.WaitQueue(q, tier), middleware.FormatDelay(tier)})
+			stages = append(stages, struct{ name, stage string }{r.topology.naming.WaitQueue(q, tier), retrymeta.FormatDelay(tier)})
 		}
 		stages = append(stages, struct{ name, stage string }{r.topology.PoisonQueue(q), "poison"})
 		for _, s := range stages {

@@ -8,6 +8,7 @@ import (
 	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v2/pkg/amqp"
 	amqp "github.com/rabbitmq/amqp091-go"
 
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 	"github.com/rabbitretry/rabbitretry/middleware"
 )
 
@@ -64,6 +65,6 @@ func FitHeaders(p *amqp.Publishing) {
 		dropped = append(dropped, k)
 	}
 	if len(dropped) > 0 {
-		p.Headers[middleware.DroppedHeadersKey] = middleware.Truncate(strings.Join(dropped, ","), 1024)
+		p.Headers[middleware.DroppedHeadersKey] = retrymeta.Truncate(strings.Join(dropped, ","), 1024)
 	}
 }

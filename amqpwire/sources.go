@@ -7,6 +7,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 	"github.com/rabbitretry/rabbitretry/middleware"
 )
 
@@ -26,7 +27,7 @@ import (
 // since the last scheduled copy, and they add to middleware.HeaderSource.
 //
 // They count only on a delivery that reached the queue through one of the
-// library's retry routes (middleware.DeliveryRetryRouteKey, set by the amqpretry
+// library's retry routes (retrymeta.DeliveryRetryRouteKey, set by the amqpretry
 // Marshaler from the delivery): a dead-lettering out of the queue comes back
 // that way (DeadLetterFirstRetry, a delivery limit), while an x-death a
 // producer wrote (or one copied from another message) arrives with a first
@@ -41,7 +42,7 @@ func XDeathSource(queue func(msg *message.Message) string) middleware.AttemptSou
 		queue = func(msg *message.Message) string { return message.SubscribeTopicFromCtx(msg.Context()) }
 	}
 	return middleware.AttemptSource{Name: middleware.XDeathKey, Previous: func(msg *message.Message) (int64, error) {
-		if msg.Metadata.Get(middleware.DeliveryRetryRouteKey) != "true" {
+		if msg.Metadata.Get(retrymeta.DeliveryRetryRouteKey) != "true" {
 			return 0, nil // not back through a retry route: a first delivery here
 		}
 		recs, err := ParseXDeath(msg.Metadata[middleware.XDeathKey])
@@ -72,18 +73,18 @@ func XDeathSource(queue func(msg *message.Message) string) middleware.AttemptSou
 // default sources, because a requeue is not always a failed attempt; add it
 // when redeliveries should count. Non-numeric or negative: an error.
 func DeliveryCountSource() middleware.AttemptSource {
-	return middleware.AttemptSource{Name: middleware.XDeliveryCountKey, Previous: func(msg *message.Message) (int64, error) {
-		v, ok := msg.Metadata[middleware.XDeliveryCountKey]
+	return middleware.AttemptSource{Name: retrymeta.XDeliveryCountKey, Previous: func(msg *message.Message) (int64, error) {
+		v, ok := msg.Metadata[retrymeta.XDeliveryCountKey]
 		if !ok {
 			return 0, nil
 		}
-		return parseCount(middleware.XDeliveryCountKey, v)
+		return parseCount(retrymeta.XDeliveryCountKey, v)
 	}}
 }
 
 // AcquiredCountSource counts the returns of a message to its quorum queue
-// from the broker's x-acquired-count (middleware.XAcquiredCountKey), but only on a
-// delivery with the redelivered flag (middleware.DeliveryRedeliveredKey): on a first
+// from the broker's x-acquired-count (retrymeta.XAcquiredCountKey), but only on a
+// delivery with the redelivered flag (retrymeta.DeliveryRedeliveredKey): on a first
 // delivery the header can only be a producer's (RabbitMQ 4.3 passes a
 // forged value through until the first return, then replaces it), so it
 // counts 0 there.
@@ -107,15 +108,15 @@ func DeliveryCountSource() middleware.AttemptSource {
 // Absent: 0. Non-numeric or negative: an error (the counter ignores it).
 // Above middleware.MaxAttemptsCap: middleware.MaxAttemptsCap.
 func AcquiredCountSource() middleware.AttemptSource {
-	return middleware.AttemptSource{Name: middleware.XAcquiredCountKey, Previous: func(msg *message.Message) (int64, error) {
-		if msg.Metadata.Get(middleware.DeliveryRedeliveredKey) == "" {
+	return middleware.AttemptSource{Name: retrymeta.XAcquiredCountKey, Previous: func(msg *message.Message) (int64, error) {
+		if msg.Metadata.Get(retrymeta.DeliveryRedeliveredKey) == "" {
 			return 0, nil
 		}
-		v, ok := msg.Metadata[middleware.XAcquiredCountKey]
+		v, ok := msg.Metadata[retrymeta.XAcquiredCountKey]
 		if !ok {
 			return 0, nil
 		}
-		return parseCount(middleware.XAcquiredCountKey, v)
+		return parseCount(retrymeta.XAcquiredCountKey, v)
 	}}
 }
 
@@ -150,20 +151,20 @@ func AcquiredCountSource() middleware.AttemptSource {
 // counter ignores the source). Above middleware.MaxAttemptsCap: middleware.MaxAttemptsCap.
 func NackCountSource() middleware.AttemptSource {
 	return middleware.AttemptSource{Name: "nack-count", Previous: func(msg *message.Message) (int64, error) {
-		if msg.Metadata.Get(middleware.DeliveryRedeliveredKey) == "" {
+		if msg.Metadata.Get(retrymeta.DeliveryRedeliveredKey) == "" {
 			return 0, nil
 		}
-		v, ok := msg.Metadata[middleware.XAcquiredCountKey]
+		v, ok := msg.Metadata[retrymeta.XAcquiredCountKey]
 		if !ok {
 			return 0, nil
 		}
-		acquired, err := parseCount(middleware.XAcquiredCountKey, v)
+		acquired, err := parseCount(retrymeta.XAcquiredCountKey, v)
 		if err != nil {
 			return 0, err
 		}
 		var failures int64
-		if d, ok := msg.Metadata[middleware.XDeliveryCountKey]; ok {
-			if failures, err = parseCount(middleware.XDeliveryCountKey, d); err != nil {
+		if d, ok := msg.Metadata[retrymeta.XDeliveryCountKey]; ok {
+			if failures, err = parseCount(retrymeta.XDeliveryCountKey, d); err != nil {
 				return 0, err
 			}
 		}

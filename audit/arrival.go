@@ -14,7 +14,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitretry/rabbitretry/amqpwire"
-	"github.com/rabbitretry/rabbitretry/middleware"
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 )
 
 func truncate(s string, n int) string {
@@ -27,7 +27,7 @@ func truncate(s string, n int) string {
 // deliveryOnlyHeaders describe the audit queue's delivery, not the publish:
 // left out of Arrival.Headers and of its ID (a redelivery must map to the
 // same record).
-var deliveryOnlyHeaders = map[string]bool{middleware.XDeliveryCountKey: true, middleware.XAcquiredCountKey: true}
+var deliveryOnlyHeaders = map[string]bool{retrymeta.XDeliveryCountKey: true, retrymeta.XAcquiredCountKey: true}
 
 // errUntrusted is logged for an attempt record whose user-id is not one
 // of ConsumerConfig.RecorderUsers.
@@ -70,7 +70,7 @@ const timestampErrorProperty = "rabbitretry-timestamp-error"
 // is outside years 1-9999 (then zero, and timestampErrorProperty says
 // why); headers become JSON values
 // (amqpwire.HeadersToJSON; a header that cannot be converted is recorded
-// under middleware.HeaderErrorKey, "rabbitretry-header-error"), without the queue's x-delivery-count
+// under retrymeta.HeaderErrorKey, "rabbitretry-header-error"), without the queue's x-delivery-count
 // and x-acquired-count; HeaderTable keeps them with their AMQP types; the
 // body is cut to bodyLimit bytes. contentID (and ID) is the hex SHA-256
 // over exchange, routing key, message id, timestamp, headers (canonical
@@ -107,7 +107,7 @@ func arrivalFromDelivery(d amqp.Delivery, uuidHeader string, bodyLimit int, now 
 	}
 	h, err := amqpwire.HeadersToJSON(hdrs)
 	if err != nil {
-		h = map[string]any{middleware.HeaderErrorKey: err.Error()}
+		h = map[string]any{retrymeta.HeaderErrorKey: err.Error()}
 	}
 	if len(h) > 0 {
 		a.Headers, a.HeaderTable = h, hdrs

@@ -14,6 +14,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitretry/rabbitretry/confirm"
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 	"github.com/rabbitretry/rabbitretry/middleware"
 )
 
@@ -172,7 +173,7 @@ func stateOf(msg *message.Message) *attemptState {
 //   - else OutcomeSuccess if the handler ran (or without HandlerMiddleware);
 //   - else OutcomeRequeued: the handler did not run (a redelivered message
 //     the RedeliveryGuard copied back to its queue, or a delivery that came
-//     back before its retry delay was over, middleware.RemainingDelayKey,
+//     back before its retry delay was over, retrymeta.RemainingDelayKey,
 //     which the guard sent through the Delayer again).
 //
 // The record is queued for the background publisher; when Buffer records
@@ -258,7 +259,7 @@ func (r *Recorder) attemptFrom(msg *message.Message, st *attemptState, chainErr 
 		if !st.ran || a.Error == "" {
 			a.Error = joinText(a.Error, r.cfg.ErrorText(chainErr))
 		}
-	case middleware.RemainingDelay(msg) > 0:
+	case retrymeta.RemainingDelay(msg) > 0:
 		// The RedeliveryGuard never runs such a delivery (with or without
 		// HandlerMiddleware).
 		a.Outcome = OutcomeRequeued

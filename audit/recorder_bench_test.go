@@ -20,7 +20,7 @@ func benchChain(b *testing.B, withRecorder bool) {
 	ps := gochannel.NewGoChannel(gochannel.Config{}, watermill.NopLogger{})
 	mem, _ := middleware.NewMemoryDelayer(ps, nil, nil)
 	var rec *Recorder
-	cfg := router.Config{Delayer: mem, PoisonPublisher: ps}
+	cfg := router.Config{Delayer: mem, PoisonPublisher: gochannel.NewGoChannel(gochannel.Config{Persistent: true}, watermill.NopLogger{})}
 	if withRecorder {
 		rcfg := RecorderConfig{URI: "amqp://unused/"}
 		rcfg.setDefaults()

@@ -15,6 +15,7 @@ import (
 	"github.com/rabbitretry/rabbitretry/middleware"
 
 	"github.com/rabbitretry/rabbitretry/internal/redact"
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 )
 
 // Recorder defaults.
@@ -86,8 +87,8 @@ type RecorderConfig struct {
 	// tier recorded (0).
 	TierFor func(queue string, d time.Duration) time.Duration
 	// ErrorText renders the handler error into Attempt.Error; use the same
-	// redaction as the retry chain. Default middleware.ErrorText(err,
-	// middleware.DefaultMaxErrorBytes), the chain's default.
+	// redaction as the retry chain. Default retrymeta.ErrorText(err,
+	// retrymeta.DefaultMaxErrorBytes), the chain's default.
 	ErrorText func(error) string
 	// Classifier gives Attempt.ErrorClass of a handler error. Default
 	// middleware.DefaultClassifier; pass the chain's (Chain().Classifier)
@@ -125,7 +126,7 @@ func (c *RecorderConfig) setDefaults() {
 		c.QueueName = message.SubscribeTopicFromCtx
 	}
 	if c.ErrorText == nil {
-		c.ErrorText = func(err error) string { return middleware.ErrorText(err, middleware.DefaultMaxErrorBytes) }
+		c.ErrorText = func(err error) string { return retrymeta.ErrorText(err, retrymeta.DefaultMaxErrorBytes) }
 	}
 	if c.Classifier == nil {
 		c.Classifier = middleware.DefaultClassifier

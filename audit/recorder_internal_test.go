@@ -15,6 +15,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 	amqp "github.com/rabbitmq/amqp091-go"
 
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 	"github.com/rabbitretry/rabbitretry/internal/testkit"
 	"github.com/rabbitretry/rabbitretry/middleware"
 	"github.com/rabbitretry/rabbitretry/router"
@@ -114,7 +115,7 @@ func TestRecorderOutcomes(t *testing.T) {
 		return mem.Schedule(ctx, msg, d)
 	})
 	chain, err := router.New(router.Config{
-		Delayer: delayer, PoisonPublisher: ps, Policy: router.Policy{MaxAttempts: 3, Backoff: testkit.ExactBackoff(20 * time.Millisecond), Observer: middleware.Observers(middleware.NopObserver{}, rec), FallbackPause: -1},
+		Delayer: delayer, PoisonPublisher: gochannel.NewGoChannel(gochannel.Config{Persistent: true}, logger), Policy: router.Policy{MaxAttempts: 3, Backoff: testkit.ExactBackoff(20 * time.Millisecond), Observer: middleware.Observers(middleware.NopObserver{}, rec), FallbackPause: -1},
 		Logger: logger,
 	})
 	if err != nil {
@@ -164,7 +165,7 @@ func TestRecorderOutcomes(t *testing.T) {
 	})
 	failSchedule.Store(nacked.UUID, 1) // the retry copy is refused; the fallback copy is held
 	redelivered := newMsg(nil)
-	redelivered.Metadata.Set(middleware.DeliveryRedeliveredKey, "true")
+	redelivered.Metadata.Set(retrymeta.DeliveryRedeliveredKey, "true")
 	redelivered.Metadata.Set("rabbitretry-amqp-correlation-id", "corr-7")
 
 	go func() { _ = r.Run(context.Background()) }()

@@ -18,26 +18,25 @@ const module = "github.com/rabbitretry/rabbitretry"
 var layers = map[string][]string{
 	// The broker-agnostic base: middlewares, the Delayer seam, the one
 	// metadata vocabulary. Nothing of ours, no AMQP client.
-	"middleware": {},
+	"middleware": {"internal/retrymeta"},
 	// AMQP wire details on top of the vocabulary.
-	"amqpwire": {"middleware"},
+	"amqpwire": {"middleware", "internal/retrymeta"},
 	// The confirm publisher: the wire at most.
 	"confirm": {"amqpwire"},
-	// The poison forwarder (moving beside the other middlewares).
-	"poison": {"middleware"},
-	// The chain: the middlewares (and the poison forwarder while it lives in
-	// poison/).
-	"router": {"middleware", "poison"},
+	// The chain: the middlewares, in their one order.
+	"router": {"middleware", "internal/retrymeta"},
 	// RabbitMQ retry: the chain over AMQP. Never the audit, poison
 	// operations or metrics.
 	"amqpretry":         {"middleware", "amqpwire", "confirm", "router"},
 	"amqpretry/cascade": {"middleware", "amqpwire", "confirm", "router", "amqpretry"},
-	"poison/admin":      {"middleware", "amqpwire", "confirm", "poison"},
+	"poison/admin":      {"middleware", "amqpwire", "confirm"},
 	"audit":             {"middleware", "amqpwire", "confirm"},
 	"audit/pgstore":     {"amqpwire", "audit"},
 	"audit/httpapi":     {"audit"},
 	"audit/audittest":   {"audit"},
 	"metrics":           {"middleware", "audit"},
+	// The one metadata vocabulary, under everything: Watermill only.
+	"internal/retrymeta": {},
 	// Parsing of auditctl's and the HTTP API's filter syntax, on audit's types.
 	"internal/auditparse": {"audit"},
 }

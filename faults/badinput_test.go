@@ -21,6 +21,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitretry/rabbitretry/amqpretry"
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 	"github.com/rabbitretry/rabbitretry/middleware"
 )
 
@@ -350,7 +351,7 @@ func TestBadInputNonStringHeaders(t *testing.T) {
 			t.Errorf("%s: %q on attempt 1, %q on the retry", k, v1, v2)
 		}
 	}
-	if p := metas[0][middleware.HeaderErrorKey]; p != "" {
+	if p := metas[0][retrymeta.HeaderErrorKey]; p != "" {
 		t.Errorf("header problems reported: %s", p)
 	}
 }

@@ -26,6 +26,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitretry/rabbitretry/amqpretry"
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 	"github.com/rabbitretry/rabbitretry/internal/testkit"
 	"github.com/rabbitretry/rabbitretry/middleware"
 )
@@ -587,7 +588,7 @@ func clusterHandler(l *ledger, tl *timeline, fs *fates) message.NoPublishHandler
 		if a > 1 {
 			tl.add(evRetryRun)
 		}
-		if r, err := strconv.Atoi(msg.Metadata.Get(middleware.RedeliveriesKey)); err == nil && r > 0 {
+		if r, err := strconv.Atoi(msg.Metadata.Get(retrymeta.RedeliveriesKey)); err == nil && r > 0 {
 			tl.sawRedelivered(msg.UUID, r)
 		}
 		time.Sleep(time.Millisecond) // simulated work

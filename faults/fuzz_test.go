@@ -13,6 +13,7 @@ import (
 
 	"github.com/rabbitretry/rabbitretry/amqpretry"
 	"github.com/rabbitretry/rabbitretry/amqpwire"
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 	"github.com/rabbitretry/rabbitretry/middleware"
 	"github.com/rabbitretry/rabbitretry/router"
 )
@@ -41,7 +42,7 @@ func FuzzAttemptCounter(f *testing.F) {
 			msg.Metadata.Set(middleware.XDeathKey, xdeath)
 		}
 		if deliveryCount != "" {
-			msg.Metadata.Set(middleware.XDeliveryCountKey, deliveryCount)
+			msg.Metadata.Set(retrymeta.XDeliveryCountKey, deliveryCount)
 		}
 		c, err := middleware.NewAttemptCounter(middleware.AttemptCounterConfig{Sources: []middleware.AttemptSource{
 			middleware.HeaderSource(nil),

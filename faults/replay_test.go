@@ -16,6 +16,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/rabbitretry/rabbitretry/amqpretry"
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 	"github.com/rabbitretry/rabbitretry/middleware"
 	padmin "github.com/rabbitretry/rabbitretry/poison/admin"
 )
@@ -51,7 +52,7 @@ func testReplayStartsFreshAttempts(t *testing.T, bin, queueType string) {
 	// gone after the replay.
 	ps[3].Headers["x-death"] = "not a table"
 	ps[3].Headers[middleware.AttemptKey] = "not a number"
-	ps[3].Headers[middleware.RedeliveriesKey] = "-7"
+	ps[3].Headers[retrymeta.RedeliveriesKey] = "-7"
 
 	// Phase 1a: the pill crashes its consumer process until the guard
 	// poisons it (class redelivery-limit).
@@ -148,7 +149,7 @@ func testReplayStartsFreshAttempts(t *testing.T, bin, queueType string) {
 		t.Errorf("did not settle")
 	}
 	for _, d := range ds {
-		t.Errorf("poisoned again after the replay: %s class %v redeliveries %v", d.Body, d.Headers[middleware.ErrorClassKey], d.Headers[middleware.RedeliveriesKey])
+		t.Errorf("poisoned again after the replay: %s class %v redeliveries %v", d.Body, d.Headers[middleware.ErrorClassKey], d.Headers[retrymeta.RedeliveriesKey])
 	}
 	mu.Lock()
 	defer mu.Unlock()

@@ -17,8 +17,8 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitretry/rabbitretry/amqpretry"
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 	"github.com/rabbitretry/rabbitretry/middleware"
-	"github.com/rabbitretry/rabbitretry/poison"
 )
 
 // A producer cannot buy more attempts than MaxAttempts, nor skip any: the
@@ -53,7 +53,7 @@ func TestForgedRetryHeaders(t *testing.T) {
 		{"x-death expired", amqp.Table{"x-death": xdeath("QUEUE", "expired", 500000)}, "[1 2 3]"},
 		{"x-death as string", amqp.Table{"x-death": `[{"queue":"QUEUE","reason":"rejected","count":999}]`}, "[1 2 3]"},
 		{"x-delivery-count 999", amqp.Table{"x-delivery-count": int64(999)}, "[1 2 3]"},
-		{"forged header-error", amqp.Table{middleware.HeaderErrorKey: "everything is fine"}, "[1 2 3]"},
+		{"forged header-error", amqp.Table{retrymeta.HeaderErrorKey: "everything is fine"}, "[1 2 3]"},
 		{"attempt 999 + x-death 5", amqp.Table{middleware.AttemptKey: "999", "x-death": xdeath("QUEUE", "rejected", 5)}, "[1 2 3]"},
 	}
 	var uuids []string
@@ -83,7 +83,7 @@ func TestForgedRetryHeaders(t *testing.T) {
 	problems := map[string]string{}
 	e.start(func(msg *message.Message) error {
 		l.attempt(msg.UUID, middleware.Attempt(msg))
-		if p := msg.Metadata.Get(middleware.HeaderErrorKey); p != "" {
+		if p := msg.Metadata.Get(retrymeta.HeaderErrorKey); p != "" {
 			mu.Lock()
 			problems[msg.UUID] = p
 			mu.Unlock()
@@ -120,7 +120,7 @@ func TestForgedRetryHeaders(t *testing.T) {
 			t.Errorf("%s: poisoned with class %v", byUUID[u], d.Headers[middleware.ErrorClassKey])
 		}
 		for k := range d.Headers {
-			if k == "x-death" || k == "x-delivery-count" || k == middleware.HeaderErrorKey {
+			if k == "x-death" || k == "x-delivery-count" || k == retrymeta.HeaderErrorKey {
 				t.Errorf("%s: forged %s carried into the poison queue", byUUID[u], k)
 			}
 		}
@@ -128,7 +128,7 @@ func TestForgedRetryHeaders(t *testing.T) {
 }
 
 // Error texts in failure headers are bounded: a 10 KiB error leaves at most
-// middleware.DefaultMaxErrorBytes (1 KiB) in rabbitretry-last-error on the
+// retrymeta.DefaultMaxErrorBytes (1 KiB) in rabbitretry-last-error on the
 // retry copy and in reason_poisoned / rabbitretry-last-error on the poison
 // copy.
 func TestErrorTextBounded(t *testing.T) {
@@ -158,8 +158,8 @@ func TestErrorTextBounded(t *testing.T) {
 	}
 	check := func(where, v string) {
 		t.Helper()
-		if v == "" || len(v) > middleware.DefaultMaxErrorBytes {
-			t.Errorf("%s: %d bytes, want 1..%d", where, len(v), middleware.DefaultMaxErrorBytes)
+		if v == "" || len(v) > retrymeta.DefaultMaxErrorBytes {
+			t.Errorf("%s: %d bytes, want 1..%d", where, len(v), retrymeta.DefaultMaxErrorBytes)
 		}
 		if !strings.Contains(v, "upstream said: ") || !strings.HasSuffix(v, "…") || !utf8.ValidString(v) {
 			t.Errorf("%s: not a clean UTF-8 prefix marked as cut: %q...", where, v[:min(len(v), 40)])
@@ -169,7 +169,7 @@ func TestErrorTextBounded(t *testing.T) {
 	check("retry copy "+middleware.LastErrorKey, retryLastError)
 	mu.Unlock()
 	h := ds[0].Headers
-	check("poison "+poison.ReasonKey, h[poison.ReasonKey].(string))
+	check("poison "+middleware.PoisonReasonKey, h[middleware.PoisonReasonKey].(string))
 	check("poison "+middleware.LastErrorKey, h[middleware.LastErrorKey].(string))
 	total := 0
 	for k, v := range h {
@@ -178,7 +178,7 @@ func TestErrorTextBounded(t *testing.T) {
 		}
 	}
 	t.Logf("poison copy: reason %d bytes, last-error %d bytes, all string headers %d bytes",
-		len(h[poison.ReasonKey].(string)), len(h[middleware.LastErrorKey].(string)), total)
+		len(h[middleware.PoisonReasonKey].(string)), len(h[middleware.LastErrorKey].(string)), total)
 }
 
 // A custom Config.ErrorText redacts secrets from every header the library
@@ -187,7 +187,7 @@ func TestErrorTextBounded(t *testing.T) {
 func TestErrorTextRedaction(t *testing.T) {
 	creds := regexp.MustCompile(`(amqps?|https?|postgres)://[^:/@\s]+:[^@/\s]+@`)
 	redact := func(err error) string {
-		return middleware.Truncate(creds.ReplaceAllString(err.Error(), "$1://REDACTED@"), middleware.DefaultMaxErrorBytes)
+		return retrymeta.Truncate(creds.ReplaceAllString(err.Error(), "$1://REDACTED@"), retrymeta.DefaultMaxErrorBytes)
 	}
 	e := newEnv(t, "classic", func(_ *env, c *amqpretry.Config) {
 		c.MaxAttempts = 3
@@ -227,7 +227,7 @@ func TestErrorTextRedaction(t *testing.T) {
 			t.Errorf("poison copy: header %s = %q leaks the secret", k, s)
 		}
 	}
-	if r := ds[0].Headers[poison.ReasonKey].(string); !strings.Contains(r, "amqp://REDACTED@rabbit.internal") {
+	if r := ds[0].Headers[middleware.PoisonReasonKey].(string); !strings.Contains(r, "amqp://REDACTED@rabbit.internal") {
 		t.Errorf("reason %q: not the redacted text", r)
 	}
 	if got := metas[len(metas)-1].Get(middleware.LastErrorKey); !strings.Contains(got, "REDACTED") {

@@ -37,9 +37,11 @@ func Example() {
 	if err != nil {
 		log.Fatal(err)
 	}
+	// A gochannel poison topic must be persistent (router.Config.Validate).
+	poisonPubSub := gochannel.NewGoChannel(gochannel.Config{Persistent: true}, logger)
 	chain, err := router.New(router.Config{
 		Delayer:         delayer,
-		PoisonPublisher: pubSub,
+		PoisonPublisher: poisonPubSub,
 		Policy:          router.Policy{Observer: m}, // retries, poisonings and drops
 	})
 	if err != nil {

@@ -11,6 +11,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 	"github.com/rabbitretry/rabbitretry/middleware"
 )
 
@@ -356,7 +357,7 @@ func (m *Metrics) Middleware(h message.HandlerFunc) message.HandlerFunc {
 // retry_delay_seconds and took in republish_seconds.
 func (m *Metrics) RetryScheduled(msg *message.Message, attempt int, delay, took time.Duration) {
 	q := m.queue(msg)
-	m.retriesScheduled.WithLabelValues(q, middleware.FormatDelay(m.tier(delay))).Inc()
+	m.retriesScheduled.WithLabelValues(q, retrymeta.FormatDelay(m.tier(delay))).Inc()
 	m.retryDelay.WithLabelValues(q).Observe(delay.Seconds())
 	m.republish.WithLabelValues(q).Observe(took.Seconds())
 }

@@ -19,6 +19,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/testutil"
 	dto "github.com/prometheus/client_model/go"
 
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 	"github.com/rabbitretry/rabbitretry/metrics"
 	"github.com/rabbitretry/rabbitretry/middleware"
 	"github.com/rabbitretry/rabbitretry/router"
@@ -765,7 +766,7 @@ func TestFormatDelay(t *testing.T) {
 		5 * time.Minute:         "5m",
 		2 * time.Hour:           "2h",
 	} {
-		if got := middleware.FormatDelay(d); got != want {
+		if got := retrymeta.FormatDelay(d); got != want {
 			t.Errorf("FormatDelay(%s) = %q, want %q", d, got, want)
 		}
 	}

@@ -8,6 +8,8 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 )
 
 // MaxAttemptsCap is the hard cap on the attempt number: whatever headers a
@@ -20,14 +22,14 @@ type attemptCtxKey struct{}
 
 type provenCtxKey struct{}
 
-// ContextWithAttempt returns ctx carrying attempt (1-based).
-func ContextWithAttempt(ctx context.Context, attempt int) context.Context {
+// contextWithAttempt returns ctx carrying attempt (1-based).
+func contextWithAttempt(ctx context.Context, attempt int) context.Context {
 	return context.WithValue(ctx, attemptCtxKey{}, attempt)
 }
 
-// AttemptFromContext returns the attempt number the AttemptCounter stored
+// attemptFromContext returns the attempt number the AttemptCounter stored
 // in ctx, and whether there was one.
-func AttemptFromContext(ctx context.Context) (int, bool) {
+func attemptFromContext(ctx context.Context) (int, bool) {
 	if ctx == nil {
 		return 0, false
 	}
@@ -41,7 +43,7 @@ func AttemptFromContext(ctx context.Context) (int, bool) {
 // (HeaderSource with the router's subscribe topic) when it is a valid number
 // in [1, MaxAttemptsCap] (a larger one reads as MaxAttemptsCap); else 1.
 func Attempt(msg *message.Message) int {
-	if n, ok := AttemptFromContext(msg.Context()); ok {
+	if n, ok := attemptFromContext(msg.Context()); ok {
 		return n
 	}
 	prev, err := HeaderSource(nil).Previous(msg)
@@ -62,8 +64,8 @@ func ProvenAttempt(msg *message.Message) int {
 	if n, ok := msg.Context().Value(provenCtxKey{}).(int); ok {
 		return min(n, Attempt(msg))
 	}
-	if n, ok := AttemptFromContext(msg.Context()); ok {
-		return n // set by ContextWithAttempt alone: all of it proven
+	if n, ok := attemptFromContext(msg.Context()); ok {
+		return n // set by contextWithAttempt alone: all of it proven
 	}
 	src := HeaderSource(nil)
 	prev, err := src.Proven(msg)
@@ -158,8 +160,8 @@ func parseCount(key, v string) (int64, error) {
 // known, e.g. outside a message.Router) there is nothing to compare, and a
 // message without transport evidence counts as a copy.
 func ownCopy(msg *message.Message, queue string) bool {
-	if _, amqp := msg.Metadata[DeliveryExchangeKey]; amqp {
-		return msg.Metadata.Get(DeliveryRetryPathKey) == "true"
+	if _, amqp := msg.Metadata[retrymeta.DeliveryExchangeKey]; amqp {
+		return msg.Metadata.Get(retrymeta.DeliveryRetryPathKey) == "true"
 	}
 	return queue == "" || msg.Metadata.Get(OriginalQueueKey) == queue
 }
@@ -205,7 +207,7 @@ func HeaderSource(queue func(msg *message.Message) string) AttemptSource {
 	}, Proven: func(msg *message.Message) (int64, error) {
 		// ProvenAttemptKey, written with AttemptKey on every copy; a copy
 		// made before it existed has only AttemptKey, all of it proven.
-		if n, ok, err := previous(msg, ProvenAttemptKey); ok && err == nil {
+		if n, ok, err := previous(msg, retrymeta.ProvenAttemptKey); ok && err == nil {
 			return n, nil
 		}
 		n, _, err := previous(msg, AttemptKey)
@@ -247,7 +249,7 @@ func (c AttemptCounterConfig) Validate() error {
 }
 
 // AttemptCounter works out the attempt number of each delivery and puts it in
-// the message's context (AttemptFromContext) and metadata (AttemptKey), where
+// the message's context (Attempt) and metadata (AttemptKey), where
 // handlers (Attempt(msg)) and the other middlewares read it.
 type AttemptCounter struct {
 	sources []AttemptSource
@@ -261,13 +263,6 @@ func NewAttemptCounter(cfg AttemptCounterConfig) (*AttemptCounter, error) {
 		return nil, err
 	}
 	return &AttemptCounter{sources: cfg.Sources, logger: cfg.Logger}, nil
-}
-
-// Count returns the attempt number of msg in [1, MaxAttemptsCap], and a
-// description of malformed values it ignored ("" if none).
-func (c *AttemptCounter) Count(msg *message.Message) (int, string) {
-	n, _, bad := c.count(msg)
-	return n, bad
 }
 
 // count returns the attempt number, the proven attempt number (only the
@@ -291,21 +286,28 @@ func (c *AttemptCounter) count(msg *message.Message) (int, int, string) {
 	return clampAttempt(1 + prev), clampAttempt(1 + proven), bad
 }
 
-// Middleware stores the attempt number (AttemptKey, AttemptFromContext) and
+// Count returns the attempt number of msg in [1, MaxAttemptsCap], and a
+// description of malformed values it ignored ("" if none).
+func (c *AttemptCounter) Count(msg *message.Message) (int, string) {
+	n, _, bad := c.count(msg)
+	return n, bad
+}
+
+// Middleware stores the attempt number (AttemptKey, and in the context for Attempt) and
 // the proven attempt number (ProvenAttemptKey, ProvenAttempt) and calls the
 // handler.
 func (c *AttemptCounter) Middleware(h message.HandlerFunc) message.HandlerFunc {
 	return func(msg *message.Message) ([]*message.Message, error) {
 		n, proven, bad := c.count(msg)
 		if bad != "" {
-			msg.Metadata.Set(HeaderErrorKey, bad)
+			msg.Metadata.Set(retrymeta.HeaderErrorKey, bad)
 			c.logger.Info("Ignoring malformed attempt headers", watermill.LogFields{
 				"message_uuid": msg.UUID, "problem": bad, "attempt": n,
 			})
 		}
 		msg.Metadata.Set(AttemptKey, strconv.Itoa(n))
-		msg.Metadata.Set(ProvenAttemptKey, strconv.Itoa(proven))
-		msg.SetContext(context.WithValue(ContextWithAttempt(msg.Context(), n), provenCtxKey{}, proven))
+		msg.Metadata.Set(retrymeta.ProvenAttemptKey, strconv.Itoa(proven))
+		msg.SetContext(context.WithValue(contextWithAttempt(msg.Context(), n), provenCtxKey{}, proven))
 		return h(msg)
 	}
 }

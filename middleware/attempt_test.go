@@ -12,6 +12,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/rabbitretry/rabbitretry/amqpwire"
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 	"github.com/rabbitretry/rabbitretry/middleware"
 )
 
@@ -86,7 +87,7 @@ func TestAttemptCounterHeader(t *testing.T) {
 			if ctxN != tc.want || md != strconv.Itoa(tc.want) {
 				t.Errorf("middleware: context %d, metadata %q; want %d", ctxN, md, tc.want)
 			}
-			he, hasHE := msg.Metadata[middleware.HeaderErrorKey]
+			he, hasHE := msg.Metadata[retrymeta.HeaderErrorKey]
 			if hasHE != tc.wantBad {
 				t.Errorf("HeaderErrorKey present %v (%q), want %v", hasHE, he, tc.wantBad)
 			}
@@ -120,8 +121,8 @@ func TestAttemptCounterXDeathInRouter(t *testing.T) {
 		if got := res.seenMeta.Get(middleware.AttemptKey); got != "3" {
 			t.Fatalf("metadata attempt %q, want 3", got)
 		}
-		if _, bad := res.seenMeta[middleware.HeaderErrorKey]; bad {
-			t.Fatalf("unexpected header error %q", res.seenMeta[middleware.HeaderErrorKey])
+		if _, bad := res.seenMeta[retrymeta.HeaderErrorKey]; bad {
+			t.Fatalf("unexpected header error %q", res.seenMeta[retrymeta.HeaderErrorKey])
 		}
 	})
 
@@ -220,7 +221,7 @@ func TestAttemptCounterMalformedXDeathIgnored(t *testing.T) {
 	if n != 2 || md != "2" {
 		t.Fatalf("attempt %d (%q), want 2 from the header alone", n, md)
 	}
-	he := msg.Metadata.Get(middleware.HeaderErrorKey)
+	he := msg.Metadata.Get(retrymeta.HeaderErrorKey)
 	if !strings.HasPrefix(he, "x-death: ") {
 		t.Fatalf("HeaderErrorKey %q should name the x-death source", he)
 	}
@@ -230,7 +231,7 @@ func TestAttemptCounterTwoBadSources(t *testing.T) {
 	c := newCounter(t, middleware.HeaderSource(nil), amqpwire.DeliveryCountSource())
 	msg := ownCopy(newMsg("p"))
 	msg.Metadata.Set(middleware.AttemptKey, "abc")
-	msg.Metadata.Set(middleware.XDeliveryCountKey, "-1")
+	msg.Metadata.Set(retrymeta.XDeliveryCountKey, "-1")
 	n, bad := c.Count(msg)
 	if n != 1 {
 		t.Fatalf("attempt %d, want 1", n)
@@ -245,7 +246,7 @@ func TestDeliveryCountSource(t *testing.T) {
 	// Not a default source.
 	def := newCounter(t)
 	msg := ownCopy(newMsg("p"))
-	msg.Metadata.Set(middleware.XDeliveryCountKey, "4")
+	msg.Metadata.Set(retrymeta.XDeliveryCountKey, "4")
 	if n, _ := def.Count(msg); n != 1 {
 		t.Fatalf("default counter counted x-delivery-count: %d", n)
 	}
@@ -271,7 +272,7 @@ func TestDeliveryCountSource(t *testing.T) {
 			msg.Metadata.Set(middleware.AttemptKey, tc.header)
 		}
 		if tc.count != "" {
-			msg.Metadata.Set(middleware.XDeliveryCountKey, tc.count)
+			msg.Metadata.Set(retrymeta.XDeliveryCountKey, tc.count)
 		}
 		n, bad := c.Count(msg)
 		if n != tc.want || (bad != "") != tc.bad {
@@ -370,7 +371,7 @@ func TestAttemptCounterOwnEvidenceOnly(t *testing.T) {
 	q := func(msg *message.Message) *message.Message { return msg }
 	amqpFirst := func(md map[string]string) *message.Message {
 		msg := q(newMsg("p"))
-		msg.Metadata.Set(middleware.DeliveryExchangeKey, "business")
+		msg.Metadata.Set(retrymeta.DeliveryExchangeKey, "business")
 		for k, v := range md {
 			msg.Metadata.Set(k, v)
 		}
@@ -389,13 +390,13 @@ func TestAttemptCounterOwnEvidenceOnly(t *testing.T) {
 		{"amqp first delivery, x-death 50 for Q", amqpFirst(map[string]string{middleware.XDeathKey: xdQ(50)}), 1},
 		{"amqp first delivery, forged retry-path keys are dropped by the Marshaler; OriginalQueueKey alone is no evidence",
 			amqpFirst(map[string]string{middleware.AttemptKey: "7", middleware.OriginalQueueKey: "Q"}), 1},
-		{"amqp first delivery, forged x-acquired-count", amqpFirst(map[string]string{middleware.XAcquiredCountKey: "9"}), 1},
+		{"amqp first delivery, forged x-acquired-count", amqpFirst(map[string]string{retrymeta.XAcquiredCountKey: "9"}), 1},
 		{"dead-letter-first comeback: x-death counts, producer header does not",
-			amqpFirst(map[string]string{middleware.DeliveryRetryRouteKey: "true", middleware.AttemptKey: "99", middleware.XDeathKey: xdQ(1)}), 2},
-		{"own copy via wait queue", amqpFirst(map[string]string{middleware.DeliveryRetryRouteKey: "true",
-			middleware.DeliveryRetryPathKey: "true", middleware.AttemptKey: "3"}), 3},
-		{"native returns: 3 nacks, 1 crash", amqpFirst(map[string]string{middleware.DeliveryRedeliveredKey: "true",
-			middleware.XAcquiredCountKey: "4", middleware.XDeliveryCountKey: "1", middleware.AttemptKey: "99"}), 4},
+			amqpFirst(map[string]string{retrymeta.DeliveryRetryRouteKey: "true", middleware.AttemptKey: "99", middleware.XDeathKey: xdQ(1)}), 2},
+		{"own copy via wait queue", amqpFirst(map[string]string{retrymeta.DeliveryRetryRouteKey: "true",
+			retrymeta.DeliveryRetryPathKey: "true", middleware.AttemptKey: "3"}), 3},
+		{"native returns: 3 nacks, 1 crash", amqpFirst(map[string]string{retrymeta.DeliveryRedeliveredKey: "true",
+			retrymeta.XAcquiredCountKey: "4", retrymeta.XDeliveryCountKey: "1", middleware.AttemptKey: "99"}), 4},
 		{"gochannel, attempt 99 from a producer", q(newMsg("p")), 1},
 		{"gochannel, another queue's chain", func() *message.Message {
 			m := q(newMsg("p"))
@@ -444,13 +445,13 @@ func TestNackCountSource(t *testing.T) {
 	} {
 		msg := newMsg("p")
 		if tc.redelivered {
-			msg.Metadata.Set(middleware.DeliveryRedeliveredKey, "true")
+			msg.Metadata.Set(retrymeta.DeliveryRedeliveredKey, "true")
 		}
 		if tc.acquired != "" {
-			msg.Metadata.Set(middleware.XAcquiredCountKey, tc.acquired)
+			msg.Metadata.Set(retrymeta.XAcquiredCountKey, tc.acquired)
 		}
 		if tc.count != "" {
-			msg.Metadata.Set(middleware.XDeliveryCountKey, tc.count)
+			msg.Metadata.Set(retrymeta.XDeliveryCountKey, tc.count)
 		}
 		n, err := src.Previous(msg)
 		if n != tc.want || (err != nil) != tc.wantErr {

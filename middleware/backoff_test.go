@@ -9,6 +9,7 @@ import (
 
 	"github.com/cenkalti/backoff/v4"
 
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 	"github.com/rabbitretry/rabbitretry/middleware"
 )
 
@@ -28,14 +29,14 @@ func TestBackoffDelayDeterministic(t *testing.T) {
 	policy := exactBackoff(100 * time.Millisecond)
 	want := []time.Duration{100, 200, 400, 800, 1600, 3200}
 	for i, w := range want {
-		d, ok := middleware.BackoffDelay(policy, i+1)
+		d, ok := retrymeta.BackoffDelay(policy, i+1)
 		if !ok || d != w*time.Millisecond {
 			t.Errorf("BackoffDelay(n=%d) = %v, %v; want %v", i+1, d, ok, w*time.Millisecond)
 		}
 	}
 	// n < 1 reads as 1.
 	for _, n := range []int{0, -3} {
-		if d, ok := middleware.BackoffDelay(policy, n); !ok || d != 100*time.Millisecond {
+		if d, ok := retrymeta.BackoffDelay(policy, n); !ok || d != 100*time.Millisecond {
 			t.Errorf("BackoffDelay(n=%d) = %v, %v; want 100ms", n, d, ok)
 		}
 	}
@@ -45,7 +46,7 @@ func TestBackoffDelayDeterministic(t *testing.T) {
 		b.MaxInterval = 300 * time.Millisecond
 		return b
 	}
-	if d, _ := middleware.BackoffDelay(capped, 5); d != 300*time.Millisecond {
+	if d, _ := retrymeta.BackoffDelay(capped, 5); d != 300*time.Millisecond {
 		t.Errorf("capped delay %v, want 300ms", d)
 	}
 }
@@ -64,15 +65,15 @@ func TestBackoffDelayDependsOnlyOnN(t *testing.T) {
 			for i := range 200 {
 				n := (g+i)%8 + 1
 				want := 10 * time.Millisecond << (n - 1)
-				if d, ok := middleware.BackoffDelay(policy, n); !ok || d != want {
+				if d, ok := retrymeta.BackoffDelay(policy, n); !ok || d != want {
 					errs <- "exact delay wrong"
 					return
 				}
-				if d, ok := middleware.BackoffDelay(jittered, n); !ok || d < want/2 || d > want*3/2 {
+				if d, ok := retrymeta.BackoffDelay(jittered, n); !ok || d < want/2 || d > want*3/2 {
 					errs <- "jittered delay out of bounds"
 					return
 				}
-				if d, ok := middleware.BackoffDelay(middleware.DefaultBackoff, n); !ok || d < time.Second<<(n-1)/2 || d > time.Second<<(n-1)*3/2 {
+				if d, ok := retrymeta.BackoffDelay(middleware.DefaultBackoff, n); !ok || d < time.Second<<(n-1)/2 || d > time.Second<<(n-1)*3/2 {
 					errs <- "default delay out of bounds"
 					return
 				}
@@ -93,7 +94,7 @@ func TestBackoffDelayJitterBounds(t *testing.T) {
 		lo, hi := center/2, center*3/2
 		minSeen, maxSeen := time.Duration(1<<62), time.Duration(0)
 		for range 2000 {
-			d, ok := middleware.BackoffDelay(policy, n)
+			d, ok := retrymeta.BackoffDelay(policy, n)
 			if !ok {
 				t.Fatal("policy stopped")
 			}
@@ -116,21 +117,21 @@ func TestDefaultBackoff(t *testing.T) {
 		t.Fatalf("unexpected default policy %+v", b)
 	}
 	// Far attempts stay within the 5 min cap (+50% jitter).
-	d, ok := middleware.BackoffDelay(middleware.DefaultBackoff, 30)
+	d, ok := retrymeta.BackoffDelay(middleware.DefaultBackoff, 30)
 	if !ok || d < 150*time.Second || d > 450*time.Second {
 		t.Fatalf("delay after attempt 30: %v, %v", d, ok)
 	}
 }
 
 func TestBackoffDelayStop(t *testing.T) {
-	if d, ok := middleware.BackoffDelay(func() backoff.BackOff { return &backoff.StopBackOff{} }, 1); ok || d != 0 {
+	if d, ok := retrymeta.BackoffDelay(func() backoff.BackOff { return &backoff.StopBackOff{} }, 1); ok || d != 0 {
 		t.Errorf("StopBackOff: %v, %v; want 0, false", d, ok)
 	}
 	limited := func() backoff.BackOff {
 		return backoff.WithMaxRetries(backoff.NewConstantBackOff(30*time.Millisecond), 2)
 	}
 	for n, wantOK := range map[int]bool{1: true, 2: true, 3: false, 10: false} {
-		d, ok := middleware.BackoffDelay(limited, n)
+		d, ok := retrymeta.BackoffDelay(limited, n)
 		if ok != wantOK || (ok && d != 30*time.Millisecond) || (!ok && d != 0) {
 			t.Errorf("WithMaxRetries(2) n=%d: %v, %v; want ok=%v", n, d, ok, wantOK)
 		}
@@ -143,7 +144,7 @@ func TestFormatDelay(t *testing.T) {
 		2 * time.Hour: "2h", 1500 * time.Millisecond: "1500ms", time.Millisecond: "1ms", -time.Second: "0ms",
 	}
 	for d, want := range cases {
-		if got := middleware.FormatDelay(d); got != want {
+		if got := retrymeta.FormatDelay(d); got != want {
 			t.Errorf("FormatDelay(%v) = %q, want %q", d, got, want)
 		}
 	}

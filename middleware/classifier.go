@@ -110,20 +110,20 @@ func IsDrop(err error) bool {
 	return errors.As(err, &d)
 }
 
-// RetryAfterError asks for the next attempt no earlier than After, e.g. from
+// retryAfterError asks for the next attempt no earlier than After, e.g. from
 // an HTTP 429 or 503 Retry-After header. Construct it with RetryAfter.
-type RetryAfterError struct {
+type retryAfterError struct {
 	Err   error
 	After time.Duration
 }
 
 // Error returns the wrapped error text with the requested delay.
-func (e *RetryAfterError) Error() string {
+func (e *retryAfterError) Error() string {
 	return fmt.Sprintf("%v (retry after %s)", e.Err, e.After)
 }
 
 // Unwrap returns the wrapped handler error.
-func (e *RetryAfterError) Unwrap() error { return e.Err }
+func (e *retryAfterError) Unwrap() error { return e.Err }
 
 // RetryAfter wraps err with a handler-chosen delay d (time.Duration, must be
 // > 0; a delay <= 0 means "use the backoff policy"). The republisher uses
@@ -133,12 +133,12 @@ func RetryAfter(err error, d time.Duration) error {
 	if err == nil {
 		return nil
 	}
-	return &RetryAfterError{Err: err, After: d}
+	return &retryAfterError{Err: err, After: d}
 }
 
 // RetryAfterFrom returns the delay requested with RetryAfter, if any.
 func RetryAfterFrom(err error) (time.Duration, bool) {
-	var ra *RetryAfterError
+	var ra *retryAfterError
 	if errors.As(err, &ra) && ra.After > 0 {
 		return ra.After, true
 	}

@@ -12,6 +12,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 	"github.com/rabbitretry/rabbitretry/middleware"
 )
 
@@ -177,8 +178,8 @@ func recv[T any](t testing.TB, ch <-chan T, timeout time.Duration) T {
 // library published for its queue, back through a retry route: its attempt
 // header and its queue's x-death entries count.
 func ownCopy(msg *message.Message) *message.Message {
-	msg.Metadata.Set(middleware.DeliveryExchangeKey, "")
-	msg.Metadata.Set(middleware.DeliveryRetryPathKey, "true")
-	msg.Metadata.Set(middleware.DeliveryRetryRouteKey, "true")
+	msg.Metadata.Set(retrymeta.DeliveryExchangeKey, "")
+	msg.Metadata.Set(retrymeta.DeliveryRetryPathKey, "true")
+	msg.Metadata.Set(retrymeta.DeliveryRetryRouteKey, "true")
 	return msg
 }

@@ -10,6 +10,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/rabbitretry/rabbitretry/amqpwire"
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 	"github.com/rabbitretry/rabbitretry/middleware"
 )
 
@@ -35,10 +36,10 @@ func TestAcquiredCountSource(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			msg := message.NewMessage("u", nil)
 			if tc.redelivered {
-				msg.Metadata.Set(middleware.DeliveryRedeliveredKey, "true")
+				msg.Metadata.Set(retrymeta.DeliveryRedeliveredKey, "true")
 			}
 			if tc.count != "" {
-				msg.Metadata.Set(middleware.XAcquiredCountKey, tc.count)
+				msg.Metadata.Set(retrymeta.XAcquiredCountKey, tc.count)
 			}
 			n, err := src.Previous(msg)
 			if (err != nil) != tc.wantErr || n != tc.want {
@@ -59,11 +60,11 @@ func TestAcquiredCountSourceWithHeader(t *testing.T) {
 	}
 	msg := ownCopy(message.NewMessage("u", nil))
 	msg.Metadata.Set(middleware.AttemptKey, "3")
-	msg.Metadata.Set(middleware.XAcquiredCountKey, "2")
+	msg.Metadata.Set(retrymeta.XAcquiredCountKey, "2")
 	if n, _ := c.Count(msg); n != 3 {
 		t.Errorf("first delivery of copy 3 with forged count 2: attempt %d, want 3", n)
 	}
-	msg.Metadata.Set(middleware.DeliveryRedeliveredKey, "true")
+	msg.Metadata.Set(retrymeta.DeliveryRedeliveredKey, "true")
 	if n, _ := c.Count(msg); n != 5 {
 		t.Errorf("copy 3 returned twice: attempt %d, want 5", n)
 	}
@@ -88,9 +89,9 @@ func TestNativeRetryErrorAndStrip(t *testing.T) {
 	if !errors.As(err, &dl) || !dl.Native || !strings.Contains(err.Error(), "native delayed retry") {
 		t.Fatalf("err = %v, want a native *DeadLetterRetryError", err)
 	}
-	md := message.Metadata{middleware.XAcquiredCountKey: "2", "keep": "x"}
-	middleware.StripDeliveryMetadata(md)
-	if _, ok := md[middleware.XAcquiredCountKey]; ok || md["keep"] != "x" {
+	md := message.Metadata{retrymeta.XAcquiredCountKey: "2", "keep": "x"}
+	retrymeta.StripDeliveryMetadata(md)
+	if _, ok := md[retrymeta.XAcquiredCountKey]; ok || md["keep"] != "x" {
 		t.Errorf("after strip: %v", md)
 	}
 }
@@ -109,8 +110,8 @@ func TestRedeliveryGuardRedeliveriesCounted(t *testing.T) {
 	ran := 0
 	h := g.Middleware(func(*message.Message) ([]*message.Message, error) { ran++; return nil, nil })
 	msg := message.NewMessage("u", nil)
-	msg.Metadata.Set(middleware.DeliveryRedeliveredKey, "true")
-	msg.Metadata.Set(middleware.RedeliveriesKey, "100")
+	msg.Metadata.Set(retrymeta.DeliveryRedeliveredKey, "true")
+	msg.Metadata.Set(retrymeta.RedeliveriesKey, "100")
 	if _, err := h(msg); err != nil || ran != 1 || copies != 0 {
 		t.Errorf("err %v, handler ran %d times, %d copies; want nil, 1, 0", err, ran, copies)
 	}

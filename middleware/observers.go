@@ -60,3 +60,38 @@ func (m multiObserver) Dropped(msg *message.Message, attempt int) {
 		o.Dropped(msg, attempt)
 	}
 }
+
+// Observer is told what the retry chain did with each failed message, e.g.
+// for metrics. Methods must be fast and goroutine-safe. NopObserver ignores
+// everything.
+type Observer interface {
+	// RetryScheduled: the copy for attempt+1 is held by the Delayer; took is
+	// how long Schedule needed (the publish-with-confirm latency on AMQP).
+	RetryScheduled(msg *message.Message, attempt int, delay, took time.Duration)
+	// RetryFailed: the Delayer returned err; the message is being nacked.
+	RetryFailed(msg *message.Message, attempt int, err error)
+	// Poisoned: the message was confirmed into the poison queue.
+	Poisoned(msg *message.Message, attempt int, class string)
+	// PoisonFailed: the poison publish failed; the message is being nacked.
+	PoisonFailed(msg *message.Message, attempt int, err error)
+	// Dropped: acked and discarded on ActionDrop.
+	Dropped(msg *message.Message, attempt int)
+}
+
+// NopObserver implements Observer and does nothing.
+type NopObserver struct{}
+
+// RetryScheduled does nothing.
+func (NopObserver) RetryScheduled(*message.Message, int, time.Duration, time.Duration) {}
+
+// RetryFailed does nothing.
+func (NopObserver) RetryFailed(*message.Message, int, error) {}
+
+// Poisoned does nothing.
+func (NopObserver) Poisoned(*message.Message, int, string) {}
+
+// PoisonFailed does nothing.
+func (NopObserver) PoisonFailed(*message.Message, int, error) {}
+
+// Dropped does nothing.
+func (NopObserver) Dropped(*message.Message, int) {}

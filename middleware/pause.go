@@ -10,6 +10,8 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/sony/gobreaker"
+
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 )
 
 // ErrDependencyUnavailable marks a handler error caused by a dependency that
@@ -46,11 +48,11 @@ func IsDependencyOutage(err error) bool {
 
 // Default values of PauseConfig.
 const (
-	DefaultPauseProbeInterval    = time.Second
-	DefaultPauseMaxProbeInterval = 30 * time.Second
-	DefaultPauseMaxHold          = 5 * time.Minute
-	DefaultPauseWindow           = time.Minute
-	DefaultPauseMinRequests      = 20
+	defaultPauseProbeInterval    = time.Second
+	defaultPauseMaxProbeInterval = 30 * time.Second
+	defaultPauseMaxHold          = 5 * time.Minute
+	defaultPauseWindow           = time.Minute
+	defaultPauseMinRequests      = 20
 )
 
 // PauseObserver is told when consumption pauses and resumes (e.g. metrics).
@@ -77,10 +79,10 @@ type PauseConfig struct {
 	// Range [0, 1]; default 0 (off). The run whose failure trips it is held
 	// (not charged); the failures before it were ordinary attempts.
 	FailureRatio float64
-	// Window is the failure-rate window. Default DefaultPauseWindow (1 min).
+	// Window is the failure-rate window. Default 1 min.
 	Window time.Duration
 	// MinRequests is the fewest runs in Window before the rate can trip.
-	// Default DefaultPauseMinRequests (20).
+	// Default 20.
 	MinRequests int
 	// Counts reports whether a failure counts toward the failure rate (and,
 	// while paused by the rate, keeps the pause when a probe fails). The
@@ -91,7 +93,7 @@ type PauseConfig struct {
 	// ProbeInterval is the wait before the first probe after a pause; each
 	// failed probe doubles it, up to MaxProbeInterval. Consumption resumes
 	// at most MaxProbeInterval after the dependency recovers. Defaults
-	// DefaultPauseProbeInterval (1 s) and DefaultPauseMaxProbeInterval (30 s).
+	// 1 s and 30 s.
 	ProbeInterval    time.Duration
 	MaxProbeInterval time.Duration
 	// MaxHold bounds how long one message is held while paused: past it, the
@@ -100,7 +102,7 @@ type PauseConfig struct {
 	// original is acked) and the next one is held instead. Keep it well
 	// below the queue's consumer timeout (RabbitMQ "Delivery Acknowledgement
 	// Timeout": 30 min by default), past which the broker would take the
-	// delivery back. Default DefaultPauseMaxHold (5 min).
+	// delivery back. Default 5 min.
 	MaxHold time.Duration
 	// Delayer takes the uncharged copy at MaxHold. Required; router.New
 	// passes its own.
@@ -117,22 +119,22 @@ func (c *PauseConfig) setDefaults() {
 		c.IsOutage = IsDependencyOutage
 	}
 	if c.Window == 0 {
-		c.Window = DefaultPauseWindow
+		c.Window = defaultPauseWindow
 	}
 	if c.MinRequests == 0 {
-		c.MinRequests = DefaultPauseMinRequests
+		c.MinRequests = defaultPauseMinRequests
 	}
 	if c.Counts == nil {
 		c.Counts = func(error) bool { return true }
 	}
 	if c.ProbeInterval == 0 {
-		c.ProbeInterval = DefaultPauseProbeInterval
+		c.ProbeInterval = defaultPauseProbeInterval
 	}
 	if c.MaxProbeInterval == 0 {
-		c.MaxProbeInterval = max(DefaultPauseMaxProbeInterval, c.ProbeInterval)
+		c.MaxProbeInterval = max(defaultPauseMaxProbeInterval, c.ProbeInterval)
 	}
 	if c.MaxHold == 0 {
-		c.MaxHold = DefaultPauseMaxHold
+		c.MaxHold = defaultPauseMaxHold
 	}
 	if c.Logger == nil {
 		c.Logger = watermill.NopLogger{}
@@ -319,12 +321,12 @@ func (p *Pause) hold(msg *message.Message, resumed chan struct{}, heldSince time
 // recycle hands a held message back to its queue uncharged: a copy with the
 // same attempt number through the Delayer (delay 0). holdRecycled once the
 // copy is held; otherwise a *ScheduleError whose HandlerErr wraps
-// ErrHandlerNotRun (the fallback returns the delivery to the broker).
+// errHandlerNotRun (the fallback returns the delivery to the broker).
 func (p *Pause) recycle(msg *message.Message, heldSince time.Time) (int, error) {
 	ctx := msg.Context()
 	attempt := Attempt(msg)
-	c := CloneMessage(msg)
-	StripDeliveryMetadata(c.Metadata)
+	c := retrymeta.CloneMessage(msg)
+	retrymeta.StripDeliveryMetadata(c.Metadata)
 	c.Metadata.Set(AttemptKey, strconv.Itoa(attempt))
 	if err := p.cfg.Delayer.Schedule(ctx, c, 0); err != nil {
 		// Not held: give the delivery back to the broker unprocessed (the
@@ -332,7 +334,7 @@ func (p *Pause) recycle(msg *message.Message, heldSince time.Time) (int, error) 
 		p.cfg.Logger.Error("Paused: copy of a held message not held; returning it to the broker", err, watermill.LogFields{
 			"message_uuid": msg.UUID, "held": time.Since(heldSince).String(), "attempt": attempt,
 		})
-		return holdRun, &ScheduleError{Err: err, HandlerErr: fmt.Errorf("held while paused: %w", ErrHandlerNotRun), Attempt: attempt}
+		return holdRun, &ScheduleError{Err: err, HandlerErr: fmt.Errorf("held while paused: %w", errHandlerNotRun), Attempt: attempt}
 	}
 	p.cfg.Logger.Info("Paused: held message handed back to its queue uncharged", watermill.LogFields{
 		"message_uuid": msg.UUID, "held": time.Since(heldSince).String(), "attempt": attempt,

@@ -8,6 +8,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/rabbitretry/rabbitretry/amqpwire"
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 	"github.com/rabbitretry/rabbitretry/middleware"
 )
 
@@ -26,10 +27,10 @@ func provenChain(t *testing.T, maxAttempts int, d middleware.Delayer, h message.
 // not run the handler (e.g. a message the Pause held when the router stopped).
 func nackedDelivery(nacks string) *message.Message {
 	msg := newMsg("p")
-	msg.Metadata.Set(middleware.DeliveryExchangeKey, "")
-	msg.Metadata.Set(middleware.DeliveryRedeliveredKey, "true")
-	msg.Metadata.Set(middleware.XAcquiredCountKey, nacks)
-	msg.Metadata.Set(middleware.XDeliveryCountKey, "0")
+	msg.Metadata.Set(retrymeta.DeliveryExchangeKey, "")
+	msg.Metadata.Set(retrymeta.DeliveryRedeliveredKey, "true")
+	msg.Metadata.Set(retrymeta.XAcquiredCountKey, nacks)
+	msg.Metadata.Set(retrymeta.XDeliveryCountKey, "0")
 	msg.SetContext(context.Background())
 	return msg
 }
@@ -83,7 +84,7 @@ func TestProvenAttemptCarriedOnCopies(t *testing.T) {
 		t.Fatalf("err %v, %d copies", err, len(d.Calls()))
 	}
 	c := d.Calls()[0].msg
-	if a, p := c.Metadata.Get(middleware.AttemptKey), c.Metadata.Get(middleware.ProvenAttemptKey); a != "3" || p != "2" {
+	if a, p := c.Metadata.Get(middleware.AttemptKey), c.Metadata.Get(retrymeta.ProvenAttemptKey); a != "3" || p != "2" {
 		t.Fatalf("copy attempt %s proven %s, want 3 and 2", a, p)
 	}
 
@@ -93,7 +94,7 @@ func TestProvenAttemptCarriedOnCopies(t *testing.T) {
 	m := newMsg("p")
 	m.Metadata.Set(middleware.OriginalQueueKey, "orders")
 	m.Metadata.Set(middleware.AttemptKey, "4")
-	m.Metadata.Set(middleware.ProvenAttemptKey, "4")
+	m.Metadata.Set(retrymeta.ProvenAttemptKey, "4")
 	if _, err := h(m); !errors.As(err, new(*middleware.ExhaustedError)) || ran != 0 {
 		t.Fatalf("err %v after %d runs, want exhausted without a run", err, ran)
 	}
@@ -101,7 +102,7 @@ func TestProvenAttemptCarriedOnCopies(t *testing.T) {
 	m = newMsg("p")
 	m.Metadata.Set(middleware.OriginalQueueKey, "orders")
 	m.Metadata.Set(middleware.AttemptKey, "4")
-	m.Metadata.Set(middleware.ProvenAttemptKey, "2")
+	m.Metadata.Set(retrymeta.ProvenAttemptKey, "2")
 	if _, err := h(m); !errors.As(err, new(*middleware.ExhaustedError)) || ran != 1 {
 		t.Fatalf("err %v after %d runs, want exhausted after 1 run", err, ran)
 	}

@@ -6,6 +6,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 	"github.com/rabbitretry/rabbitretry/middleware"
 )
 
@@ -21,8 +22,8 @@ func TestRecordFailureOrigin(t *testing.T) {
 			middleware.OriginalQueueKey:      "other-queue",
 			middleware.OriginalExchangeKey:   "forged-ex",
 			middleware.OriginalRoutingKeyKey: "forged.key",
-			middleware.DeliveryExchangeKey:   "orders",
-			middleware.DeliveryRoutingKeyKey: "order.created",
+			retrymeta.DeliveryExchangeKey:    "orders",
+			retrymeta.DeliveryRoutingKeyKey:  "order.created",
 		}
 	}
 	cases := []struct {
@@ -35,26 +36,26 @@ func TestRecordFailureOrigin(t *testing.T) {
 		{"forged, from the business exchange", forged(), "inbox", "inbox", "orders", "order.created", true},
 		{"forged, retry path claimed by a header but not by the delivery", func() message.Metadata {
 			md := forged()
-			md[middleware.DeliveryRetryPathKey] = "yes"
+			md[retrymeta.DeliveryRetryPathKey] = "yes"
 			return md
 		}(), "inbox", "inbox", "orders", "order.created", true},
 		{"library values on the retry path", func() message.Metadata {
 			md := forged()
 			md[middleware.OriginalExchangeKey], md[middleware.OriginalRoutingKeyKey] = "orders", "order.created"
-			md[middleware.DeliveryExchangeKey], md[middleware.DeliveryRoutingKeyKey] = "", "inbox"
-			md[middleware.DeliveryRetryPathKey] = "true"
+			md[retrymeta.DeliveryExchangeKey], md[retrymeta.DeliveryRoutingKeyKey] = "", "inbox"
+			md[retrymeta.DeliveryRetryPathKey] = "true"
 			return md
 		}(), "inbox", "inbox", "orders", "order.created", true},
 		{"retry path without recorded origin", message.Metadata{
-			middleware.DeliveryExchangeKey: "rabbitretry.loopback", middleware.DeliveryRoutingKeyKey: "inbox",
-			middleware.DeliveryRetryPathKey: "true",
+			retrymeta.DeliveryExchangeKey: "rabbitretry.loopback", retrymeta.DeliveryRoutingKeyKey: "inbox",
+			retrymeta.DeliveryRetryPathKey: "true",
 		}, "inbox", "inbox", "rabbitretry.loopback", "inbox", true},
 		{"queue unknown: a forged queue is removed", forged(), "", "", "orders", "order.created", false},
 		{"no delivery keys (not AMQP)", message.Metadata{middleware.OriginalExchangeKey: "forged-ex"}, "topic", "topic", "", "", true},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
-			middleware.RecordFailure(tc.md, now, "boom", middleware.ClassTransient, tc.queue)
+			retrymeta.RecordFailure(tc.md, now, "boom", middleware.ClassTransient, tc.queue)
 			q, ok := tc.md[middleware.OriginalQueueKey]
 			if q != tc.wantQ || ok != tc.wantQueuePresent {
 				t.Errorf("original queue %q (present %v), want %q (present %v)", q, ok, tc.wantQ, tc.wantQueuePresent)

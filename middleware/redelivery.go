@@ -9,6 +9,8 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 )
 
 // DefaultMaxRedeliveries is the default of RedeliveryGuardConfig.MaxRedeliveries.
@@ -22,10 +24,10 @@ type RedeliveryGuardConfig struct {
 	Delayer Delayer
 	// MaxRedeliveries bounds the crashes (runs that ended in a redelivery:
 	// a consumer crash, a connection loss, a consumer timeout) a message may
-	// cause: the redelivery that brings its count (RedeliveriesKey) to
+	// cause: the redelivery that brings its count (rabbitretry-redeliveries) to
 	// MaxRedeliveries poisons it (class ClassRedeliveryLimit) without running
 	// the handler again, if that redelivery is attributable to the message
-	// (see Quarantiner). With a quarantine the message's first crash, outside
+	// (a quarantining Delayer: amqpretry's with Retry.NewSubscriber). With a quarantine the message's first crash, outside
 	// it, is not attributable, so MaxRedeliveries 1 allows two crashes.
 	// Default DefaultMaxRedeliveries (3); range [1, MaxAttemptsCap].
 	MaxRedeliveries int
@@ -66,28 +68,6 @@ func (c RedeliveryGuardConfig) Validate() error {
 	return nil
 }
 
-// ErrNoQuarantine is returned (wrapped) by a Quarantiner that has no
-// quarantine for the message's queue in this process (nothing consumes it):
-// the RedeliveryGuard then counts the redelivery on a copy in the queue
-// itself.
-var ErrNoQuarantine = errors.New("no quarantine consumer for this queue")
-
-// Quarantiner is implemented by a Delayer that can move a redelivered
-// message to its queue's quarantine queue: a queue consumed by the same
-// handler with prefetch 1, so that a redelivery there names the message
-// that crashed (a crash returns every unacked delivery of the connection,
-// and RabbitMQ's x-delivery-count and x-acquired-count rise for each of
-// them: RabbitMQ quorum queue docs, "When is delivery count incremented?").
-// amqpretry's Delayer implements it when the subscriber comes from
-// Retry.NewSubscriber.
-type Quarantiner interface {
-	// Quarantine publishes msg (a copy, delivery metadata stripped) to the
-	// quarantine queue of the message's queue and returns once the broker
-	// confirmed it. An error wrapping ErrNoQuarantine means nothing
-	// consumes that quarantine in this process.
-	Quarantine(ctx context.Context, msg *message.Message) error
-}
-
 // RedeliveryGuard counts broker redeliveries, so that a message that kills
 // or stalls its consumer (a crash, an OOM kill, a handler running past the
 // broker's consumer_timeout) ends in the poison queue instead of coming back
@@ -99,8 +79,8 @@ type Quarantiner interface {
 // keep no count, and quorum queues count differently across versions (4.3:
 // only basic.reject and crashes raise x-delivery-count). The guard therefore
 // keeps its own count on the message: a delivery with
-// DeliveryRedeliveredKey set is not handed to the handler; instead a copy
-// with RedeliveriesKey incremented (attempt number, payload and metadata
+// rabbitretry-delivery-redelivered set is not handed to the handler; instead a copy
+// with rabbitretry-redeliveries incremented (attempt number, payload and metadata
 // unchanged) is handed to the Delayer with delay 0, and the redelivered
 // original is acked once the copy is held (confirmed). The copy then runs as
 // usual. A redelivery does not consume an attempt: the flag cannot tell a
@@ -109,11 +89,11 @@ type Quarantiner interface {
 //
 // Early deliveries: a delivery that came back through the library's retry
 // path before its whole delay was over (a RetryAfter or backoff delay longer
-// than the Delayer's longest hold, see RemainingDelayKey) is not run either,
+// than the Delayer's longest hold, see rabbitretry-remaining-delay-ms) is not run either,
 // and is not counted as a redelivery or an attempt (the handler never saw
 // it): a copy with the same attempt number and redelivery count is handed to
-// the Delayer for the remaining delay (with WithMinimumDelay, so a tiered
-// Delayer rounds up, and WithCopyRequired), and the original is acked once
+// the Delayer for the remaining delay (with MinimumDelay set, so a tiered
+// Delayer rounds up, and CopyRequired), and the original is acked once
 // the copy is held. This check comes first, also for a redelivered delivery
 // and with RedeliveriesCounted. The errors are the same as for a
 // redelivery's copy.
@@ -136,7 +116,7 @@ type Quarantiner interface {
 //
 // ErrCannotDelay from the Delayer poisons it as ClassUndelayable. If the
 // copy cannot be held for any other reason (publisher closed, broker alarm),
-// it returns a *ScheduleError whose HandlerErr wraps ErrHandlerNotRun: the
+// it returns a *ScheduleError whose HandlerErr wraps errHandlerNotRun: the
 // message goes back to the broker unprocessed and waits there until a copy
 // can be held.
 type RedeliveryGuard struct {
@@ -154,9 +134,9 @@ func NewRedeliveryGuard(cfg RedeliveryGuardConfig) (*RedeliveryGuard, error) {
 }
 
 // Redeliveries returns the redelivery count a message carries
-// (RedeliveriesKey): 0 when absent or malformed, at most MaxAttemptsCap.
+// (rabbitretry-redeliveries): 0 when absent or malformed, at most MaxAttemptsCap.
 func Redeliveries(msg *message.Message) int {
-	v := msg.Metadata.Get(RedeliveriesKey)
+	v := msg.Metadata.Get(retrymeta.RedeliveriesKey)
 	if v == "" {
 		return 0
 	}
@@ -171,10 +151,10 @@ func Redeliveries(msg *message.Message) int {
 // RedeliveryGuard for the others.
 func (g *RedeliveryGuard) Middleware(h message.HandlerFunc) message.HandlerFunc {
 	return func(msg *message.Message) ([]*message.Message, error) {
-		if d := RemainingDelay(msg); d > 0 {
+		if d := retrymeta.RemainingDelay(msg); d > 0 {
 			return nil, g.onEarly(msg, d)
 		}
-		if !g.cfg.RedeliveriesCounted && msg.Metadata.Get(DeliveryRedeliveredKey) != "" {
+		if !g.cfg.RedeliveriesCounted && msg.Metadata.Get(retrymeta.DeliveryRedeliveredKey) != "" {
 			return nil, g.onRedelivered(msg)
 		}
 		return h(msg)
@@ -189,12 +169,12 @@ func (g *RedeliveryGuard) onRedelivered(msg *message.Message) error {
 	fields := watermill.LogFields{
 		"message_uuid": msg.UUID, "queue": g.cfg.QueueName(ctx), "attempt": attempt, "redeliveries": n,
 	}
-	q, _ := g.cfg.Delayer.(Quarantiner)
-	quarantined := msg.Metadata.Get(DeliveryQuarantineKey) != ""
-	c := CloneMessage(msg)
-	StripDeliveryMetadata(c.Metadata)
+	q, _ := g.cfg.Delayer.(retrymeta.Quarantiner)
+	quarantined := msg.Metadata.Get(retrymeta.DeliveryQuarantineKey) != ""
+	c := retrymeta.CloneMessage(msg)
+	retrymeta.StripDeliveryMetadata(c.Metadata)
 	c.Metadata.Set(AttemptKey, strconv.Itoa(attempt))
-	c.Metadata.Set(RedeliveriesKey, strconv.Itoa(n))
+	c.Metadata.Set(retrymeta.RedeliveriesKey, strconv.Itoa(n))
 	if q != nil && !quarantined {
 		// Not attributable: the crash may have been a neighbour's. Move it
 		// to the quarantine, where it runs alone.
@@ -203,7 +183,7 @@ func (g *RedeliveryGuard) onRedelivered(msg *message.Message) error {
 		case qerr == nil:
 			g.cfg.Logger.Info("Redelivered message moved to the quarantine queue", fields)
 			return nil
-		case errors.Is(qerr, ErrNoQuarantine):
+		case errors.Is(qerr, retrymeta.ErrNoQuarantine):
 			q = nil // count it here, as without a quarantine
 		default:
 			return g.copyNotHeld(qerr, attempt, fields, "redelivered")
@@ -219,7 +199,7 @@ func (g *RedeliveryGuard) onRedelivered(msg *message.Message) error {
 	var serr error
 	if q != nil {
 		serr = q.Quarantine(ctx, c) // attributable: counted, and it stays in the quarantine
-		if errors.Is(serr, ErrNoQuarantine) {
+		if errors.Is(serr, retrymeta.ErrNoQuarantine) {
 			serr = g.cfg.Delayer.Schedule(ctx, c, 0)
 		}
 	} else {
@@ -242,10 +222,10 @@ func (g *RedeliveryGuard) onEarly(msg *message.Message, d time.Duration) error {
 	fields := watermill.LogFields{
 		"message_uuid": msg.UUID, "queue": g.cfg.QueueName(ctx), "attempt": attempt, "remaining": d.String(),
 	}
-	c := CloneMessage(msg) // without RemainingDelayKey: the Delayer writes what it cannot hold
-	StripDeliveryMetadata(c.Metadata)
+	c := retrymeta.CloneMessage(msg) // without rabbitretry-remaining-delay-ms: the Delayer writes what it cannot hold
+	retrymeta.StripDeliveryMetadata(c.Metadata)
 	c.Metadata.Set(AttemptKey, strconv.Itoa(attempt))
-	serr := g.cfg.Delayer.Schedule(WithCopyRequired(WithMinimumDelay(ctx, d)), c, d)
+	serr := g.cfg.Delayer.Schedule(retrymeta.WithCopyRequired(retrymeta.WithMinimumDelay(ctx, d)), c, d)
 	if serr == nil {
 		g.cfg.Logger.Debug("Delivery came back before its retry delay was over; held again for the rest", fields)
 		return nil
@@ -272,5 +252,5 @@ func (g *RedeliveryGuard) copyNotHeld(serr error, attempt int, fields watermill.
 		msg = "Copy of a delivery " + what + " not held; returning it to the broker"
 	}
 	g.cfg.Logger.Error(msg, serr, fields)
-	return &ScheduleError{Err: serr, HandlerErr: fmt.Errorf("%s: %w", what, ErrHandlerNotRun), Attempt: attempt}
+	return &ScheduleError{Err: serr, HandlerErr: fmt.Errorf("%s: %w", what, errHandlerNotRun), Attempt: attempt}
 }

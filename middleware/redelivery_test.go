@@ -7,15 +7,16 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 	"github.com/rabbitretry/rabbitretry/middleware"
 )
 
 func redelivered(attempt int, redeliveries string) *message.Message {
 	msg := attemptMsg(attempt, "p")
-	msg.Metadata.Set(middleware.DeliveryRedeliveredKey, "true")
-	msg.Metadata.Set(middleware.DeliveryExchangeKey, "biz")
+	msg.Metadata.Set(retrymeta.DeliveryRedeliveredKey, "true")
+	msg.Metadata.Set(retrymeta.DeliveryExchangeKey, "biz")
 	if redeliveries != "" {
-		msg.Metadata.Set(middleware.RedeliveriesKey, redeliveries)
+		msg.Metadata.Set(retrymeta.RedeliveriesKey, redeliveries)
 	}
 	return msg
 }
@@ -41,9 +42,9 @@ func TestRedeliveryGuardCountsOnACopy(t *testing.T) {
 		}
 		c := d.Calls()[i]
 		want := map[string]string{"": "1", "1": "2", "garbage": "1", "-4": "1"}[in]
-		if got := c.msg.Metadata.Get(middleware.RedeliveriesKey); got != want || c.delay != 0 ||
+		if got := c.msg.Metadata.Get(retrymeta.RedeliveriesKey); got != want || c.delay != 0 ||
 			c.msg.Metadata.Get(middleware.AttemptKey) != "2" ||
-			c.msg.Metadata.Get(middleware.DeliveryRedeliveredKey) != "" || c.msg.Metadata.Get(middleware.DeliveryExchangeKey) != "" {
+			c.msg.Metadata.Get(retrymeta.DeliveryRedeliveredKey) != "" || c.msg.Metadata.Get(retrymeta.DeliveryExchangeKey) != "" {
 			t.Fatalf("redelivery %q: copy redeliveries %q (want %s), delay %v, metadata %v", in, got, want, c.delay, c.msg.Metadata)
 		}
 	}
@@ -117,7 +118,7 @@ func TestRedeliveryGuardQuarantine(t *testing.T) {
 	h := func(*message.Message) ([]*message.Message, error) { t.Fatal("handler ran"); return nil, nil }
 	inQuarantine := func(r string) *message.Message {
 		m := redelivered(1, r)
-		m.Metadata.Set(middleware.DeliveryQuarantineKey, "true")
+		m.Metadata.Set(retrymeta.DeliveryQuarantineKey, "true")
 		return m
 	}
 	// In Q, even far past the limit: moved, not poisoned.
@@ -135,7 +136,7 @@ func TestRedeliveryGuardQuarantine(t *testing.T) {
 	}
 	for i, want := range []string{"1", "8", "2"} {
 		m := d.quarantined[i]
-		if got := m.Metadata.Get(middleware.RedeliveriesKey); got != want || m.Metadata.Get(middleware.DeliveryQuarantineKey) != "" {
+		if got := m.Metadata.Get(retrymeta.RedeliveriesKey); got != want || m.Metadata.Get(retrymeta.DeliveryQuarantineKey) != "" {
 			t.Errorf("copy %d: redeliveries %q (want %s), metadata %v", i, got, want, m.Metadata)
 		}
 	}
@@ -146,7 +147,7 @@ func TestRedeliveryGuardQuarantine(t *testing.T) {
 		t.Fatalf("at the limit in the quarantine: %v", err)
 	}
 	// No quarantine consumer in this process: counted in Q as before.
-	d.qerr = middleware.ErrNoQuarantine
+	d.qerr = retrymeta.ErrNoQuarantine
 	if _, err := g.Middleware(h)(redelivered(1, "1")); err != nil || len(d.Calls()) != 1 {
 		t.Fatalf("no quarantine: err %v, %d scheduled", err, len(d.Calls()))
 	}

@@ -7,33 +7,34 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 	"github.com/rabbitretry/rabbitretry/middleware"
 )
 
 func TestSetRemainingDelay(t *testing.T) {
 	md := message.Metadata{}
 	middleware.SetRemainingDelay(md, 1500*time.Microsecond)
-	if got := md.Get(middleware.RemainingDelayKey); got != "2" {
+	if got := md.Get(retrymeta.RemainingDelayKey); got != "2" {
 		t.Errorf("1.5 ms written as %q, want 2 (rounded up)", got)
 	}
 	middleware.SetRemainingDelay(md, 0)
-	if _, ok := md[middleware.RemainingDelayKey]; ok {
+	if _, ok := md[retrymeta.RemainingDelayKey]; ok {
 		t.Error("SetRemainingDelay(0) kept the key")
 	}
 	msg := message.NewMessage("u", nil)
-	msg.Metadata.Set(middleware.RemainingDelayKey, "1100")
-	if d := middleware.RemainingDelay(msg); d != 0 {
+	msg.Metadata.Set(retrymeta.RemainingDelayKey, "1100")
+	if d := retrymeta.RemainingDelay(msg); d != 0 {
 		t.Errorf("outside the retry path (a producer's header): %v, want 0", d)
 	}
-	msg.Metadata.Set(middleware.DeliveryRetryPathKey, "true")
+	msg.Metadata.Set(retrymeta.DeliveryRetryPathKey, "true")
 	for v, want := range map[string]time.Duration{"1100": 1100 * time.Millisecond, "0": 0, "-3": 0, "x": 0, "": 0} {
-		msg.Metadata.Set(middleware.RemainingDelayKey, v)
-		if d := middleware.RemainingDelay(msg); d != want {
+		msg.Metadata.Set(retrymeta.RemainingDelayKey, v)
+		if d := retrymeta.RemainingDelay(msg); d != want {
 			t.Errorf("RemainingDelay(%q) = %v, want %v", v, d, want)
 		}
 	}
-	msg.Metadata.Set(middleware.RemainingDelayKey, "5")
-	if _, ok := middleware.CloneMessage(msg).Metadata[middleware.RemainingDelayKey]; ok {
+	msg.Metadata.Set(retrymeta.RemainingDelayKey, "5")
+	if _, ok := retrymeta.CloneMessage(msg).Metadata[retrymeta.RemainingDelayKey]; ok {
 		t.Error("CloneMessage kept RemainingDelayKey")
 	}
 }
@@ -51,11 +52,11 @@ func TestRedeliveryGuardHoldsEarlyDelivery(t *testing.T) {
 	h := func(*message.Message) ([]*message.Message, error) { ran++; return nil, nil }
 	for _, redelivered := range []bool{false, true} {
 		msg := attemptMsg(2, "p")
-		msg.Metadata.Set(middleware.DeliveryRetryPathKey, "true")
-		msg.Metadata.Set(middleware.RemainingDelayKey, "1100")
-		msg.Metadata.Set(middleware.RedeliveriesKey, "1") // at the limit: a counted redelivery would poison
+		msg.Metadata.Set(retrymeta.DeliveryRetryPathKey, "true")
+		msg.Metadata.Set(retrymeta.RemainingDelayKey, "1100")
+		msg.Metadata.Set(retrymeta.RedeliveriesKey, "1") // at the limit: a counted redelivery would poison
 		if redelivered {
-			msg.Metadata.Set(middleware.DeliveryRedeliveredKey, "true")
+			msg.Metadata.Set(retrymeta.DeliveryRedeliveredKey, "true")
 		}
 		if _, err := g.Middleware(h)(msg); err != nil {
 			t.Fatalf("redelivered %v: %v", redelivered, err)
@@ -67,8 +68,8 @@ func TestRedeliveryGuardHoldsEarlyDelivery(t *testing.T) {
 			t.Errorf("redelivered %v: delay %v, minimum %v, copy required %v", redelivered, c.delay, minimum, middleware.CopyRequired(c.ctx))
 		}
 		md := c.msg.Metadata
-		if md.Get(middleware.AttemptKey) != "2" || md.Get(middleware.RedeliveriesKey) != "1" ||
-			md.Get(middleware.RemainingDelayKey) != "" || md.Get(middleware.DeliveryRetryPathKey) != "" || md.Get(middleware.DeliveryRedeliveredKey) != "" {
+		if md.Get(middleware.AttemptKey) != "2" || md.Get(retrymeta.RedeliveriesKey) != "1" ||
+			md.Get(retrymeta.RemainingDelayKey) != "" || md.Get(retrymeta.DeliveryRetryPathKey) != "" || md.Get(retrymeta.DeliveryRedeliveredKey) != "" {
 			t.Errorf("redelivered %v: copy metadata %v", redelivered, md)
 		}
 	}
@@ -78,8 +79,8 @@ func TestRedeliveryGuardHoldsEarlyDelivery(t *testing.T) {
 	// Refused: not run, handed to the fallback as a ScheduleError.
 	d.err = errors.New("alarm")
 	msg := attemptMsg(1, "p")
-	msg.Metadata.Set(middleware.DeliveryRetryPathKey, "true")
-	msg.Metadata.Set(middleware.RemainingDelayKey, "10")
+	msg.Metadata.Set(retrymeta.DeliveryRetryPathKey, "true")
+	msg.Metadata.Set(retrymeta.RemainingDelayKey, "10")
 	_, err = g.Middleware(h)(msg)
 	var se *middleware.ScheduleError
 	if !errors.As(err, &se) || se.HandlerRan() || ran != 0 {

@@ -12,8 +12,8 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/cenkalti/backoff/v4"
 
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 	"github.com/rabbitretry/rabbitretry/middleware"
-	"github.com/rabbitretry/rabbitretry/poison"
 )
 
 var fixedNow = time.Date(2025, 3, 4, 5, 6, 7, 890, time.UTC)
@@ -75,10 +75,10 @@ func TestRepublisherSchedulesCopy(t *testing.T) {
 	earlier := "2024-01-01T00:00:00Z"
 	msg.Metadata.Set(middleware.FirstFailureKey, earlier)
 	msg.Metadata.Set(middleware.XDeathKey, `[{"queue":"orders","reason":"rejected","count":1}]`)
-	msg.Metadata.Set(middleware.XDeliveryCountKey, "1")
-	msg.Metadata.Set(middleware.DeliveryExchangeKey, "orders-ex")
-	msg.Metadata.Set(middleware.DeliveryRoutingKeyKey, "orders.created")
-	msg.Metadata.Set(middleware.HeaderErrorKey, "something ignored")
+	msg.Metadata.Set(retrymeta.XDeliveryCountKey, "1")
+	msg.Metadata.Set(retrymeta.DeliveryExchangeKey, "orders-ex")
+	msg.Metadata.Set(retrymeta.DeliveryRoutingKeyKey, "orders.created")
+	msg.Metadata.Set(retrymeta.HeaderErrorKey, "something ignored")
 
 	handlerErr := errors.New("db unavailable")
 	out, err := r.Middleware(func(*message.Message) ([]*message.Message, error) {
@@ -109,7 +109,7 @@ func TestRepublisherSchedulesCopy(t *testing.T) {
 	want := map[string]string{
 		"user-key":                       "user-value",
 		middleware.AttemptKey:            "3",
-		middleware.ProvenAttemptKey:      "3",
+		retrymeta.ProvenAttemptKey:       "3",
 		middleware.FirstFailureKey:       earlier,
 		middleware.LastFailureKey:        fixedNow.Format(time.RFC3339Nano),
 		middleware.ErrorClassKey:         middleware.ClassTransient,
@@ -124,7 +124,7 @@ func TestRepublisherSchedulesCopy(t *testing.T) {
 			t.Errorf("copy metadata %s = %q (present %v), want %q", k, got, ok, v)
 		}
 	}
-	for _, k := range []string{middleware.XDeathKey, middleware.XDeliveryCountKey, middleware.DeliveryExchangeKey, middleware.DeliveryRoutingKeyKey, middleware.HeaderErrorKey} {
+	for _, k := range []string{middleware.XDeathKey, retrymeta.XDeliveryCountKey, retrymeta.DeliveryExchangeKey, retrymeta.DeliveryRoutingKeyKey, retrymeta.HeaderErrorKey} {
 		if _, ok := cp.Metadata[k]; ok {
 			t.Errorf("copy still carries delivery-only key %s", k)
 		}
@@ -168,8 +168,8 @@ func TestRepublisherFirstFailureSetOnce(t *testing.T) {
 	msg2 := attemptMsg(2, "p")
 	msg2.Metadata.Set(middleware.OriginalQueueKey, "first-queue")
 	msg2.Metadata.Set(middleware.OriginalExchangeKey, "first-ex")
-	msg2.Metadata.Set(middleware.DeliveryExchangeKey, "now-ex")
-	msg2.Metadata.Set(middleware.DeliveryRetryPathKey, "true")
+	msg2.Metadata.Set(retrymeta.DeliveryExchangeKey, "now-ex")
+	msg2.Metadata.Set(retrymeta.DeliveryRetryPathKey, "true")
 	if _, err := r.Middleware(failWith(errors.New("x")))(msg2); err != nil {
 		t.Fatal(err)
 	}
@@ -177,7 +177,7 @@ func TestRepublisherFirstFailureSetOnce(t *testing.T) {
 	if cp2.Metadata.Get(middleware.OriginalQueueKey) != "orders" || cp2.Metadata.Get(middleware.OriginalExchangeKey) != "first-ex" {
 		t.Errorf("original queue/exchange: %v", cp2.Metadata)
 	}
-	if _, ok := cp2.Metadata[middleware.DeliveryRetryPathKey]; ok {
+	if _, ok := cp2.Metadata[retrymeta.DeliveryRetryPathKey]; ok {
 		t.Error("the copy carries the delivery-only retry-path mark")
 	}
 }
@@ -384,8 +384,8 @@ func TestRepublisherErrorText(t *testing.T) {
 		t.Fatal(err)
 	}
 	got := d2.Calls()[0].msg.Metadata.Get(middleware.LastErrorKey)
-	if len(got) != middleware.DefaultMaxErrorBytes || !strings.HasSuffix(got, "…") {
-		t.Fatalf("default error text is %d bytes, want %d ending in …", len(got), middleware.DefaultMaxErrorBytes)
+	if len(got) != retrymeta.DefaultMaxErrorBytes || !strings.HasSuffix(got, "…") {
+		t.Fatalf("default error text is %d bytes, want %d ending in …", len(got), retrymeta.DefaultMaxErrorBytes)
 	}
 }
 
@@ -406,7 +406,7 @@ func TestTruncate(t *testing.T) {
 		{"éé", 1, ""},
 	}
 	for _, tc := range tests {
-		got := middleware.Truncate(tc.s, tc.max)
+		got := retrymeta.Truncate(tc.s, tc.max)
 		if got != tc.want {
 			t.Errorf("Truncate(%q, %d) = %q, want %q", tc.s, tc.max, got, tc.want)
 		}
@@ -414,7 +414,7 @@ func TestTruncate(t *testing.T) {
 			t.Errorf("Truncate(%q, %d) = %d bytes, over the limit", tc.s, tc.max, len(got))
 		}
 	}
-	if got := middleware.ErrorText(errors.New("abcdef"), 5); got != "ab…" {
+	if got := retrymeta.ErrorText(errors.New("abcdef"), 5); got != "ab…" {
 		t.Errorf("ErrorText = %q", got)
 	}
 }
@@ -495,7 +495,7 @@ func TestRepublisherDeadLetterRetry(t *testing.T) {
 	if scheduled != 1 {
 		t.Errorf("RetryScheduled called %d times, want 1", scheduled)
 	}
-	if poison.DefaultShouldPoison(herr) {
+	if middleware.DefaultShouldPoison(herr) {
 		t.Error("the poison forwarder would poison a dead-letter retry")
 	}
 }

@@ -13,23 +13,8 @@ import (
 	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/propagation"
 	"go.opentelemetry.io/otel/trace"
-)
 
-// TracingScope is the instrumentation scope name of the Tracing spans.
-const TracingScope = "github.com/rabbitretry/rabbitretry"
-
-// TracePrevKey carries, on every retry and poison copy, the W3C traceparent
-// of the attempt that made the copy: the next attempt's span links to it.
-const TracePrevKey = "rabbitretry-trace-prev"
-
-// Span attribute keys this library adds to the messaging semantic
-// conventions (which have no retry attribute).
-const (
-	AttrAttempt     = "rabbitretry.retry.attempt"      // int, 1-based
-	AttrMaxAttempts = "rabbitretry.retry.max_attempts" // int
-	AttrOutcome     = "rabbitretry.retry.outcome"      // ack | retry_scheduled | poisoned | dropped | nack
-	AttrErrorClass  = "rabbitretry.retry.error_class"  // ErrorClassKey's value
-	AttrDelayMs     = "rabbitretry.retry.delay_ms"     // int, the delay chosen for the retry
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 )
 
 // TracingConfig configures Tracing. Zero values take the defaults.
@@ -45,7 +30,7 @@ type TracingConfig struct {
 	System string
 	// QueueName names the consumed queue. Default the router's subscribe topic.
 	QueueName func(ctx context.Context) string
-	// MaxAttempts is recorded as AttrMaxAttempts when > 0 (router.New
+	// MaxAttempts is recorded as rabbitretry.retry.max_attempts when > 0 (router.New
 	// passes its own).
 	MaxAttempts int
 }
@@ -57,15 +42,15 @@ type TracingConfig struct {
 // ("<exchange>:<routing key>:<queue>", empty parts dropped, a routing key
 // equal to the queue collapsed), messaging.rabbitmq.destination.routing_key,
 // messaging.message.id, messaging.message.conversation_id (correlation id),
-// error.type and an Error status on failure; plus AttrAttempt,
-// AttrMaxAttempts, AttrOutcome, AttrErrorClass and AttrDelayMs.
+// error.type and an Error status on failure; plus rabbitretry.retry.attempt,
+// .max_attempts, .outcome, .error_class and .delay_ms (docs/tracing.md).
 //
 // One trace per message: the span is a child of the creation context the
 // message carries (traceparent/tracestate, written by an instrumented
 // producer) and links to it, as the conventions recommend. A message that
 // arrives without one gets the first attempt's span context written into its
 // metadata, so every retry copy and the poison copy carry it, unchanged, and
-// all attempts join one trace. Each copy also carries TracePrevKey, the
+// all attempts join one trace. Each copy also carries rabbitretry-trace-prev, the
 // attempt that made it, which the next attempt's span links to. Retries and
 // the poison forward are span events (as Observer, combined by router.New).
 //
@@ -102,7 +87,7 @@ func NewTracing(cfg TracingConfig) *Tracing {
 		cfg.QueueName = message.SubscribeTopicFromCtx
 	}
 	return &Tracing{
-		tracer: tp.Tracer(TracingScope), prop: prop, system: cfg.System,
+		tracer: tp.Tracer(retrymeta.TracingScope), prop: prop, system: cfg.System,
 		queue: cfg.QueueName, maxAttempt: cfg.MaxAttempts, fields: prop.Fields(),
 	}
 }
@@ -155,7 +140,7 @@ func (tr *Tracing) Middleware(h message.HandlerFunc) message.HandlerFunc {
 		if creation.IsValid() {
 			span.AddLink(trace.Link{SpanContext: creation})
 		}
-		if prevTP := msg.Metadata.Get(TracePrevKey); prevTP != "" {
+		if prevTP := msg.Metadata.Get(retrymeta.TracePrevKey); prevTP != "" {
 			prev := trace.SpanContextFromContext(propagation.TraceContext{}.Extract(context.Background(),
 				propagation.MapCarrier{"traceparent": prevTP}))
 			if prev.IsValid() {
@@ -165,11 +150,11 @@ func (tr *Tracing) Middleware(h message.HandlerFunc) message.HandlerFunc {
 		}
 		tp := propagation.MapCarrier{}
 		propagation.TraceContext{}.Inject(spanCtx, tp)
-		msg.Metadata.Set(TracePrevKey, tp["traceparent"])
+		msg.Metadata.Set(retrymeta.TracePrevKey, tp["traceparent"])
 		st := &attemptTrace{}
 		msg.SetContext(context.WithValue(trace.ContextWithSpan(ctx, span), attemptTraceKey{}, st))
 		out, err := h(msg)
-		span.SetAttributes(attribute.Int(AttrAttempt, Attempt(msg)))
+		span.SetAttributes(attribute.Int(retrymeta.AttrAttempt, Attempt(msg)))
 		outcome := st.outcome
 		if err != nil {
 			span.SetStatus(codes.Error, err.Error())
@@ -189,9 +174,9 @@ func (tr *Tracing) Middleware(h message.HandlerFunc) message.HandlerFunc {
 			// copy was confirmed).
 			span.SetStatus(codes.Error, "handler failed: "+outcome)
 		}
-		span.SetAttributes(attribute.String(AttrOutcome, outcome))
+		span.SetAttributes(attribute.String(retrymeta.AttrOutcome, outcome))
 		if st.class != "" {
-			span.SetAttributes(attribute.String(AttrErrorClass, st.class))
+			span.SetAttributes(attribute.String(retrymeta.AttrErrorClass, st.class))
 		}
 		return out, err
 	}
@@ -234,7 +219,7 @@ func (tr *Tracing) attributes(msg *message.Message) []attribute.KeyValue {
 		attrs = append(attrs, attribute.String("messaging.message.conversation_id", cid))
 	}
 	if tr.maxAttempt > 0 {
-		attrs = append(attrs, attribute.Int(AttrMaxAttempts, tr.maxAttempt))
+		attrs = append(attrs, attribute.Int(retrymeta.AttrMaxAttempts, tr.maxAttempt))
 	}
 	return attrs
 }
@@ -244,12 +229,12 @@ func (tr *Tracing) attributes(msg *message.Message) []attribute.KeyValue {
 // message was first consumed with.
 func deliveredVia(msg *message.Message) (exchange, routingKey string) {
 	md := msg.Metadata
-	if md.Get(DeliveryRetryPathKey) != "" {
+	if md.Get(retrymeta.DeliveryRetryPathKey) != "" {
 		if ex, rk := md.Get(OriginalExchangeKey), md.Get(OriginalRoutingKeyKey); ex != "" || rk != "" {
 			return ex, rk
 		}
 	}
-	return md.Get(DeliveryExchangeKey), md.Get(DeliveryRoutingKeyKey)
+	return md.Get(retrymeta.DeliveryExchangeKey), md.Get(retrymeta.DeliveryRoutingKeyKey)
 }
 
 func messageID(msg *message.Message) string {
@@ -349,25 +334,25 @@ func markOutcome(msg *message.Message, outcome, class string, attrs ...attribute
 }
 
 func (tracingObserver) RetryScheduled(msg *message.Message, attempt int, delay, took time.Duration) {
-	markOutcome(msg, "retry_scheduled", msg.Metadata.Get(ErrorClassKey), attribute.Int(AttrAttempt, attempt),
-		attribute.Int64(AttrDelayMs, delay.Milliseconds()), attribute.Int64("rabbitretry.retry.confirm_ms", took.Milliseconds()))
-	trace.SpanFromContext(msg.Context()).SetAttributes(attribute.Int64(AttrDelayMs, delay.Milliseconds()))
+	markOutcome(msg, "retry_scheduled", msg.Metadata.Get(ErrorClassKey), attribute.Int(retrymeta.AttrAttempt, attempt),
+		attribute.Int64(retrymeta.AttrDelayMs, delay.Milliseconds()), attribute.Int64("rabbitretry.retry.confirm_ms", took.Milliseconds()))
+	trace.SpanFromContext(msg.Context()).SetAttributes(attribute.Int64(retrymeta.AttrDelayMs, delay.Milliseconds()))
 }
 
 func (tracingObserver) RetryFailed(msg *message.Message, attempt int, err error) {
 	trace.SpanFromContext(msg.Context()).AddEvent("rabbitretry.retry_failed",
-		trace.WithAttributes(attribute.Int(AttrAttempt, attempt), attribute.String("error.type", errorType(err))))
+		trace.WithAttributes(attribute.Int(retrymeta.AttrAttempt, attempt), attribute.String("error.type", errorType(err))))
 }
 
 func (tracingObserver) Poisoned(msg *message.Message, attempt int, class string) {
-	markOutcome(msg, "poisoned", class, attribute.Int(AttrAttempt, attempt), attribute.String(AttrErrorClass, class))
+	markOutcome(msg, "poisoned", class, attribute.Int(retrymeta.AttrAttempt, attempt), attribute.String(retrymeta.AttrErrorClass, class))
 }
 
 func (tracingObserver) PoisonFailed(msg *message.Message, attempt int, err error) {
 	trace.SpanFromContext(msg.Context()).AddEvent("rabbitretry.poison_failed",
-		trace.WithAttributes(attribute.Int(AttrAttempt, attempt), attribute.String("error.type", errorType(err))))
+		trace.WithAttributes(attribute.Int(retrymeta.AttrAttempt, attempt), attribute.String("error.type", errorType(err))))
 }
 
 func (tracingObserver) Dropped(msg *message.Message, attempt int) {
-	markOutcome(msg, "dropped", "", attribute.Int(AttrAttempt, attempt))
+	markOutcome(msg, "dropped", "", attribute.Int(retrymeta.AttrAttempt, attempt))
 }

@@ -3,12 +3,14 @@ package router
 import (
 	"context"
 	"errors"
+	"reflect"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 	"github.com/rabbitretry/rabbitretry/middleware"
-	"github.com/rabbitretry/rabbitretry/poison"
 )
 
 // Config configures the retry chain. Zero values take the defaults of the
@@ -18,7 +20,10 @@ type Config struct {
 	// middleware.MemoryDelayer for gochannel). Required.
 	Delayer middleware.Delayer
 	// PoisonPublisher receives poisoned messages; Publish must return only
-	// once the message is durably stored. Required.
+	// once the message is durably stored. Required. A Watermill
+	// gochannel.GoChannel (tests) must be created with Persistent: true:
+	// Validate refuses one without, which would drop a poisoned message
+	// published before anything subscribed to the poison topic.
 	PoisonPublisher message.Publisher
 	// PoisonTopic names the poison topic per message. Default "poison".
 	PoisonTopic func(ctx context.Context) string
@@ -59,13 +64,37 @@ func (c Config) Validate() error {
 	if c.PoisonPublisher == nil {
 		return errors.New("router.Config.PoisonPublisher is nil")
 	}
+	if volatileGoChannel(c.PoisonPublisher) {
+		return errors.New("router.Config.PoisonPublisher is a gochannel.GoChannel without Persistent: " +
+			"it silently drops a poisoned message when nothing subscribes to the poison topic yet; " +
+			"create it with gochannel.Config{Persistent: true}")
+	}
 	return nil
+}
+
+// volatileGoChannel reports whether p is a Watermill gochannel.GoChannel
+// made without Config.Persistent. Such a GoChannel's Publish returns nil for a
+// topic nobody subscribes to and discards the message ("No subscribers to
+// send message"), which breaks the PoisonPublisher contract (Publish returns
+// nil only once the message is stored): the original would be acked and the
+// poisoned message lost. A persistent GoChannel keeps every message for later
+// subscribers. GoChannel does not export its config, so this reads the
+// Persistent flag (set once, in NewGoChannel, never written again) by
+// reflection; TestNewRefusesVolatileGoChannelPoison fails if a Watermill
+// upgrade renames it.
+func volatileGoChannel(p message.Publisher) bool {
+	g, ok := p.(*gochannel.GoChannel)
+	if !ok || g == nil {
+		return false
+	}
+	persistent := reflect.ValueOf(g).Elem().FieldByName("config").FieldByName("Persistent")
+	return persistent.IsValid() && persistent.Kind() == reflect.Bool && !persistent.Bool()
 }
 
 // Chain is the assembled retry chain.
 type Chain struct {
 	Counter     *middleware.AttemptCounter
-	Forwarder   *poison.Forwarder
+	Forwarder   *middleware.PoisonForwarder
 	Guard       *middleware.RedeliveryGuard
 	Republisher *middleware.Republisher
 	Classifier  *middleware.Classifier
@@ -118,7 +147,7 @@ func New(cfg Config) (*Chain, error) {
 	if err != nil {
 		return nil, err
 	}
-	fwd, err := poison.NewForwarder(poison.ForwarderConfig{
+	fwd, err := middleware.NewPoisonForwarder(middleware.PoisonForwarderConfig{
 		Publisher: cfg.PoisonPublisher, Topic: cfg.PoisonTopic, QueueName: queueName,
 		ErrorText: cfg.ErrorText, Observer: cfg.Observer, Logger: cfg.Logger,
 	})
@@ -140,7 +169,7 @@ func New(cfg Config) (*Chain, error) {
 		fb.pause = DefaultFallbackPause
 	}
 	if fb.errorText == nil {
-		fb.errorText = func(err error) string { return middleware.ErrorText(err, middleware.DefaultMaxErrorBytes) }
+		fb.errorText = func(err error) string { return retrymeta.ErrorText(err, retrymeta.DefaultMaxErrorBytes) }
 	}
 	if fb.logger == nil {
 		fb.logger = watermill.NopLogger{}

@@ -17,11 +17,12 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	wmw "github.com/ThreeDotsLabs/watermill/message/router/middleware"
+	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 	"github.com/cenkalti/backoff/v4"
 
 	"github.com/rabbitretry/rabbitretry/amqpwire"
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 	"github.com/rabbitretry/rabbitretry/middleware"
-	"github.com/rabbitretry/rabbitretry/poison"
 	"github.com/rabbitretry/rabbitretry/router"
 )
 
@@ -103,11 +104,11 @@ func TestTransientExhaustedIsPoisoned(t *testing.T) {
 	}
 	for k, want := range map[string]string{
 		middleware.PoisonAttemptsKey: "3",
-		middleware.AttemptKey:        "3",
+		middleware.AttemptKey:        "", // one attempt count on a poison copy: PoisonAttemptsKey
 		middleware.ErrorClassKey:     middleware.ClassExhausted,
-		poison.ReasonKey:             "gave up after 3 attempts: service unavailable",
-		poison.TopicKey:              topic,
-		poison.HandlerKey:            "worker",
+		middleware.PoisonReasonKey:   "gave up after 3 attempts: service unavailable",
+		retrymeta.PoisonTopicKey:     topic,
+		retrymeta.PoisonHandlerKey:   "worker",
 		middleware.OriginalQueueKey:  topic,
 	} {
 		if got := p.Metadata.Get(k); got != want {
@@ -150,7 +151,7 @@ func TestPermanentPoisonedAtOnce(t *testing.T) {
 		t.Fatalf("handler called %d times, want 1", seen.len())
 	}
 	if p.UUID != msg.UUID || p.Metadata.Get(middleware.ErrorClassKey) != middleware.ClassPermanent ||
-		p.Metadata.Get(middleware.PoisonAttemptsKey) != "1" || p.Metadata.Get(poison.ReasonKey) != "customer does not exist" {
+		p.Metadata.Get(middleware.PoisonAttemptsKey) != "1" || p.Metadata.Get(middleware.PoisonReasonKey) != "customer does not exist" {
 		t.Fatalf("poison metadata %v", p.Metadata)
 	}
 	if e.observer.count("retry") != 0 || e.delayer.Pending() != 0 {
@@ -241,12 +242,12 @@ func TestRecovererPanicIsRetriedThenPoisoned(t *testing.T) {
 	if p.UUID != msg.UUID || p.Metadata.Get(middleware.ErrorClassKey) != middleware.ClassExhausted || p.Metadata.Get(middleware.PoisonAttemptsKey) != "3" {
 		t.Fatalf("poison metadata %v", p.Metadata)
 	}
-	reason := p.Metadata.Get(poison.ReasonKey)
+	reason := p.Metadata.Get(middleware.PoisonReasonKey)
 	if !strings.Contains(reason, "panic occurred") || !strings.Contains(reason, "nil map write on attempt 3") {
 		t.Errorf("reason %q", reason)
 	}
-	if len(reason) > middleware.DefaultMaxErrorBytes {
-		t.Errorf("reason (with stack trace) is %d bytes, over the %d cap", len(reason), middleware.DefaultMaxErrorBytes)
+	if len(reason) > retrymeta.DefaultMaxErrorBytes {
+		t.Errorf("reason (with stack trace) is %d bytes, over the %d cap", len(reason), retrymeta.DefaultMaxErrorBytes)
 	}
 	if e.observer.count("retry") != 2 || len(e.poison.all()) != 1 {
 		t.Errorf("retries %d poisoned %d", e.observer.count("retry"), len(e.poison.all()))
@@ -520,8 +521,8 @@ func TestChainDirect(t *testing.T) {
 	}
 	// x-death rejections from the queue count: header 1 + 1 rejection = attempt 2; + 1 more = 3 = exhausted.
 	msg = message.NewMessage("b", nil)
-	msg.Metadata.Set(middleware.DeliveryExchangeKey, "") // back through a retry route, as the Marshaler tells
-	msg.Metadata.Set(middleware.DeliveryRetryRouteKey, "true")
+	msg.Metadata.Set(retrymeta.DeliveryExchangeKey, "") // back through a retry route, as the Marshaler tells
+	msg.Metadata.Set(retrymeta.DeliveryRetryRouteKey, "true")
 	msg.Metadata.Set(middleware.XDeathKey, amqpwire.EncodeXDeath([]amqpwire.DeathRecord{{Queue: "q", Reason: "rejected", Count: 2}}))
 	if _, err := chain.Middleware(fail)(msg); err != nil {
 		t.Fatal(err)
@@ -557,7 +558,7 @@ func TestChainDirect(t *testing.T) {
 	_, err = chain2.Middleware(func(*message.Message) ([]*message.Message, error) {
 		return nil, middleware.Permanent(errors.New("x"))
 	})(message.NewMessage("d", nil))
-	var pe *poison.PoisonError
+	var pe *middleware.PoisonError
 	if !errors.As(err, &pe) {
 		t.Fatalf("got %v, want *PoisonError", err)
 	}
@@ -579,7 +580,7 @@ func TestChainClassifierConfigUsed(t *testing.T) {
 		t.Fatal(err)
 	}
 	ps := pub.all()
-	if len(ps) != 1 || ps[0].Metadata.Get(middleware.ErrorClassKey) != "not-found" || ps[0].Metadata.Get(poison.ReasonKey) != "redacted" || d.n.Load() != 0 {
+	if len(ps) != 1 || ps[0].Metadata.Get(middleware.ErrorClassKey) != "not-found" || ps[0].Metadata.Get(middleware.PoisonReasonKey) != "redacted" || d.n.Load() != 0 {
 		t.Fatalf("poisoned %v", ps)
 	}
 	pub.mu.Lock()
@@ -635,7 +636,7 @@ func TestForeignCountsNeverDecideFirstRun(t *testing.T) {
 		"x-death 50 for Q": {middleware.XDeathKey: amqpwire.EncodeXDeath([]amqpwire.DeathRecord{
 			{Queue: topic, Reason: "rejected", Count: 50}})},
 		"another queue's chain": {middleware.AttemptKey: "4", middleware.OriginalQueueKey: "payments",
-			middleware.RedeliveriesKey: "2", middleware.FirstFailureKey: "2026-01-01T00:00:00Z"},
+			retrymeta.RedeliveriesKey: "2", middleware.FirstFailureKey: "2026-01-01T00:00:00Z"},
 	}
 	names := map[string]string{}
 	for name, md := range forged {
@@ -686,7 +687,7 @@ func TestRetryAfterLongerThanDelayerHoldsEndToEnd(t *testing.T) {
 			}
 			held := min(delay, hold)
 			middleware.SetRemainingDelay(msg.Metadata, delay-held)
-			msg.Metadata.Set(middleware.DeliveryRetryPathKey, "true") // amqpretry's Marshaler sets it from the delivery
+			msg.Metadata.Set(retrymeta.DeliveryRetryPathKey, "true") // amqpretry's Marshaler sets it from the delivery
 			hops.Add(1)
 			return inner.Schedule(ctx, msg, held)
 		})
@@ -713,10 +714,49 @@ func TestRetryAfterLongerThanDelayerHoldsEndToEnd(t *testing.T) {
 	if n := hops.Load(); n != 5 { // 60+60+60+60+10 ms
 		t.Errorf("%d hops, want 5", n)
 	}
-	if got[1].md.Get(middleware.RedeliveriesKey) != "" || got[1].md.Get(middleware.DelayKey) != "250" {
+	if got[1].md.Get(retrymeta.RedeliveriesKey) != "" || got[1].md.Get(middleware.DelayKey) != "250" {
 		t.Errorf("second attempt's metadata %v", got[1].md)
 	}
 	if e.observer.count("poisoned") != 0 || e.observer.count("retry") != 1 {
 		t.Errorf("observer: %d poisoned, %d retries; want 0, 1", e.observer.count("poisoned"), e.observer.count("retry"))
 	}
+}
+
+// A gochannel poison topic nobody subscribes to yet silently drops the
+// message (issue #20 item 8): router.New refuses a non-persistent GoChannel
+// as PoisonPublisher, naming the field and the fix, and accepts a persistent
+// one, whose poisoned message a late subscriber still receives.
+func TestNewRefusesVolatileGoChannelPoison(t *testing.T) {
+	d := &fakeDelayer{}
+	volatile := gochannel.NewGoChannel(gochannel.Config{}, watermill.NopLogger{})
+	defer volatile.Close()
+	_, err := router.New(router.Config{Delayer: d, PoisonPublisher: volatile})
+	if err == nil || !strings.Contains(err.Error(), "PoisonPublisher") || !strings.Contains(err.Error(), "Persistent: true") {
+		t.Fatalf("New with a non-persistent gochannel poison publisher: %v", err)
+	}
+
+	persistent := gochannel.NewGoChannel(gochannel.Config{Persistent: true}, watermill.NopLogger{})
+	defer persistent.Close()
+	chain, err := router.New(router.Config{Delayer: d, PoisonPublisher: persistent})
+	if err != nil {
+		t.Fatal(err)
+	}
+	msg := message.NewMessage(watermill.NewUUID(), []byte("p"))
+	refuse := func(*message.Message) ([]*message.Message, error) {
+		return nil, middleware.Permanent(errors.New("bad"))
+	}
+	if _, err := chain.Middleware(refuse)(msg); err != nil {
+		t.Fatal(err)
+	}
+	// Subscribed only after the poisoning: the message is still there.
+	ch, err := persistent.Subscribe(context.Background(), "poison")
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := recv(t, ch, 5*time.Second)
+	p.Ack()
+	if p.UUID != msg.UUID || p.Metadata.Get(middleware.ErrorClassKey) != middleware.ClassPermanent {
+		t.Fatalf("poisoned %s class %q", p.UUID, p.Metadata.Get(middleware.ErrorClassKey))
+	}
+	t.Logf("ACCOUNT published=1 handled=0 poisoned=1 duplicates=0 lost=0")
 }

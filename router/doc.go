@@ -7,7 +7,7 @@
 //	AttemptCounter       sets the attempt number before anything reads it
 //	  fallback             settles what nothing further in could: pause, copy back
 //	                       to the origin queue (confirmed), else nack with requeue
-//	    poison.Forwarder     poisons permanent and exhausted failures (confirmed, then ack)
+//	    PoisonForwarder      poisons permanent and exhausted failures (confirmed, then ack)
 //	      RedeliveryGuard      a delivery back before its whole delay is held again;
 //	                           a redelivered message is not run: a counted copy is
 //	                           requeued, or moved to the quarantine queue (confirmed,

@@ -257,12 +257,14 @@ func (s *DrainingSubscriber) SubscribeInitialize(topic string) error {
 	return nil
 }
 
-// String names the subscriber in Watermill's router logs
-// (subscriber_name): the inner subscriber's type, e.g. "amqp.Subscriber
-// (draining)", instead of this wrapper's.
+// String names the wrapped subscriber, e.g. "amqp.Subscriber", as Watermill
+// would name it unwrapped (its Stringer, else its type without the pointer
+// marker): Watermill's router logs subscribers by this name and the
+// PoisonForwarder writes it into subscriber_poisoned, where
+// "router.DrainingSubscriber" would say nothing about the source.
 func (s *DrainingSubscriber) String() string {
-	if n, ok := s.inner.(fmt.Stringer); ok {
-		return n.String() + " (draining)"
+	if st, ok := s.inner.(fmt.Stringer); ok {
+		return st.String()
 	}
-	return strings.TrimLeft(fmt.Sprintf("%T", s.inner), "*") + " (draining)"
+	return strings.TrimLeft(fmt.Sprintf("%T", s.inner), "*")
 }

@@ -7,13 +7,11 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
-	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v2/pkg/amqp"
 	"github.com/ThreeDotsLabs/watermill/message"
 	wmw "github.com/ThreeDotsLabs/watermill/message/router/middleware"
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 	"github.com/cenkalti/backoff/v4"
 
-	"github.com/rabbitretry/rabbitretry/amqpretry"
 	"github.com/rabbitretry/rabbitretry/middleware"
 	"github.com/rabbitretry/rabbitretry/router"
 )
@@ -24,7 +22,9 @@ import (
 func ExampleChain() {
 	pubSub := gochannel.NewGoChannel(gochannel.Config{}, watermill.NopLogger{})
 	defer pubSub.Close()
-	poisonPubSub := gochannel.NewGoChannel(gochannel.Config{}, watermill.NopLogger{})
+	// The poison topic must be persistent: a plain GoChannel drops a message
+	// published before anything subscribed (router.New refuses one).
+	poisonPubSub := gochannel.NewGoChannel(gochannel.Config{Persistent: true}, watermill.NopLogger{})
 	defer poisonPubSub.Close()
 	poisoned, err := poisonPubSub.Subscribe(context.Background(), "poison")
 	if err != nil {
@@ -101,31 +101,83 @@ func ExampleChain() {
 	// poisoned order-2: class=permanent attempts=1 reason="no such customer"
 }
 
-// ExamplePolicy: one retry policy for a broker-free test chain and for
-// amqpretry.New, defined once (router.Config and amqpretry.Config both
-// embed router.Policy).
-func ExamplePolicy() {
-	policy := router.Policy{
-		MaxAttempts: 3,
-		Backoff:     func() backoff.BackOff { return backoff.NewConstantBackOff(20 * time.Millisecond) },
-	}
-
-	// In a test: gochannel and an in-memory Delayer.
-	pubSub := gochannel.NewGoChannel(gochannel.Config{Persistent: true}, watermill.NopLogger{})
+// A GoChannel drops a message published to a topic nobody subscribes to
+// yet, so as the poison publisher it would lose poisoned messages: the chain
+// refuses one that is not persistent.
+func ExampleConfig_Validate() {
+	pubSub := gochannel.NewGoChannel(gochannel.Config{}, watermill.NopLogger{})
 	defer pubSub.Close()
 	delayer, err := middleware.NewMemoryDelayer(pubSub, nil, nil)
 	if err != nil {
 		panic(err)
 	}
 	defer delayer.Close()
-	chain, err := router.New(router.Config{Policy: policy, Delayer: delayer, PoisonPublisher: pubSub})
+
+	_, err = router.New(router.Config{Delayer: delayer, PoisonPublisher: pubSub})
+	fmt.Println(err)
+
+	poison := gochannel.NewGoChannel(gochannel.Config{Persistent: true}, watermill.NopLogger{})
+	defer poison.Close()
+	_, err = router.New(router.Config{Delayer: delayer, PoisonPublisher: poison})
+	fmt.Println(err)
+	// Output:
+	// router.Config.PoisonPublisher is a gochannel.GoChannel without Persistent: it silently drops a poisoned message when nothing subscribes to the poison topic yet; create it with gochannel.Config{Persistent: true}
+	// <nil>
+}
+
+// With Config.Pause, a handler error that says a dependency is down
+// (middleware.DependencyUnavailable) pauses consumption instead of charging
+// an attempt: the message is held and run again as a probe until the
+// dependency is back, still as attempt 1.
+func ExampleConfig_pause() {
+	pubSub := gochannel.NewGoChannel(gochannel.Config{}, watermill.NopLogger{})
+	defer pubSub.Close()
+	poison := gochannel.NewGoChannel(gochannel.Config{Persistent: true}, watermill.NopLogger{})
+	defer poison.Close()
+	delayer, err := middleware.NewMemoryDelayer(pubSub, nil, nil)
 	if err != nil {
 		panic(err)
 	}
+	defer delayer.Close()
 
-	// In the service: the same value.
-	retryCfg := amqpretry.Config{Policy: policy, Subscriber: wamqp.NewDurableQueueConfig("amqp://localhost/")}
+	chain, err := router.New(router.Config{
+		Delayer: delayer, PoisonPublisher: poison,
+		Policy: router.Policy{MaxAttempts: 2,
+			Pause: &middleware.PauseConfig{ProbeInterval: 10 * time.Millisecond, MaxProbeInterval: 20 * time.Millisecond}},
+	})
+	if err != nil {
+		panic(err)
+	}
+	r, err := message.NewRouter(message.RouterConfig{}, watermill.NopLogger{})
+	if err != nil {
+		panic(err)
+	}
+	chain.AddTo(r)
+	done := make(chan struct{})
+	runs := 0
+	r.AddConsumerHandler("billing", "orders", pubSub, func(msg *message.Message) error {
+		runs++
+		if runs <= 3 {
+			fmt.Printf("run %d, attempt %d: database down\n", runs, middleware.Attempt(msg))
+			return middleware.DependencyUnavailable(errors.New("connection refused"))
+		}
+		fmt.Printf("run %d, attempt %d: ok\n", runs, middleware.Attempt(msg))
+		close(done)
+		return nil
+	})
+	go func() { _ = r.Run(context.Background()) }()
+	defer r.Close()
+	<-r.Running()
 
-	fmt.Println(chain.Republisher.MaxAttempts(), retryCfg.MaxAttempts)
-	// Output: 3 3
+	_ = pubSub.Publish("orders", message.NewMessage("order-1", []byte("{}")))
+	select {
+	case <-done:
+	case <-time.After(5 * time.Second):
+		fmt.Println("timeout")
+	}
+	// Output:
+	// run 1, attempt 1: database down
+	// run 2, attempt 1: database down
+	// run 3, attempt 1: database down
+	// run 4, attempt 1: ok
 }

@@ -9,8 +9,8 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 	"github.com/rabbitretry/rabbitretry/middleware"
-	"github.com/rabbitretry/rabbitretry/poison"
 )
 
 // DefaultFallbackPause is the default of Config.FallbackPause.
@@ -24,7 +24,7 @@ const fallbackMaxHold = time.Minute
 // fallback is the outermost settlement step, just inside the attempt
 // counter. It sees only failures that nothing further in could settle: a
 // retry copy the Delayer did not hold (*middleware.ScheduleError), a poison
-// copy the broker did not take (*poison.PoisonError), or anything else that
+// copy the broker did not take (*middleware.PoisonError), or anything else that
 // would end in a nack. For those it never relies on the broker's
 // dead-lettering of the original (at-most-once on classic queues) and never
 // requeues at once (a hot loop):
@@ -37,7 +37,7 @@ const fallbackMaxHold = time.Minute
 //     A RetryAfter above one minute is not held here: after the pause the
 //     copy is handed to the Delayer once more with the remaining delay; if
 //     that fails too, the copy goes back to the queue carrying the
-//     remaining delay (middleware.RemainingDelayKey), so the
+//     remaining delay (rabbitretry-remaining-delay-ms), so the
 //     RedeliveryGuard does not run it but hands it to the Delayer again
 //     (logged at Error);
 //  2. it hands a copy to the Delayer with delay 0 (amqpretry: straight back to
@@ -89,7 +89,7 @@ func (f *fallback) onFailure(msg *message.Message, err error) error {
 	var handlerErr error
 	var asked time.Duration // the handler's RetryAfter, if any
 	var se *middleware.ScheduleError
-	var pe *poison.PoisonError
+	var pe *middleware.PoisonError
 	switch {
 	case errors.As(err, &se) && se.HandlerRan():
 		next, handlerErr = se.Attempt+1, se.HandlerErr
@@ -107,17 +107,17 @@ func (f *fallback) onFailure(msg *message.Message, err error) error {
 	if !f.wait(ctx, f.pause) {
 		return err // shutting down: the subscriber returns the delivery
 	}
-	c := middleware.CloneMessage(msg)
-	middleware.RecordFailure(c.Metadata, time.Now(), f.errorText(handlerErr), poison.ErrorClass(handlerErr), f.queueName(ctx))
-	middleware.StripDeliveryMetadata(c.Metadata)
+	c := retrymeta.CloneMessage(msg)
+	retrymeta.RecordFailure(c.Metadata, time.Now(), f.errorText(handlerErr), middleware.ErrorClass(handlerErr), f.queueName(ctx))
+	retrymeta.StripDeliveryMetadata(c.Metadata)
 	c.Metadata.Set(middleware.AttemptKey, strconv.Itoa(next))
-	c.Metadata.Set(middleware.ProvenAttemptKey, strconv.Itoa(proven))
+	c.Metadata.Set(retrymeta.ProvenAttemptKey, strconv.Itoa(proven))
 	if remaining := asked - time.Since(start); remaining > 0 {
 		// The handler asked for a delay (RetryAfter) and the copy below goes
 		// straight back to the queue: never let it run earlier than asked.
 		if remaining > fallbackMaxHold {
 			// Too long to hold the delivery here: try the delayed path again.
-			serr := f.delayer.Schedule(middleware.WithMinimumDelay(ctx, remaining), c, remaining)
+			serr := f.delayer.Schedule(retrymeta.WithMinimumDelay(ctx, remaining), c, remaining)
 			if serr == nil {
 				f.logger.Info("Fallback: retry copy held on the second try", watermill.LogFields{
 					"message_uuid": msg.UUID, "queue": f.queueName(ctx), "attempt": attempt, "next_attempt": next, "delay": remaining.String(),

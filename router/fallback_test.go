@@ -12,6 +12,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 	"github.com/rabbitretry/rabbitretry/middleware"
 	"github.com/rabbitretry/rabbitretry/router"
 )
@@ -256,7 +257,7 @@ func (d *refuseDelayedDelayer) Schedule(_ context.Context, msg *message.Message,
 
 // A RetryAfter above a minute that the Delayer refuses twice (issue 18 item
 // 8): the copy goes straight back, without holding the delivery, carrying
-// the remaining delay (middleware.RemainingDelayKey), so the
+// the remaining delay (retrymeta.RemainingDelayKey), so the
 // RedeliveryGuard holds it again before it runs. Before, it came back after
 // a minute, earlier than asked.
 func TestFallbackLongRetryAfterRefusedCarriesRemainingDelay(t *testing.T) {
@@ -277,8 +278,8 @@ func TestFallbackLongRetryAfterRefusedCarriesRemainingDelay(t *testing.T) {
 		t.Fatalf("zero-delay copies %d, want 1", len(d.zero))
 	}
 	cp := d.zero[0]
-	cp.Metadata.Set(middleware.DeliveryRetryPathKey, "true") // as the loop-back delivery would carry
-	if r := middleware.RemainingDelay(cp); r < asked-time.Minute || r > asked {
+	cp.Metadata.Set(retrymeta.DeliveryRetryPathKey, "true") // as the loop-back delivery would carry
+	if r := retrymeta.RemainingDelay(cp); r < asked-time.Minute || r > asked {
 		t.Errorf("copy's remaining delay %v, want about %v", r, asked)
 	}
 	if cp.Metadata.Get(middleware.AttemptKey) != "2" {

@@ -136,7 +136,7 @@ func newEnvWrapped(t *testing.T, cfg router.Config, wrap func(middleware.Delayer
 	t.Helper()
 	e := &env{observer: &recObserver{}, runErr: make(chan error, 1)}
 	e.in = gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 1024}, watermill.NopLogger{})
-	e.poisonPS = gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 1024}, watermill.NopLogger{})
+	e.poisonPS = gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 1024, Persistent: true}, watermill.NopLogger{})
 	e.poison = &poisonRecorder{Publisher: e.poisonPS}
 	ctx, cancel := context.WithCancel(context.Background())
 	var err error

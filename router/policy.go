@@ -43,7 +43,7 @@ type Policy struct {
 	// timeouts, returns) a message may cause: the one that brings its count
 	// to MaxRedeliveries poisons it with class
 	// middleware.ClassRedeliveryLimit without running the handler again
-	// (attributable ones only when the Delayer is a middleware.Quarantiner;
+	// (attributable ones only when the Delayer is a retrymeta.Quarantiner;
 	// see middleware.RedeliveryGuard). Default
 	// middleware.DefaultMaxRedeliveries (3); range [1, 1000].
 	MaxRedeliveries int
@@ -56,7 +56,7 @@ type Policy struct {
 	// straight back to the queue, so the next attempt never runs earlier
 	// than asked. A longer RetryAfter is handed to the Delayer once more
 	// after the pause; if that fails too, the copy goes back to the queue
-	// carrying the remaining delay (middleware.RemainingDelayKey), and the
+	// carrying the remaining delay (retrymeta.RemainingDelayKey), and the
 	// RedeliveryGuard holds it again before it runs.
 	FallbackPause time.Duration
 	// Pause, when set, pauses consumption while a dependency is down instead

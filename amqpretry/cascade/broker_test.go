@@ -17,6 +17,7 @@ import (
 
 	"github.com/rabbitretry/rabbitretry/amqpretry"
 	"github.com/rabbitretry/rabbitretry/confirm"
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 	"github.com/rabbitretry/rabbitretry/internal/testkit"
 	"github.com/rabbitretry/rabbitretry/middleware"
 )
@@ -377,7 +378,7 @@ func TestDelayerFloorClampAndRedeclare(t *testing.T) {
 	d := f.delayer(q)
 
 	sent := time.Now()
-	ctx := middleware.WithMinimumDelay(queueCtx(q), 200*time.Millisecond)
+	ctx := retrymeta.WithMinimumDelay(queueCtx(q), 200*time.Millisecond)
 	if err := d.Schedule(ctx, message.NewMessage("floor", nil), 10*time.Millisecond); err != nil {
 		t.Fatal(err)
 	}

@@ -16,6 +16,7 @@ import (
 
 	"github.com/rabbitretry/rabbitretry/amqpretry"
 	"github.com/rabbitretry/rabbitretry/amqpretry/cascade"
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 	"github.com/rabbitretry/rabbitretry/internal/testkit"
 	"github.com/rabbitretry/rabbitretry/middleware"
 	"github.com/rabbitretry/rabbitretry/router"
@@ -238,7 +239,7 @@ func checkOrigin(t *testing.T, s seen, q, exchange string) {
 		middleware.OriginalQueueKey:      q,
 		middleware.OriginalExchangeKey:   exchange,
 		middleware.OriginalRoutingKeyKey: routingKey,
-		middleware.DeliveryRetryPathKey:  "true",
+		retrymeta.DeliveryRetryPathKey:   "true",
 	}
 	for k, v := range want {
 		if got := s.md.Get(k); got != v {
@@ -280,7 +281,7 @@ func TestRetryAfterExact(t *testing.T) {
 	}
 	checkGap(t, first, second, retryAfter)
 	checkOrigin(t, second, q, e.exchange)
-	if got := second.md.Get(middleware.DeliveryExchangeKey); got == e.exchange {
+	if got := second.md.Get(retrymeta.DeliveryExchangeKey); got == e.exchange {
 		t.Errorf("attempt 2 was delivered from the business exchange, not the cascade")
 	}
 
@@ -380,13 +381,18 @@ func TestExhaustedPoisons(t *testing.T) {
 		t.Errorf("poisoned %v, want order-3", got)
 	}
 	for k, want := range map[string]string{
-		middleware.AttemptKey:          "2",
+		middleware.PoisonAttemptsKey:   "2",
 		middleware.OriginalQueueKey:    q,
 		middleware.OriginalExchangeKey: e.exchange,
 	} {
 		if got := d.Headers[k]; got != want {
 			t.Errorf("poison copy %s = %v, want %q", k, got, want)
 		}
+	}
+	// One attempt count on a poison copy (PoisonAttemptsKey), not also the
+	// delivery's attempt header.
+	if got, ok := d.Headers[middleware.AttemptKey]; ok {
+		t.Errorf("poison copy carries %s = %v", middleware.AttemptKey, got)
 	}
 	if n := len(orders.all()); n != 2 {
 		t.Errorf("handler ran %d times, want 2", n)
@@ -422,7 +428,7 @@ func TestRetryAfterBeyondMaxDelay(t *testing.T) {
 	if gap < retryAfter-7*earlyPerHop { // 3 + 3 + 1 level hops
 		t.Errorf("attempt 2 came %v after attempt 1, earlier than the RetryAfter %v", gap, retryAfter)
 	}
-	if got := second.md.Get(middleware.RemainingDelayKey); got != "" {
-		t.Errorf("attempt 2 carries %s=%q", middleware.RemainingDelayKey, got)
+	if got := second.md.Get(retrymeta.RemainingDelayKey); got != "" {
+		t.Errorf("attempt 2 carries %s=%q", retrymeta.RemainingDelayKey, got)
 	}
 }

@@ -40,7 +40,7 @@ func TestRouterRetry(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	poison := gochannel.NewGoChannel(gochannel.Config{}, watermill.NopLogger{})
+	poison := gochannel.NewGoChannel(gochannel.Config{Persistent: true}, watermill.NopLogger{})
 	t.Cleanup(func() { _ = poison.Close() })
 	chain, err := router.New(router.Config{
 		Delayer: d, PoisonPublisher: poison, Policy: router.Policy{MaxAttempts: 4, Backoff: testkit.ExactBackoff(200 * time.Millisecond), FallbackPause: -1},

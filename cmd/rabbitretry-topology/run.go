@@ -25,6 +25,7 @@ import (
 	"github.com/rabbitretry/rabbitretry/router"
 
 	"github.com/rabbitretry/rabbitretry/internal/redact"
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 )
 
 // Exit codes.
@@ -302,7 +303,7 @@ func tidy(ctx context.Context, r *amqpretry.Retry, o *options, vhost string, sec
 			if q.Messages > 0 {
 				would = "keep (not empty)"
 			}
-			fmt.Fprintf(tw, "%s\t%s\t%d\t%s\n", q.Name, middleware.FormatDelay(q.Tier), q.Messages, would)
+			fmt.Fprintf(tw, "%s\t%s\t%d\t%s\n", q.Name, retrymeta.FormatDelay(q.Tier), q.Messages, would)
 		}
 		_ = tw.Flush()
 		fmt.Fprintln(stdout, "Dry run: nothing deleted. Message counts are the management API's and lag a few seconds; tidy decides on the broker's.")
@@ -315,7 +316,7 @@ func tidy(ctx context.Context, r *amqpretry.Retry, o *options, vhost string, sec
 	var longest time.Duration
 	for _, k := range kept {
 		fmt.Fprintf(stdout, "kept     %s (tier %s, %s: its messages come back to %q within %s)\n",
-			k.Name, middleware.FormatDelay(k.Tier), keptReason(k), o.queue, middleware.FormatDelay(k.Tier))
+			k.Name, retrymeta.FormatDelay(k.Tier), keptReason(k), o.queue, retrymeta.FormatDelay(k.Tier))
 		longest = max(longest, k.Tier)
 	}
 	if err != nil {
@@ -325,7 +326,7 @@ func tidy(ctx context.Context, r *amqpretry.Retry, o *options, vhost string, sec
 	case len(deleted) == 0 && len(kept) == 0:
 		fmt.Fprintf(stdout, "No orphan wait queues for %q.\n", o.queue)
 	case len(kept) > 0:
-		fmt.Fprintf(stdout, "%d deleted, %d kept: run tidy again in %s.\n", len(deleted), len(kept), middleware.FormatDelay(longest))
+		fmt.Fprintf(stdout, "%d deleted, %d kept: run tidy again in %s.\n", len(deleted), len(kept), retrymeta.FormatDelay(longest))
 	default:
 		fmt.Fprintf(stdout, "%d deleted.\n", len(deleted))
 	}
@@ -342,7 +343,7 @@ func keptReason(k amqpretry.OrphanKept) string {
 func formatTiers(tiers []time.Duration) string {
 	s := make([]string, len(tiers))
 	for i, d := range tiers {
-		s[i] = middleware.FormatDelay(d)
+		s[i] = retrymeta.FormatDelay(d)
 	}
 	return strings.Join(s, ",")
 }

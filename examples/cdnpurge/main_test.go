@@ -14,6 +14,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	amqp "github.com/rabbitmq/amqp091-go"
 
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 	"github.com/rabbitretry/rabbitretry/middleware"
 )
 
@@ -43,7 +44,7 @@ func TestCDNPurgeBurst(t *testing.T) {
 		defer ch.Close()
 		queues := []string{cfg.Queue, cfg.Queue + ".poison"}
 		for _, tier := range tiers {
-			queues = append(queues, cfg.Queue+".wait."+middleware.FormatDelay(tier))
+			queues = append(queues, cfg.Queue+".wait."+retrymeta.FormatDelay(tier))
 		}
 		for _, q := range queues {
 			_, _ = ch.QueueDelete(q, false, false, false)

@@ -304,8 +304,12 @@ func runGoChannel(s *story, n int, timeout time.Duration) error {
 		return err
 	}
 	defer delayer.Close()
+	// The poison topic is persistent: a plain GoChannel would drop poisoned
+	// messages nobody subscribed to yet (router.New refuses one).
+	poisonPS := gochannel.NewGoChannel(gochannel.Config{Persistent: true}, logger)
+	defer poisonPS.Close()
 	chain, err := router.New(router.Config{
-		Delayer: delayer, PoisonPublisher: ps, PoisonTopic: func(context.Context) string { return "mailer.poison" },
+		Delayer: delayer, PoisonPublisher: poisonPS, PoisonTopic: func(context.Context) string { return "mailer.poison" },
 		Policy: retryPolicy(s), Logger: logger,
 	})
 	if err != nil {

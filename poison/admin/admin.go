@@ -136,14 +136,14 @@ func checkName(kind, name string) error {
 	return nil
 }
 
-// classify turns a passive-declare error into a *NotFoundError (404) or a
+// classify turns a passive-declare error into a *notFoundError (404) or a
 // descriptive error.
 func classify(kind, name string, err error) error {
 	var aerr *amqp.Error
 	if errors.As(err, &aerr) {
 		switch aerr.Code {
 		case amqp.NotFound:
-			return &NotFoundError{Kind: kind, Name: name, Err: err}
+			return &notFoundError{Kind: kind, Name: name, Err: err}
 		case amqp.ResourceLocked:
 			return fmt.Errorf("poison/admin: %s %q is exclusive to another connection: %w", kind, name, err)
 		case amqp.AccessRefused:
@@ -327,7 +327,7 @@ func (a *Admin) scanQueue(ctx context.Context, queue string, f Filter, visit fun
 		}
 		s.scanned++
 		s.lastTag = d.DeliveryTag
-		m := MessageFromDelivery(d)
+		m := messageFromDelivery(d)
 		if visit != nil {
 			visit(m)
 			continue
@@ -406,8 +406,8 @@ func (s *scan) release() error {
 // when List started are examined (passive queue.declare message count,
 // "Queues").
 //
-// Errors: a *NotFoundError matching ErrQueueNotFound if queue does not
-// exist; a Filter.Validate error; middleware.ErrClosed (wrapped); ctx.Err() (wrapped) if ctx ends
+// Errors: a *notFoundError matching ErrQueueNotFound if queue does not
+// exist; a Filter.Validate error; ErrClosed; ctx.Err() (wrapped) if ctx ends
 // during the scan; channel or connection errors.
 func (a *Admin) List(ctx context.Context, queue string, f Filter) ([]Message, error) {
 	s, err := a.scanQueue(ctx, queue, f, nil)

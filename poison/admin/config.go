@@ -80,12 +80,12 @@ const maxNameBytes = 255
 var (
 	// ErrQueueNotFound: the named queue does not exist in the URI's vhost
 	// (the passive queue.declare failed with 404 NOT_FOUND, "Queues" guide).
-	// The error is a *NotFoundError naming the queue.
+	// The error is a *notFoundError naming the queue.
 	ErrQueueNotFound = errors.New("queue does not exist")
 
 	// ErrExchangeNotFound: the loop-back exchange does not exist (passive
 	// exchange.declare failed with 404 NOT_FOUND). Returned by Replay, which
-	// then changes nothing. The error is a *NotFoundError.
+	// then changes nothing. The error is a *notFoundError.
 	ErrExchangeNotFound = errors.New("exchange does not exist")
 
 	// ErrNoOriginalQueue: a message to replay carries no
@@ -95,13 +95,9 @@ var (
 	ErrNoOriginalQueue = errors.New("message has no rabbitretry-original-queue header and no ReplayOptions.DefaultQueue was given")
 )
 
-// errClosed is returned by every method called after Close
-// (middleware.ErrClosed, wrapped).
-var errClosed = fmt.Errorf("poison/admin: admin: %w", middleware.ErrClosed)
-
-// NotFoundError reports a queue or exchange that does not exist. It matches
+// notFoundError reports a queue or exchange that does not exist. It matches
 // ErrQueueNotFound or ErrExchangeNotFound with errors.Is, by Kind.
-type NotFoundError struct {
+type notFoundError struct {
 	// Kind is "queue" or "exchange".
 	Kind string
 	// Name is the queue or exchange name.
@@ -111,16 +107,16 @@ type NotFoundError struct {
 }
 
 // Error says which queue or exchange does not exist.
-func (e *NotFoundError) Error() string {
+func (e *notFoundError) Error() string {
 	return fmt.Sprintf("poison/admin: %s %q does not exist", e.Kind, e.Name)
 }
 
 // Unwrap returns the broker's error.
-func (e *NotFoundError) Unwrap() error { return e.Err }
+func (e *notFoundError) Unwrap() error { return e.Err }
 
 // Is matches ErrQueueNotFound for Kind "queue" and ErrExchangeNotFound for
 // Kind "exchange".
-func (e *NotFoundError) Is(target error) bool {
+func (e *notFoundError) Is(target error) bool {
 	switch e.Kind {
 	case "queue":
 		return target == ErrQueueNotFound
@@ -152,3 +148,7 @@ func (e *MessageError) Error() string {
 
 // Unwrap returns the cause.
 func (e *MessageError) Unwrap() error { return e.Err }
+
+// errClosed is returned by every method called after Close
+// (middleware.ErrClosed, wrapped).
+var errClosed = fmt.Errorf("poison/admin: admin: %w", middleware.ErrClosed)

@@ -1,5 +1,5 @@
 // Package admin inspects and repairs RabbitMQ poison queues written by
-// poison.Forwarder: list and show poisoned messages, replay them to the queue
+// middleware.PoisonForwarder: list and show poisoned messages, replay them to the queue
 // they came from, move them to another queue, purge them selectively, and
 // summarise a queue.
 //

@@ -1,5 +1,7 @@
 package admin
 
+import amqp "github.com/rabbitmq/amqp091-go"
+
 // NewNamed is New with the client-provided connection name, so a test can
 // find its own connection in rabbitmqctl list_connections and close it
 // without touching other tests' connections.
@@ -9,3 +11,6 @@ func NewNamed(cfg Config, name string) (*Admin, error) { return newAdmin(cfg, na
 // each step (see the calls of Admin.at) with the number of matched
 // messages handled so far. Set it before the operation starts.
 func SetHook(a *Admin, f func(step string, done int)) { a.hook = f }
+
+// MessageFromDelivery is messageFromDelivery, for the tests.
+func MessageFromDelivery(d amqp.Delivery) Message { return messageFromDelivery(d) }

@@ -74,7 +74,7 @@ func newFixture(t *testing.T) *fixture {
 	return f
 }
 
-// poisonHeaders returns the headers poison.Forwarder writes for message i.
+// poisonHeaders returns the headers middleware.PoisonForwarder writes for message i.
 func (f *fixture) poisonHeaders(i int, uuid, class string, at time.Time) amqp.Table {
 	return amqp.Table{
 		"_watermill_message_uuid":          uuid,

@@ -11,16 +11,16 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitretry/rabbitretry/amqpwire"
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 	"github.com/rabbitretry/rabbitretry/middleware"
-	"github.com/rabbitretry/rabbitretry/poison"
 )
 
-// WatermillUUIDHeader is the AMQP header in which watermill-amqp's default
+// watermillUUIDHeader is the AMQP header in which watermill-amqp's default
 // marshaler carries the Watermill message UUID.
-const WatermillUUIDHeader = "_watermill_message_uuid"
+const watermillUUIDHeader = "_watermill_message_uuid"
 
 // Message is one message read from a poison queue, with the metadata the
-// poison.Forwarder and the retry middlewares wrote parsed out of its headers.
+// middleware.PoisonForwarder and the retry middlewares wrote parsed out of its headers.
 // Missing or malformed headers leave the corresponding field at its zero
 // value; the raw values stay available in Headers.
 type Message struct {
@@ -76,9 +76,9 @@ type Message struct {
 	Redelivered bool `json:"redelivered"`
 }
 
-// MessageFromDelivery parses a delivery read from a poison queue. It never
+// messageFromDelivery parses a delivery read from a poison queue. It never
 // fails: missing or malformed metadata leaves fields at their zero values.
-func MessageFromDelivery(d amqp.Delivery) Message {
+func messageFromDelivery(d amqp.Delivery) Message {
 	m := Message{
 		Body:        d.Body,
 		Headers:     make(map[string]string, len(d.Headers)),
@@ -89,15 +89,15 @@ func MessageFromDelivery(d amqp.Delivery) Message {
 		m.Headers[k] = stringify(v)
 	}
 	h := func(key string) string { return m.Headers[key] }
-	m.UUID = h(WatermillUUIDHeader)
+	m.UUID = h(watermillUUIDHeader)
 	if m.UUID == "" {
 		m.UUID = d.MessageId
 	}
-	m.Reason = h(poison.ReasonKey)
+	m.Reason = h(middleware.PoisonReasonKey)
 	m.Class = h(middleware.ErrorClassKey)
-	m.Handler = h(poison.HandlerKey)
-	m.Topic = h(poison.TopicKey)
-	m.Subscriber = h(poison.SubscriberKey)
+	m.Handler = h(retrymeta.PoisonHandlerKey)
+	m.Topic = h(retrymeta.PoisonTopicKey)
+	m.Subscriber = h(retrymeta.PoisonSubscriberKey)
 	m.LastError = h(middleware.LastErrorKey)
 	m.OriginalQueue = h(middleware.OriginalQueueKey)
 	m.OriginalExchange = h(middleware.OriginalExchangeKey)

@@ -183,7 +183,7 @@ func perMessage(err error) bool {
 // others, and Duplicated holds at most the one message in flight (copy
 // enqueued or possibly enqueued, removal unconfirmed).
 //
-// Errors: a *NotFoundError matching ErrQueueNotFound (queue missing) or
+// Errors: a *notFoundError matching ErrQueueNotFound (queue missing) or
 // ErrExchangeNotFound (loop-back exchange missing; nothing is changed); a
 // Filter.Validate error; middleware.ErrClosed (wrapped); ctx.Err(); channel, connection or
 // confirm errors (confirm.ErrChannelClosed, confirm.ErrConfirmTimeout).
@@ -393,8 +393,8 @@ func (a *Admin) Purge(ctx context.Context, queue string, f Filter, dryRun bool) 
 // and the error wraps a *MessageError naming it that matches
 // ErrMaybeDuplicated.
 //
-// Errors: a *NotFoundError matching ErrQueueNotFound naming from or to; an
-// error if from == to; a Filter.Validate error; middleware.ErrClosed (wrapped); ctx.Err()
+// Errors: a *notFoundError matching ErrQueueNotFound naming from or to; an
+// error if from == to; a Filter.Validate error; ErrClosed; ctx.Err()
 // (Move stops before the next message; messages not moved stay in from);
 // publish errors from confirm.Publisher (the first one stops
 // Move); channel or connection errors. The count returned with an error is

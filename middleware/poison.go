@@ -1,7 +1,4 @@
-// Package poison forwards messages that cannot be processed to a poison
-// queue with their failure metadata, and provides the tools to inspect,
-// replay and purge such a queue.
-package poison
+package middleware
 
 import (
 	"context"
@@ -12,31 +9,12 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
-	wmw "github.com/ThreeDotsLabs/watermill/message/router/middleware"
 
-	"github.com/rabbitretry/rabbitretry/middleware"
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 )
 
-// Metadata keys set on a poisoned message. The first four are Watermill's
-// own (message/router/middleware.PoisonQueue), so tools built for Watermill's
-// poison queue read ours too.
-const (
-	ReasonKey     = wmw.ReasonForPoisonedKey  // "reason_poisoned": the (truncated) error text
-	TopicKey      = wmw.PoisonedTopicKey      // "topic_poisoned": the subscribe topic
-	HandlerKey    = wmw.PoisonedHandlerKey    // "handler_poisoned"
-	SubscriberKey = wmw.PoisonedSubscriberKey // "subscriber_poisoned"
-	// AttemptsKey holds how many attempts were made (decimal).
-	//
-	// Deprecated: use middleware.PoisonAttemptsKey (the same key).
-	AttemptsKey = middleware.PoisonAttemptsKey
-	// PoisonedAtKey holds the RFC 3339 time the message was poisoned.
-	//
-	// Deprecated: use middleware.PoisonedAtKey (the same key).
-	PoisonedAtKey = middleware.PoisonedAtKey
-)
-
-// ForwarderConfig configures a Forwarder.
-type ForwarderConfig struct {
+// PoisonForwarderConfig configures a PoisonForwarder.
+type PoisonForwarderConfig struct {
 	// Publisher receives poisoned messages. Its Publish must return only
 	// after the message is durably stored (amqpretry's publisher waits for
 	// publisher confirms); the original is acked only after that. Required.
@@ -48,25 +26,25 @@ type ForwarderConfig struct {
 	// router's subscribe topic.
 	QueueName func(ctx context.Context) string
 	// ShouldPoison decides whether a handler error goes to the poison
-	// queue. Default: a *middleware.ExhaustedError, or an error classified
-	// middleware.ActionPoison (errors not passed through the Classifier are
-	// classified with middleware.DefaultClassifier). Errors it rejects are
+	// queue. Default: a *ExhaustedError, or an error classified
+	// ActionPoison (errors not passed through the Classifier are
+	// classified with DefaultClassifier). Errors it rejects are
 	// returned unchanged (the message is nacked).
 	ShouldPoison func(err error) bool
 	// ErrorText renders the error into reason_poisoned and LastErrorKey.
-	// Default middleware.ErrorText(err, middleware.DefaultMaxErrorBytes).
+	// Default: the error text cut to 1 KiB on a UTF-8 boundary.
 	// Error texts can carry secrets: redact them here.
 	ErrorText func(error) string
 	// Now returns the current time. Default time.Now.
 	Now func() time.Time
 	// Observer is told of each poisoned message and failed poison publish.
-	// Default middleware.NopObserver.
-	Observer middleware.Observer
+	// Default NopObserver.
+	Observer Observer
 	// Logger logs each poisoned message at Info. Default NopLogger.
 	Logger watermill.LoggerAdapter
 }
 
-func (c *ForwarderConfig) setDefaults() {
+func (c *PoisonForwarderConfig) setDefaults() {
 	if c.Topic == nil {
 		c.Topic = func(context.Context) string { return "poison" }
 	}
@@ -77,13 +55,13 @@ func (c *ForwarderConfig) setDefaults() {
 		c.ShouldPoison = DefaultShouldPoison
 	}
 	if c.ErrorText == nil {
-		c.ErrorText = func(err error) string { return middleware.ErrorText(err, middleware.DefaultMaxErrorBytes) }
+		c.ErrorText = func(err error) string { return retrymeta.ErrorText(err, retrymeta.DefaultMaxErrorBytes) }
 	}
 	if c.Now == nil {
 		c.Now = time.Now
 	}
 	if c.Observer == nil {
-		c.Observer = middleware.NopObserver{}
+		c.Observer = NopObserver{}
 	}
 	if c.Logger == nil {
 		c.Logger = watermill.NopLogger{}
@@ -91,46 +69,46 @@ func (c *ForwarderConfig) setDefaults() {
 }
 
 // Validate reports the first bad field.
-func (c ForwarderConfig) Validate() error {
+func (c PoisonForwarderConfig) Validate() error {
 	if c.Publisher == nil {
-		return errors.New("poison.ForwarderConfig.Publisher is nil")
+		return errors.New("middleware.PoisonForwarderConfig.Publisher is nil")
 	}
 	return nil
 }
 
 // DefaultShouldPoison poisons exhausted retries and errors classified
-// ActionPoison. A *middleware.ScheduleError (the retry could not be
-// scheduled) and a *middleware.DeadLetterRetryError (the broker takes the
+// ActionPoison. A *ScheduleError (the retry could not be
+// scheduled) and a *DeadLetterRetryError (the broker takes the
 // retry) are never poisoned: those messages stay retriable.
 func DefaultShouldPoison(err error) bool {
-	var se *middleware.ScheduleError
-	var dl *middleware.DeadLetterRetryError
+	var se *ScheduleError
+	var dl *DeadLetterRetryError
 	if errors.As(err, &se) || errors.As(err, &dl) {
 		return false
 	}
-	var ex *middleware.ExhaustedError
+	var ex *ExhaustedError
 	if errors.As(err, &ex) {
 		return true
 	}
-	var ce *middleware.ClassifiedError
+	var ce *ClassifiedError
 	if errors.As(err, &ce) {
-		return ce.Action == middleware.ActionPoison
+		return ce.Action == ActionPoison
 	}
-	return middleware.DefaultClassifier.Classify(err).Action == middleware.ActionPoison
+	return DefaultClassifier.Classify(err).Action == ActionPoison
 }
 
-// Forwarder is the poison-queue middleware.
-type Forwarder struct {
-	cfg ForwarderConfig
+// PoisonForwarder is the poison-queue
+type PoisonForwarder struct {
+	cfg PoisonForwarderConfig
 }
 
-// NewForwarder returns a Forwarder, or the error of cfg.Validate.
-func NewForwarder(cfg ForwarderConfig) (*Forwarder, error) {
+// NewPoisonForwarder returns a PoisonForwarder, or the error of cfg.Validate.
+func NewPoisonForwarder(cfg PoisonForwarderConfig) (*PoisonForwarder, error) {
 	cfg.setDefaults()
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	return &Forwarder{cfg: cfg}, nil
+	return &PoisonForwarder{cfg: cfg}, nil
 }
 
 // PoisonError is returned when publishing to the poison queue failed; the
@@ -152,7 +130,7 @@ func (e *PoisonError) Unwrap() error { return e.Err }
 // poison topic, with failure metadata, and acks the original only after the
 // publish returned nil. If the publish fails, it returns a *PoisonError and
 // the message is nacked.
-func (f *Forwarder) Middleware(h message.HandlerFunc) message.HandlerFunc {
+func (f *PoisonForwarder) Middleware(h message.HandlerFunc) message.HandlerFunc {
 	return func(msg *message.Message) ([]*message.Message, error) {
 		out, err := h(msg)
 		if err == nil {
@@ -163,15 +141,15 @@ func (f *Forwarder) Middleware(h message.HandlerFunc) message.HandlerFunc {
 }
 
 // onFailure is kept out of line so that the success path's closure stays
-// small (see middleware.Republisher).
+// small (see Republisher).
 //
 //go:noinline
-func (f *Forwarder) onFailure(msg *message.Message, out []*message.Message, err error) ([]*message.Message, error) {
+func (f *PoisonForwarder) onFailure(msg *message.Message, out []*message.Message, err error) ([]*message.Message, error) {
 	if !f.cfg.ShouldPoison(err) {
 		return out, err
 	}
 	ctx := msg.Context()
-	attempt := middleware.Attempt(msg)
+	attempt := Attempt(msg)
 	class := ErrorClass(err)
 	p := f.poisonCopy(ctx, msg, err, attempt, class)
 	topic := f.cfg.Topic(ctx)
@@ -186,41 +164,45 @@ func (f *Forwarder) onFailure(msg *message.Message, out []*message.Message, err 
 	f.cfg.Observer.Poisoned(msg, attempt, class)
 	f.cfg.Logger.Info("Message poisoned", watermill.LogFields{
 		"message_uuid": msg.UUID, "poison_topic": topic, "attempt": attempt,
-		"error_class": class, "error": p.Metadata[ReasonKey],
+		"error_class": class, "error": p.Metadata[PoisonReasonKey],
 	})
 	return nil, nil
 }
 
-// ErrorClass returns the class a failure is poisoned with: the class of a
-// *middleware.ClassifiedError whose action is ActionPoison, else
-// middleware.ClassExhausted for a *middleware.ExhaustedError, else the
+// ErrorClass returns the class a failure is poisoned with (ErrorClassKey): the class of a
+// *ClassifiedError whose action is ActionPoison, else
+// ClassExhausted for a *ExhaustedError, else the
 // error's classification.
 func ErrorClass(err error) string {
-	var ce *middleware.ClassifiedError
-	if errors.As(err, &ce) && ce.Action == middleware.ActionPoison {
+	var ce *ClassifiedError
+	if errors.As(err, &ce) && ce.Action == ActionPoison {
 		return ce.Class
 	}
-	var ex *middleware.ExhaustedError
+	var ex *ExhaustedError
 	if errors.As(err, &ex) {
-		return middleware.ClassExhausted
+		return ClassExhausted
 	}
 	if ce != nil {
 		return ce.Class
 	}
-	return middleware.DefaultClassifier.Classify(err).Class
+	return DefaultClassifier.Classify(err).Class
 }
 
-func (f *Forwarder) poisonCopy(ctx context.Context, msg *message.Message, err error, attempt int, class string) *message.Message {
-	p := middleware.CloneMessage(msg)
+func (f *PoisonForwarder) poisonCopy(ctx context.Context, msg *message.Message, err error, attempt int, class string) *message.Message {
+	p := retrymeta.CloneMessage(msg)
 	now := f.cfg.Now()
 	text := f.cfg.ErrorText(err)
-	middleware.RecordFailure(p.Metadata, now, text, class, f.cfg.QueueName(ctx))
-	middleware.StripDeliveryMetadata(p.Metadata)
-	p.Metadata.Set(ReasonKey, text)
-	p.Metadata.Set(TopicKey, message.SubscribeTopicFromCtx(ctx))
-	p.Metadata.Set(HandlerKey, message.HandlerNameFromCtx(ctx))
-	p.Metadata.Set(SubscriberKey, message.SubscriberNameFromCtx(ctx))
-	p.Metadata.Set(middleware.PoisonAttemptsKey, strconv.Itoa(attempt))
-	p.Metadata.Set(middleware.PoisonedAtKey, now.UTC().Format(time.RFC3339Nano))
+	retrymeta.RecordFailure(p.Metadata, now, text, class, f.cfg.QueueName(ctx))
+	retrymeta.StripDeliveryMetadata(p.Metadata)
+	// One attempt count on a poison copy: PoisonAttemptsKey. The delivery's
+	// own attempt numbers would only repeat it (or, proven, contradict it).
+	delete(p.Metadata, AttemptKey)
+	delete(p.Metadata, retrymeta.ProvenAttemptKey)
+	p.Metadata.Set(PoisonReasonKey, text)
+	p.Metadata.Set(retrymeta.PoisonTopicKey, message.SubscribeTopicFromCtx(ctx))
+	p.Metadata.Set(retrymeta.PoisonHandlerKey, message.HandlerNameFromCtx(ctx))
+	p.Metadata.Set(retrymeta.PoisonSubscriberKey, message.SubscriberNameFromCtx(ctx))
+	p.Metadata.Set(PoisonAttemptsKey, strconv.Itoa(attempt))
+	p.Metadata.Set(PoisonedAtKey, now.UTC().Format(time.RFC3339Nano))
 	return p
 }

@@ -1,4 +1,4 @@
-package poison_test
+package middleware_test
 
 import (
 	"context"
@@ -17,21 +17,21 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 	"github.com/rabbitretry/rabbitretry/middleware"
-	"github.com/rabbitretry/rabbitretry/poison"
 )
 
-var fixedNow = time.Date(2025, 6, 7, 8, 9, 10, 123456789, time.UTC)
+var pfFixedNow = time.Date(2025, 6, 7, 8, 9, 10, 123456789, time.UTC)
 
-// recordingPublisher records published messages, or fails with err.
-type recordingPublisher struct {
+// pfRecordingPublisher records published messages, or fails with err.
+type pfRecordingPublisher struct {
 	mu     sync.Mutex
 	topics []string
 	msgs   []*message.Message
 	err    error
 }
 
-func (p *recordingPublisher) Publish(topic string, msgs ...*message.Message) error {
+func (p *pfRecordingPublisher) Publish(topic string, msgs ...*message.Message) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if p.err != nil {
@@ -44,9 +44,9 @@ func (p *recordingPublisher) Publish(topic string, msgs ...*message.Message) err
 	return nil
 }
 
-func (p *recordingPublisher) Close() error { return nil }
+func (p *pfRecordingPublisher) Close() error { return nil }
 
-func (p *recordingPublisher) published() ([]string, []*message.Message) {
+func (p *pfRecordingPublisher) published() ([]string, []*message.Message) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	return append([]string(nil), p.topics...), append([]*message.Message(nil), p.msgs...)
@@ -59,56 +59,56 @@ type observed struct {
 	err     error
 }
 
-type recObserver struct {
+type pfRecObserver struct {
 	middleware.NopObserver
 	mu           sync.Mutex
 	poisoned     []observed
 	poisonFailed []observed
 }
 
-func (o *recObserver) Poisoned(msg *message.Message, attempt int, class string) {
+func (o *pfRecObserver) Poisoned(msg *message.Message, attempt int, class string) {
 	o.mu.Lock()
 	defer o.mu.Unlock()
 	o.poisoned = append(o.poisoned, observed{uuid: msg.UUID, attempt: attempt, class: class})
 }
 
-func (o *recObserver) PoisonFailed(msg *message.Message, attempt int, err error) {
+func (o *pfRecObserver) PoisonFailed(msg *message.Message, attempt int, err error) {
 	o.mu.Lock()
 	defer o.mu.Unlock()
 	o.poisonFailed = append(o.poisonFailed, observed{uuid: msg.UUID, attempt: attempt, err: err})
 }
 
-func newForwarder(t *testing.T, cfg poison.ForwarderConfig) *poison.Forwarder {
+func pfNewForwarder(t *testing.T, cfg middleware.PoisonForwarderConfig) *middleware.PoisonForwarder {
 	t.Helper()
 	if cfg.Now == nil {
-		cfg.Now = func() time.Time { return fixedNow }
+		cfg.Now = func() time.Time { return pfFixedNow }
 	}
-	f, err := poison.NewForwarder(cfg)
+	f, err := middleware.NewPoisonForwarder(cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
 	return f
 }
 
-func failWith(err error) message.HandlerFunc {
+func pfFailWith(err error) message.HandlerFunc {
 	return func(*message.Message) ([]*message.Message, error) {
 		return []*message.Message{message.NewMessage("produced", nil)}, err
 	}
 }
 
-func newMsg() *message.Message {
+func pfNewMsg() *message.Message {
 	return message.NewMessage(watermill.NewUUID(), []byte(`{"id":42}`))
 }
 
-type result struct {
+type pfResult struct {
 	out []*message.Message
 	err error
 }
 
-// runInRouter delivers msg on topic "orders" to a real message.Router handler
+// pfRunInRouter delivers msg on topic "orders" to a real message.Router handler
 // named "orders-handler", wrapped in mw. It returns what mw(h) returned. The
 // outermost layer acks, so the message is handled exactly once.
-func runInRouter(t *testing.T, msg *message.Message, mw message.HandlerMiddleware, h message.HandlerFunc) result {
+func pfRunInRouter(t *testing.T, msg *message.Message, mw message.HandlerMiddleware, h message.HandlerFunc) pfResult {
 	t.Helper()
 	in := gochannel.NewGoChannel(gochannel.Config{}, watermill.NopLogger{})
 	t.Cleanup(func() { _ = in.Close() })
@@ -116,25 +116,25 @@ func runInRouter(t *testing.T, msg *message.Message, mw message.HandlerMiddlewar
 	if err != nil {
 		t.Fatal(err)
 	}
-	results := make(chan result, 1)
+	results := make(chan pfResult, 1)
 	r.AddConsumerHandler("orders-handler", "orders", in, func(m *message.Message) error {
 		out, err := mw(h)(m)
-		results <- result{out, err}
+		results <- pfResult{out, err}
 		return nil
 	})
 	runErr := make(chan error, 1)
 	go func() { runErr <- r.Run(context.Background()) }()
 	t.Cleanup(func() {
 		_ = r.Close()
-		if err := recv(t, runErr, 5*time.Second); err != nil {
+		if err := pfRecv(t, runErr, 5*time.Second); err != nil {
 			t.Errorf("router Run: %v", err)
 		}
 	})
-	recv(t, r.Running(), 5*time.Second)
+	pfRecv(t, r.Running(), 5*time.Second)
 	if err := in.Publish("orders", msg); err != nil {
 		t.Fatal(err)
 	}
-	return recv(t, results, 5*time.Second)
+	return pfRecv(t, results, 5*time.Second)
 }
 
 func TestForwarderPoisonsPermanentInRouter(t *testing.T) {
@@ -146,37 +146,36 @@ func TestForwarderPoisonsPermanentInRouter(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	obs := &recObserver{}
-	f := newForwarder(t, poison.ForwarderConfig{Publisher: poisonPS, Observer: obs})
+	obs := &pfRecObserver{}
+	f := pfNewForwarder(t, middleware.PoisonForwarderConfig{Publisher: poisonPS, Observer: obs})
 
-	msg := newMsg()
+	msg := pfNewMsg()
 	msg.Metadata.Set("user-key", "user-value")
 	msg.Metadata.Set(middleware.AttemptKey, "2")
 	earlier := "2025-01-01T00:00:00Z"
 	msg.Metadata.Set(middleware.FirstFailureKey, earlier)
 	msg.Metadata.Set(middleware.XDeathKey, `[]`)
-	msg.Metadata.Set(middleware.DeliveryExchangeKey, "orders-ex")
-	msg.Metadata.Set(middleware.DeliveryRetryPathKey, "true") // a copy of this queue's chain, as the Marshaler tells
+	msg.Metadata.Set(retrymeta.DeliveryExchangeKey, "orders-ex")
+	msg.Metadata.Set(retrymeta.DeliveryRetryPathKey, "true") // a copy of this queue's chain, as the Marshaler tells
 
-	res := runInRouter(t, msg, f.Middleware, failWith(middleware.Permanent(errors.New("order 42 refused"))))
+	res := pfRunInRouter(t, msg, f.Middleware, pfFailWith(middleware.Permanent(errors.New("order 42 refused"))))
 	if res.err != nil || res.out != nil {
 		t.Fatalf("a poisoned message must be acked with no output: %v, %v", res.out, res.err)
 	}
-	p := recv(t, poisoned, 5*time.Second)
+	p := pfRecv(t, poisoned, 5*time.Second)
 	p.Ack()
 	if p.UUID != msg.UUID || string(p.Payload) != `{"id":42}` {
 		t.Errorf("poison copy UUID/payload %s %q", p.UUID, p.Payload)
 	}
-	ts := fixedNow.Format(time.RFC3339Nano)
+	ts := pfFixedNow.Format(time.RFC3339Nano)
 	want := map[string]string{
 		"user-key":                       "user-value",
-		poison.ReasonKey:                 "order 42 refused",
-		poison.TopicKey:                  "orders",
-		poison.HandlerKey:                "orders-handler",
-		poison.SubscriberKey:             "gochannel.GoChannel",
+		middleware.PoisonReasonKey:       "order 42 refused",
+		retrymeta.PoisonTopicKey:         "orders",
+		retrymeta.PoisonHandlerKey:       "orders-handler",
+		retrymeta.PoisonSubscriberKey:    "gochannel.GoChannel",
 		middleware.PoisonAttemptsKey:     "2",
 		middleware.PoisonedAtKey:         ts,
-		middleware.AttemptKey:            "2",
 		middleware.ErrorClassKey:         middleware.ClassPermanent,
 		middleware.FirstFailureKey:       earlier,
 		middleware.LastFailureKey:        ts,
@@ -190,13 +189,20 @@ func TestForwarderPoisonsPermanentInRouter(t *testing.T) {
 			t.Errorf("poison metadata %s = %q (present %v), want %q", k, got, ok, v)
 		}
 	}
-	for _, k := range []string{middleware.XDeathKey, middleware.DeliveryExchangeKey} {
+	for _, k := range []string{middleware.XDeathKey, retrymeta.DeliveryExchangeKey} {
 		if _, ok := p.Metadata[k]; ok {
 			t.Errorf("poison copy carries delivery-only key %s", k)
 		}
 	}
+	// One attempt count (issue #20 item 8): PoisonAttemptsKey, not also the
+	// delivery's own attempt numbers.
+	for _, k := range []string{middleware.AttemptKey, retrymeta.ProvenAttemptKey} {
+		if v, ok := p.Metadata[k]; ok {
+			t.Errorf("poison copy carries %s=%q beside %s", k, v, middleware.PoisonAttemptsKey)
+		}
+	}
 	// The key names are Watermill's own.
-	for k, v := range map[string]string{poison.ReasonKey: "reason_poisoned", poison.TopicKey: "topic_poisoned", poison.HandlerKey: "handler_poisoned", poison.SubscriberKey: "subscriber_poisoned", middleware.PoisonAttemptsKey: "rabbitretry-attempts"} {
+	for k, v := range map[string]string{middleware.PoisonReasonKey: "reason_poisoned", retrymeta.PoisonTopicKey: "topic_poisoned", retrymeta.PoisonHandlerKey: "handler_poisoned", retrymeta.PoisonSubscriberKey: "subscriber_poisoned", middleware.PoisonAttemptsKey: "rabbitretry-attempts"} {
 		if k != v {
 			t.Errorf("key %q, want %q", k, v)
 		}
@@ -214,23 +220,23 @@ func TestForwarderPoisonsPermanentInRouter(t *testing.T) {
 }
 
 func TestForwarderWithCounterInRouter(t *testing.T) {
-	pub := &recordingPublisher{}
-	f := newForwarder(t, poison.ForwarderConfig{Publisher: pub})
-	// The sources amqpretry.New gives the chain (x-death counts; the
-	// counter's default is the attempt header only).
+	pub := &pfRecordingPublisher{}
+	f := pfNewForwarder(t, middleware.PoisonForwarderConfig{Publisher: pub})
+	// The sources amqpretry.New gives the chain (the counter's default is
+	// the attempt header only).
 	counter, err := middleware.NewAttemptCounter(middleware.AttemptCounterConfig{Sources: amqpwire.Sources(nil, false)})
 	if err != nil {
 		t.Fatal(err)
 	}
-	msg := newMsg()
+	msg := pfNewMsg()
 	msg.Metadata.Set(middleware.AttemptKey, "1")
 	msg.Metadata.Set(middleware.XDeathKey, amqpwire.EncodeXDeath([]amqpwire.DeathRecord{{Queue: "orders", Reason: "rejected", Count: 3}}))
 	// This queue's own evidence: a copy of its chain (gochannel: the origin
 	// queue is this one), back through a retry route.
 	msg.Metadata.Set(middleware.OriginalQueueKey, "orders")
-	msg.Metadata.Set(middleware.DeliveryRetryRouteKey, "true")
+	msg.Metadata.Set(retrymeta.DeliveryRetryRouteKey, "true")
 	mw := func(h message.HandlerFunc) message.HandlerFunc { return counter.Middleware(f.Middleware(h)) }
-	res := runInRouter(t, msg, mw, failWith(&middleware.ExhaustedError{Err: errors.New("down"), Attempts: 4}))
+	res := pfRunInRouter(t, msg, mw, pfFailWith(&middleware.ExhaustedError{Err: errors.New("down"), Attempts: 4}))
 	if res.err != nil {
 		t.Fatal(res.err)
 	}
@@ -239,7 +245,7 @@ func TestForwarderWithCounterInRouter(t *testing.T) {
 		t.Fatalf("published %d to %v", len(msgs), topics)
 	}
 	md := msgs[0].Metadata
-	if md.Get(middleware.PoisonAttemptsKey) != "4" || md.Get(middleware.ErrorClassKey) != middleware.ClassExhausted || md.Get(poison.ReasonKey) != "gave up after 4 attempts: down" {
+	if md.Get(middleware.PoisonAttemptsKey) != "4" || md.Get(middleware.ErrorClassKey) != middleware.ClassExhausted || md.Get(middleware.PoisonReasonKey) != "gave up after 4 attempts: down" {
 		t.Fatalf("metadata %v", md)
 	}
 }
@@ -265,18 +271,18 @@ func TestForwarderClasses(t *testing.T) {
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
-			pub := &recordingPublisher{}
-			obs := &recObserver{}
-			f := newForwarder(t, poison.ForwarderConfig{Publisher: pub, Observer: obs})
-			h := failWith(tc.err)
+			pub := &pfRecordingPublisher{}
+			obs := &pfRecObserver{}
+			f := pfNewForwarder(t, middleware.PoisonForwarderConfig{Publisher: pub, Observer: obs})
+			h := pfFailWith(tc.err)
 			if tc.err == nil {
 				c, err := middleware.NewClassifier(middleware.ClassifierConfig{Default: middleware.ActionPoison, DefaultClass: "custom-rule"})
 				if err != nil {
 					t.Fatal(err)
 				}
-				h = c.Middleware(failWith(errors.New("anything")))
+				h = c.Middleware(pfFailWith(errors.New("anything")))
 			}
-			msg := newMsg()
+			msg := pfNewMsg()
 			msg.SetContext(middleware.ContextWithAttempt(context.Background(), 5))
 			out, err := f.Middleware(h)(msg)
 			if err != nil || out != nil {
@@ -293,7 +299,7 @@ func TestForwarderClasses(t *testing.T) {
 				t.Errorf("attempts %q", got)
 			}
 			// Outside a router the context names are empty, but present.
-			for _, k := range []string{poison.TopicKey, poison.HandlerKey, poison.SubscriberKey} {
+			for _, k := range []string{retrymeta.PoisonTopicKey, retrymeta.PoisonHandlerKey, retrymeta.PoisonSubscriberKey} {
 				if v, ok := msgs[0].Metadata[k]; !ok || v != "" {
 					t.Errorf("%s = %q present %v", k, v, ok)
 				}
@@ -311,8 +317,8 @@ func TestForwarderClasses(t *testing.T) {
 }
 
 func TestForwarderPassesNonPoisonErrors(t *testing.T) {
-	pub := &recordingPublisher{}
-	f := newForwarder(t, poison.ForwarderConfig{Publisher: pub})
+	pub := &pfRecordingPublisher{}
+	f := pfNewForwarder(t, middleware.PoisonForwarderConfig{Publisher: pub})
 	tests := []error{
 		errors.New("transient"),
 		context.Canceled,
@@ -324,7 +330,7 @@ func TestForwarderPassesNonPoisonErrors(t *testing.T) {
 		fmt.Errorf("wrapped: %w", &middleware.ScheduleError{Err: middleware.Permanent(errors.New("x")), Attempt: 1}),
 	}
 	for _, herr := range tests {
-		out, err := f.Middleware(failWith(herr))(newMsg())
+		out, err := f.Middleware(pfFailWith(herr))(pfNewMsg())
 		if err != herr {
 			t.Errorf("%v: returned %v, want the error unchanged", herr, err)
 		}
@@ -336,12 +342,12 @@ func TestForwarderPassesNonPoisonErrors(t *testing.T) {
 		t.Fatalf("published %d poison messages for non-poison errors", len(msgs))
 	}
 	for i, herr := range tests {
-		if poison.DefaultShouldPoison(herr) {
+		if middleware.DefaultShouldPoison(herr) {
 			t.Errorf("DefaultShouldPoison(tests[%d]) = true", i)
 		}
 	}
-	produced := []*message.Message{newMsg()}
-	out, err := f.Middleware(func(*message.Message) ([]*message.Message, error) { return produced, nil })(newMsg())
+	produced := []*message.Message{pfNewMsg()}
+	out, err := f.Middleware(func(*message.Message) ([]*message.Message, error) { return produced, nil })(pfNewMsg())
 	if err != nil || len(out) != 1 || out[0] != produced[0] {
 		t.Fatalf("success: %v %v", out, err)
 	}
@@ -349,21 +355,21 @@ func TestForwarderPassesNonPoisonErrors(t *testing.T) {
 
 func TestForwarderPublishFailureNacks(t *testing.T) {
 	pubErr := errors.New("poison exchange unreachable")
-	pub := &recordingPublisher{err: pubErr}
-	obs := &recObserver{}
-	logger := &syncLogger{}
-	f := newForwarder(t, poison.ForwarderConfig{Publisher: pub, Observer: obs, Logger: logger})
+	pub := &pfRecordingPublisher{err: pubErr}
+	obs := &pfRecObserver{}
+	logger := &pfSyncLogger{}
+	f := pfNewForwarder(t, middleware.PoisonForwarderConfig{Publisher: pub, Observer: obs, Logger: logger})
 	handlerErr := middleware.Permanent(errors.New("refused"))
-	msg := newMsg()
+	msg := pfNewMsg()
 	msg.SetContext(middleware.ContextWithAttempt(context.Background(), 3))
-	out, err := f.Middleware(failWith(handlerErr))(msg)
+	out, err := f.Middleware(pfFailWith(handlerErr))(msg)
 	if err == nil {
 		t.Fatal("a failed poison publish must return an error (nack), not nil (ack)")
 	}
 	if out != nil {
 		t.Errorf("output %v", out)
 	}
-	var pe *poison.PoisonError
+	var pe *middleware.PoisonError
 	if !errors.As(err, &pe) || !errors.Is(err, pubErr) || pe.HandlerErr != handlerErr {
 		t.Fatalf("got %T %v, want *PoisonError", err, err)
 	}
@@ -371,7 +377,7 @@ func TestForwarderPublishFailureNacks(t *testing.T) {
 		t.Errorf("text %q", err.Error())
 	}
 	// The PoisonError is not itself poisoned by an outer forwarder.
-	if poison.DefaultShouldPoison(err) {
+	if middleware.DefaultShouldPoison(err) {
 		t.Error("DefaultShouldPoison(*PoisonError) = true")
 	}
 	obs.mu.Lock()
@@ -385,17 +391,17 @@ func TestForwarderPublishFailureNacks(t *testing.T) {
 }
 
 func TestForwarderErrorTextTruncated(t *testing.T) {
-	pub := &recordingPublisher{}
-	f := newForwarder(t, poison.ForwarderConfig{Publisher: pub})
+	pub := &pfRecordingPublisher{}
+	f := pfNewForwarder(t, middleware.PoisonForwarderConfig{Publisher: pub})
 	long := strings.Repeat("é", 3000) // 6000 bytes, 2-byte runes
-	if _, err := f.Middleware(failWith(middleware.Permanent(errors.New(long))))(newMsg()); err != nil {
+	if _, err := f.Middleware(pfFailWith(middleware.Permanent(errors.New(long))))(pfNewMsg()); err != nil {
 		t.Fatal(err)
 	}
 	_, msgs := pub.published()
-	for _, k := range []string{poison.ReasonKey, middleware.LastErrorKey} {
+	for _, k := range []string{middleware.PoisonReasonKey, middleware.LastErrorKey} {
 		v := msgs[0].Metadata.Get(k)
-		if len(v) > middleware.DefaultMaxErrorBytes || len(v) < middleware.DefaultMaxErrorBytes-4 {
-			t.Errorf("%s is %d bytes, want at most (and close to) %d", k, len(v), middleware.DefaultMaxErrorBytes)
+		if len(v) > retrymeta.DefaultMaxErrorBytes || len(v) < retrymeta.DefaultMaxErrorBytes-4 {
+			t.Errorf("%s is %d bytes, want at most (and close to) %d", k, len(v), retrymeta.DefaultMaxErrorBytes)
 		}
 		if !strings.HasSuffix(v, "…") || !strings.HasPrefix(v, "éé") || !strings.HasPrefix(long, strings.TrimSuffix(v, "…")) {
 			t.Errorf("%s not cut on a rune boundary with a mark", k)
@@ -404,8 +410,8 @@ func TestForwarderErrorTextTruncated(t *testing.T) {
 }
 
 func TestForwarderCustomConfig(t *testing.T) {
-	pub := &recordingPublisher{}
-	f := newForwarder(t, poison.ForwarderConfig{
+	pub := &pfRecordingPublisher{}
+	f := pfNewForwarder(t, middleware.PoisonForwarderConfig{
 		Publisher: pub,
 		Topic:     func(ctx context.Context) string { return "dead-letters" },
 		QueueName: func(ctx context.Context) string { return "q-orders" },
@@ -414,11 +420,11 @@ func TestForwarderCustomConfig(t *testing.T) {
 		},
 		ShouldPoison: func(err error) bool { return strings.Contains(err.Error(), "poison me") },
 	})
-	if _, err := f.Middleware(failWith(errors.New("poison me: password=hunter2")))(newMsg()); err != nil {
+	if _, err := f.Middleware(pfFailWith(errors.New("poison me: password=hunter2")))(pfNewMsg()); err != nil {
 		t.Fatal(err)
 	}
 	herr := middleware.Permanent(errors.New("not matched"))
-	if _, err := f.Middleware(failWith(herr))(newMsg()); err != herr {
+	if _, err := f.Middleware(pfFailWith(herr))(pfNewMsg()); err != herr {
 		t.Fatalf("custom ShouldPoison rejected the error, want it returned unchanged: %v", err)
 	}
 	topics, msgs := pub.published()
@@ -426,8 +432,8 @@ func TestForwarderCustomConfig(t *testing.T) {
 		t.Fatalf("published %d to %v", len(msgs), topics)
 	}
 	md := msgs[0].Metadata
-	if md.Get(poison.ReasonKey) != "poison me: password=[redacted]" || md.Get(middleware.LastErrorKey) != "poison me: password=[redacted]" {
-		t.Errorf("error text not redacted: %q / %q", md.Get(poison.ReasonKey), md.Get(middleware.LastErrorKey))
+	if md.Get(middleware.PoisonReasonKey) != "poison me: password=[redacted]" || md.Get(middleware.LastErrorKey) != "poison me: password=[redacted]" {
+		t.Errorf("error text not redacted: %q / %q", md.Get(middleware.PoisonReasonKey), md.Get(middleware.LastErrorKey))
 	}
 	for k, v := range md {
 		if strings.Contains(v, "hunter2") {
@@ -444,41 +450,41 @@ func TestForwarderCustomConfig(t *testing.T) {
 }
 
 func TestForwarderValidate(t *testing.T) {
-	f, err := poison.NewForwarder(poison.ForwarderConfig{})
+	f, err := middleware.NewPoisonForwarder(middleware.PoisonForwarderConfig{})
 	if err == nil || f != nil || !strings.Contains(err.Error(), "Publisher") {
 		t.Fatalf("got %v, %v", f, err)
 	}
 }
 
-// syncLogger is a goroutine-safe recording logger.
-type syncLogger struct {
+// pfSyncLogger is a goroutine-safe recording logger.
+type pfSyncLogger struct {
 	mu      sync.Mutex
-	entries []logEntry
+	entries []pfLogEntry
 }
 
-type logEntry struct {
+type pfLogEntry struct {
 	level  string
 	msg    string
 	err    error
 	fields watermill.LogFields
 }
 
-func (l *syncLogger) add(level, msg string, err error, fields watermill.LogFields) {
+func (l *pfSyncLogger) add(level, msg string, err error, fields watermill.LogFields) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	l.entries = append(l.entries, logEntry{level: level, msg: msg, err: err, fields: fields})
+	l.entries = append(l.entries, pfLogEntry{level: level, msg: msg, err: err, fields: fields})
 }
-func (l *syncLogger) Error(msg string, err error, fields watermill.LogFields) {
+func (l *pfSyncLogger) Error(msg string, err error, fields watermill.LogFields) {
 	l.add("error", msg, err, fields)
 }
-func (l *syncLogger) Info(msg string, fields watermill.LogFields)      { l.add("info", msg, nil, fields) }
-func (l *syncLogger) Debug(string, watermill.LogFields)                {}
-func (l *syncLogger) Trace(string, watermill.LogFields)                {}
-func (l *syncLogger) With(watermill.LogFields) watermill.LoggerAdapter { return l }
-func (l *syncLogger) level(level string) []logEntry {
+func (l *pfSyncLogger) Info(msg string, fields watermill.LogFields)      { l.add("info", msg, nil, fields) }
+func (l *pfSyncLogger) Debug(string, watermill.LogFields)                {}
+func (l *pfSyncLogger) Trace(string, watermill.LogFields)                {}
+func (l *pfSyncLogger) With(watermill.LogFields) watermill.LoggerAdapter { return l }
+func (l *pfSyncLogger) level(level string) []pfLogEntry {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	var out []logEntry
+	var out []pfLogEntry
 	for _, e := range l.entries {
 		if e.level == level {
 			out = append(out, e)
@@ -487,7 +493,7 @@ func (l *syncLogger) level(level string) []logEntry {
 	return out
 }
 
-func recv[T any](t testing.TB, ch <-chan T, timeout time.Duration) T {
+func pfRecv[T any](t testing.TB, ch <-chan T, timeout time.Duration) T {
 	t.Helper()
 	return testkit.Recv(t, ch, timeout)
 }

@@ -1,0 +1,16 @@
+package middleware
+
+import (
+	"time"
+)
+
+// Unexported helpers the external tests (package middleware_test) use.
+var (
+	ContextWithAttempt = contextWithAttempt
+	AttemptFromContext = attemptFromContext
+)
+
+// Delay is delayFor, for the tests.
+func (r *Republisher) Delay(n int, requested time.Duration) (time.Duration, bool) {
+	return r.delayFor(n, requested)
+}
