@@ -87,18 +87,19 @@ type Config struct {
 	// of charging attempts: see router.Config.Pause and middleware.Pause.
 	// Default nil (off).
 	Pause *middleware.PauseConfig
-	// CrashQuarantine makes Retry.NewSubscriber also consume each queue's
-	// quarantine queue (Naming.QuarantineQueue) with prefetch 1, so that a
-	// crash is counted against the message that crashed, not against the
-	// neighbours the consumer held: the RedeliveryGuard moves a redelivered
-	// message there, where it runs alone. Known limit, why it is opt-in: a
-	// graceful stop that returns a quarantined message it had not started
-	// counts as one of its redeliveries, so deploys in quick succession can
-	// poison a quarantined message that never crashed. Default false: every
-	// redelivery counts in the originating queue (with prefetch N, a crash
-	// counts against up to N messages; use prefetch 1 where crashes are
-	// likely).
-	CrashQuarantine bool
+	// DisableCrashQuarantine turns off the crash quarantine, which is on by
+	// default: Retry.NewSubscriber also consumes each queue's quarantine
+	// queue (Naming.QuarantineQueue), so that a crash is counted against the
+	// message that crashed, not against the neighbours the consumer held
+	// (with prefetch N a crash returns up to N deliveries, all flagged
+	// redelivered; RabbitMQ 4.x raises x-delivery-count and
+	// x-acquired-count for each). The RedeliveryGuard moves a redelivered
+	// message there, where it runs alone, fetched one at a time (basic.get)
+	// only while nothing else runs; a graceful stop never returns a
+	// quarantined message it had not started (see Retry.NewSubscriber).
+	// Disabled, every redelivery counts in the originating queue: use
+	// prefetch 1 where crashes are likely. Default false (quarantine on).
+	DisableCrashQuarantine bool
 	// Tracing, when set, traces every attempt with OpenTelemetry: see
 	// router.Config.Tracing and middleware.Tracing. Default nil (off).
 	Tracing *middleware.TracingConfig
@@ -172,8 +173,8 @@ type Config struct {
 	// MaxRedeliveries bounds the crashes a message may cause (runs ended by
 	// a broker redelivery: consumer crash, connection loss, consumer
 	// timeout, a requeue): the redelivery that brings its count to
-	// MaxRedeliveries (with CrashQuarantine: in the quarantine queue, where
-	// it is attributable), poisons it with
+	// MaxRedeliveries (in the quarantine queue, where it is attributable,
+	// unless DisableCrashQuarantine), poisons it with
 	// class "redelivery-limit" without running the handler again (see
 	// middleware.RedeliveryGuard). Default 3; range [1, 1000].
 	MaxRedeliveries int
@@ -346,11 +347,11 @@ type Retry struct {
 	// customClose: the DelayerFactory's CustomDelayer.Close, if any.
 	customClose func() error
 	subscriber  wamqp.Config
-	// crashQuarantine: Config.CrashQuarantine.
-	crashQuarantine bool
-	queueName       func(ctx context.Context) string
-	late            *lateVerdicts
-	logger          watermill.LoggerAdapter
+	// noQuarantine: Config.DisableCrashQuarantine.
+	noQuarantine bool
+	queueName    func(ctx context.Context) string
+	late         *lateVerdicts
+	logger       watermill.LoggerAdapter
 }
 
 // New validates cfg, connects the retry publisher (publisher confirms) and
@@ -482,7 +483,7 @@ func New(cfg Config) (*Retry, error) {
 	if cfg.QueueType == QueueTypeQuorum {
 		sub.Queue.Durable = true
 	}
-	return &Retry{crashQuarantine: cfg.CrashQuarantine, chain: chain, topology: topo, marshaler: marshaler, publisher: pub, delayer: delayer,
+	return &Retry{noQuarantine: cfg.DisableCrashQuarantine, chain: chain, topology: topo, marshaler: marshaler, publisher: pub, delayer: delayer,
 		customClose: custom.Close, subscriber: sub, queueName: cfg.QueueName, late: newLateVerdicts(), logger: cfg.Logger}, nil
 }
 
@@ -561,29 +562,42 @@ func (r *Retry) SubscriberConfig() wamqp.Config { return r.subscriber }
 // closes itself; Close it anyway (it returns the drain's result). It returns
 // watermill-amqp's error.
 //
-// With Config.CrashQuarantine, each subscription also consumes the
-// originating queue's quarantine queue
-// (Naming.QuarantineQueue) with prefetch 1, on a second connection (its
-// connection_name, if set, gets ".quarantine" appended), and hands its
-// messages to the same handler: the RedeliveryGuard moves a redelivered
-// message there so that a crash is counted against the message that
-// crashed, not against the others the consumer held (see
-// middleware.RedeliveryGuard). A subscriber built from SubscriberConfig
-// alone does not consume the quarantine; the guard then counts every
-// redelivery in the originating queue, as before.
+// Unless Config.DisableCrashQuarantine, each subscription also consumes
+// the originating queue's quarantine queue (Naming.QuarantineQueue) on a
+// second connection (its connection_name, if set, gets ".quarantine"
+// appended), and hands its messages to the same handler: the
+// RedeliveryGuard moves a redelivered message there so that a crash is
+// counted against the message that crashed, not against the others the
+// consumer held (see middleware.RedeliveryGuard). Quarantine messages are
+// fetched one at a time (basic.get), only while no message of the
+// originating queue is in flight, at once when this process moved one there
+// and otherwise every QuarantinePollInterval; so the client never holds one
+// it has not started. One that is fetched but not run (the router stopped
+// first) or that the router nacks is handed back: republished unchanged
+// (same attempt and redelivery count, confirmed), then acked, so that a
+// stop is not counted as its redelivery. A subscriber built from
+// SubscriberConfig alone does not consume the quarantine; the guard then
+// counts every redelivery in the originating queue.
 func (r *Retry) NewSubscriber(logger watermill.LoggerAdapter, drainTimeout time.Duration) (*router.DrainingSubscriber, error) {
-	if !r.crashQuarantine {
+	if r.noQuarantine {
 		sub, err := wamqp.NewSubscriber(r.subscriber, logger)
 		if err != nil {
 			return nil, err
 		}
 		return router.NewDrainingSubscriber(sub, drainTimeout), nil
 	}
-	sub, err := newQuarantineSubscriber(r.subscriber, r.topology, logger)
+	sub, err := newQuarantineSubscriber(r.subscriber, r.topology, r.handBack, logger)
 	if err != nil {
 		return nil, err
 	}
 	return router.NewDrainingSubscriber(sub, drainTimeout), nil
+}
+
+// handBack publishes msg unchanged (delivery metadata dropped by the
+// Marshaler) to queue's quarantine queue through the loop-back exchange,
+// confirmed.
+func (r *Retry) handBack(ctx context.Context, msg *message.Message, queue string) error {
+	return r.delayer.publish(ctx, msg, r.topology.naming.LoopBackExchange, r.topology.QuarantineQueue(queue), queue)
 }
 
 // Topology returns the topology builder (names, tiers, TierFor).
