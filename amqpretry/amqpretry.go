@@ -516,6 +516,13 @@ func (r *Retry) Middleware(h message.HandlerFunc) message.HandlerFunc {
 		if !deliveryAlive(msg) {
 			return nil, errDeliveryGone
 		}
+		if msg.Metadata.Get(middleware.DeliveryQuarantineKey) != "" {
+			// A quarantine delivery's retry is a published copy: a nack of
+			// it would not dead-letter into Q's wait path (the quarantine
+			// queue has no such route), and the quarantine subscriber hands
+			// a nacked delivery back unchanged (see Retry.NewSubscriber).
+			msg.SetContext(middleware.WithCopyRequired(msg.Context()))
+		}
 		if r.delayer.deadLetterFirst && msg.Metadata.Get(middleware.XDeathKey) != "" {
 			if ctx := msg.Context(); foreignDeaths(msg, r.queueName(ctx)) {
 				msg.SetContext(context.WithValue(ctx, foreignDeathsKey{}, true))

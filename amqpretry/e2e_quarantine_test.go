@@ -12,7 +12,9 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/rabbitretry/rabbitretry/amqpretry"
+	"github.com/rabbitretry/rabbitretry/internal/testkit"
 	"github.com/rabbitretry/rabbitretry/middleware"
+	"github.com/rabbitretry/rabbitretry/router"
 )
 
 // Issue 18 item 2, with the default config (crash quarantine on): graceful
@@ -20,7 +22,9 @@ import (
 // redelivery, and duplicate or lose nothing. The quarantined messages carry
 // rabbitretry-redeliveries MaxRedeliveries-1, so a single charged
 // redelivery would poison one; slow origin messages keep the handler busy
-// so that quarantine messages wait behind them when each stop comes.
+// so that quarantine messages wait behind them when each stop comes. The
+// origin messages a stop returns from the prefetch buffer (redelivered) are
+// moved to the quarantine uncounted and run there with count 0.
 func TestE2E_QuarantineGracefulStop(t *testing.T) {
 	const (
 		maxRedeliveries = 3
@@ -145,6 +149,11 @@ func TestE2E_QuarantineGracefulStop(t *testing.T) {
 	if len(poisoned) != 0 || dups != 0 || lost != 0 || len(handled) != total {
 		t.Errorf("want every message handled once, none poisoned")
 	}
+	for _, m := range origin {
+		if redeliv[m.UUID] != 0 {
+			t.Errorf("origin message %s ran with redelivery count %d, want 0 (not charged by a stop)", m.UUID, redeliv[m.UUID])
+		}
+	}
 	for _, u := range quarantined {
 		if redeliv[u] != maxRedeliveries-1 {
 			t.Errorf("quarantined %s ran with redelivery count %d, want %d (not charged by a stop)", u, redeliv[u], maxRedeliveries-1)
@@ -153,4 +162,74 @@ func TestE2E_QuarantineGracefulStop(t *testing.T) {
 	if d := e.depth(qq); d != 0 {
 		t.Errorf("quarantine queue still holds %d", d)
 	}
+}
+
+// A quarantine message that is fetched but not run goes back unchanged and
+// uncounted: nacked by the router, or still unread when the subscriber
+// closes. Exactly one copy is left in the quarantine queue each time (no
+// duplicate), without the redelivered flag, with its redelivery count.
+func TestE2E_QuarantineHandBack(t *testing.T) {
+	e := newEnv(t, amqpretry.QueueTypeQuorum)
+	q := e.queue("svc")
+	qq := e.retry.Topology().QuarantineQueue(q)
+	newSub := func() (*router.DrainingSubscriber, <-chan *message.Message) {
+		sub, err := e.retry.NewSubscriber(watermill.NopLogger{}, 5*time.Second)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := sub.SubscribeInitialize(q); err != nil {
+			t.Fatal(err)
+		}
+		ch, err := sub.Subscribe(context.Background(), q)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return sub, ch
+	}
+	sub, in := newSub()
+	m := message.NewMessage(watermill.NewUUID(), []byte(`{"x":1}`))
+	m.Metadata.Set(middleware.RedeliveriesKey, "2")
+	p, err := amqpretry.Marshaler{}.Marshal(m)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := e.ch.PublishWithContext(context.Background(), "", qq, true, false, p); err != nil {
+		t.Fatal(err)
+	}
+	check := func(got *message.Message, what string) {
+		t.Helper()
+		if got.UUID != m.UUID || got.Metadata.Get(middleware.DeliveryQuarantineKey) != "true" ||
+			got.Metadata.Get(middleware.DeliveryRedeliveredKey) != "" || got.Metadata.Get(middleware.RedeliveriesKey) != "2" {
+			t.Fatalf("%s: uuid %s, metadata %v", what, got.UUID, got.Metadata)
+		}
+	}
+	// 1. Nacked: handed back.
+	got := testkit.Recv(t, in, 10*time.Second)
+	check(got, "first fetch")
+	got.Nack()
+	// 2. Fetched again, as it was; then the subscriber closes before
+	// anyone takes the next fetch.
+	got = testkit.Recv(t, in, 10*time.Second)
+	check(got, "after the nack")
+	got.Nack()
+	waitFor(t, 10*time.Second, "the hand-back fetched again", func() bool { return e.depth(qq) == 0 })
+	if err := sub.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if d := e.depth(qq); d != 1 {
+		t.Fatalf("quarantine depth %d after the stop, want 1 (no duplicate, nothing lost)", d)
+	}
+	// 3. A new subscriber runs it: not redelivered, count unchanged.
+	sub, in = newSub()
+	got = testkit.Recv(t, in, 10*time.Second)
+	check(got, "after the stop")
+	got.Ack()
+	waitFor(t, 10*time.Second, "the ack", func() bool { return e.depth(qq) == 0 })
+	if err := sub.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if d := e.depth(qq); d != 0 {
+		t.Fatalf("quarantine depth %d after the ack", d)
+	}
+	t.Logf("ACCOUNT TestE2E_QuarantineHandBack: published=1 handled=1 poisoned=0 duplicates=0 lost=0 (1 nack, 1 stop with the message fetched and unread)")
 }

@@ -326,9 +326,9 @@ func (s *quarantineSubscriber) runOne(ctx context.Context, ch *amqp.Channel, que
 	select {
 	case out <- msg:
 	case <-s.done:
-		return true, s.giveBack(d, msg, queue)
+		return true, s.giveBack(ch, d, msg, queue)
 	case <-ctx.Done():
-		return true, s.giveBack(d, msg, queue)
+		return true, s.giveBack(ch, d, msg, queue)
 	}
 	var stop <-chan struct{} = s.done
 	for {
@@ -336,7 +336,7 @@ func (s *quarantineSubscriber) runOne(ctx context.Context, ch *amqp.Channel, que
 		case <-msg.Acked():
 			return true, d.Ack(false)
 		case <-msg.Nacked():
-			return true, s.giveBack(d, msg, queue)
+			return true, s.giveBack(ch, d, msg, queue)
 		case <-stop:
 			// Closed with the handler still running (past the drain
 			// timeout): the router's verdict, if it comes now, wins; else
@@ -345,7 +345,7 @@ func (s *quarantineSubscriber) runOne(ctx context.Context, ch *amqp.Channel, que
 			case <-msg.Acked():
 				return true, d.Ack(false)
 			case <-msg.Nacked():
-				return true, s.giveBack(d, msg, queue)
+				return true, s.giveBack(ch, d, msg, queue)
 			default:
 			}
 			s.logger.Info("Quarantine message still running at close; requeueing it", watermill.LogFields{"queue": queue, "message_uuid": msg.UUID})
@@ -356,7 +356,13 @@ func (s *quarantineSubscriber) runOne(ctx context.Context, ch *amqp.Channel, que
 
 // giveBack returns a quarantine delivery that was not settled as an
 // uncounted copy (see runOne).
-func (s *quarantineSubscriber) giveBack(d amqp.Delivery, msg *message.Message, queue string) error {
+//
+// A delivery whose channel closed (connection lost) is already back in the
+// queue: no copy then, which would duplicate it.
+func (s *quarantineSubscriber) giveBack(ch *amqp.Channel, d amqp.Delivery, msg *message.Message, queue string) error {
+	if ch.IsClosed() {
+		return amqp.ErrClosed
+	}
 	if err := s.handBack(context.Background(), msg, queue); err != nil {
 		s.logger.Error("Cannot hand a quarantine message back as a copy; requeueing it (its redelivery will count)", err,
 			watermill.LogFields{"queue": queue, "message_uuid": msg.UUID})
