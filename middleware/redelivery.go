@@ -76,9 +76,10 @@ func (c RedeliveryGuardConfig) Validate() error {
 var ErrNoQuarantine = errors.New("no quarantine consumer for this queue")
 
 // Quarantiner is implemented by a Delayer that can move a redelivered
-// message to its queue's quarantine queue: a queue consumed by the same
-// handler with prefetch 1, so that a redelivery there names the message
-// that crashed (a crash returns every unacked delivery of the connection,
+// message to its queue's quarantine queue: a queue whose messages the same
+// handler runs one at a time, each alone (amqpretry fetches one only while
+// nothing else runs), so that a redelivery there names the message that
+// crashed (a crash returns every unacked delivery of the connection,
 // and RabbitMQ's x-delivery-count and x-acquired-count rise for each of
 // them: RabbitMQ quorum queue docs, "When is delivery count incremented?").
 // amqpretry's Delayer implements it when the subscriber comes from
