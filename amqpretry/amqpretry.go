@@ -59,7 +59,7 @@ type Config struct {
 	// defaults apply, except QueueName, which defaults to
 	// Subscriber.Queue.GenerateName(message.SubscribeTopicFromCtx(ctx)). The
 	// same value configures a broker-free test chain (router.Config.Policy).
-	// With CrashQuarantine, MaxRedeliveries counts in the quarantine queue,
+	// With the crash quarantine (the default), MaxRedeliveries counts in the quarantine queue,
 	// where a crash is attributable; FallbackPause applies to a retry or
 	// poison copy the broker did not confirm.
 	router.Policy
@@ -69,18 +69,19 @@ type Config struct {
 	Mode Mode
 	// Naming of exchanges and queues. Defaults in Naming.
 	Naming Naming
-	// CrashQuarantine makes Retry.NewSubscriber also consume each queue's
-	// quarantine queue (Naming.QuarantineQueue) with prefetch 1, so that a
-	// crash is counted against the message that crashed, not against the
-	// neighbours the consumer held: the RedeliveryGuard moves a redelivered
-	// message there, where it runs alone. Known limit, why it is opt-in: a
-	// graceful stop that returns a quarantined message it had not started
-	// counts as one of its redeliveries, so deploys in quick succession can
-	// poison a quarantined message that never crashed. Default false: every
-	// redelivery counts in the originating queue (with prefetch N, a crash
-	// counts against up to N messages; use prefetch 1 where crashes are
-	// likely).
-	CrashQuarantine bool
+	// DisableCrashQuarantine turns off the crash quarantine, which is on by
+	// default: Retry.NewSubscriber also consumes each queue's quarantine
+	// queue (Naming.QuarantineQueue), so that a crash is counted against the
+	// message that crashed, not against the neighbours the consumer held
+	// (with prefetch N a crash returns up to N deliveries, all flagged
+	// redelivered; RabbitMQ 4.x raises x-delivery-count and
+	// x-acquired-count for each). The RedeliveryGuard moves a redelivered
+	// message there, where it runs alone, fetched one at a time (basic.get)
+	// only while nothing else runs; a graceful stop never returns a
+	// quarantined message it had not started (see Retry.NewSubscriber).
+	// Disabled, every redelivery counts in the originating queue: use
+	// prefetch 1 where crashes are likely. Default false (quarantine on).
+	DisableCrashQuarantine bool
 	// ManagementURL is the RabbitMQ management HTTP API's base URL with
 	// credentials, e.g. "http://guest:guest@127.0.0.1:15672", used to check
 	// the broker-side routes of the DeadLetterFirst and NativeDelayed modes
@@ -254,12 +255,15 @@ type Retry struct {
 	// modeClose: the Mode's close (Custom: CustomDelayer.Close), if any.
 	modeClose  func() error
 	subscriber wamqp.Config
-	// crashQuarantine: Config.CrashQuarantine.
-	crashQuarantine bool
-	queueName       func(ctx context.Context) string
-	late            *lateVerdicts
-	deadlines       *deadlines // nil: HandlerDeadline.Disabled
-	logger          watermill.LoggerAdapter
+	// delayer: the tiers Delayer every mode builds on; the quarantine's
+	// hand-back publishes through it.
+	delayer *Delayer
+	// noQuarantine: Config.DisableCrashQuarantine.
+	noQuarantine bool
+	queueName    func(ctx context.Context) string
+	late         *lateVerdicts
+	deadlines    *deadlines // nil: HandlerDeadline.Disabled
+	logger       watermill.LoggerAdapter
 }
 
 // New validates cfg, connects the retry publisher (publisher confirms) and
@@ -374,7 +378,7 @@ func New(cfg Config) (*Retry, error) {
 	if cfg.QueueType == QueueTypeQuorum {
 		sub.Queue.Durable = true
 	}
-	return &Retry{crashQuarantine: cfg.CrashQuarantine, chain: chain, topology: topo, marshaler: marshaler, publisher: pub,
+	return &Retry{noQuarantine: cfg.DisableCrashQuarantine, delayer: delayer, chain: chain, topology: topo, marshaler: marshaler, publisher: pub,
 		modeClose: modeClose, subscriber: sub, queueName: cfg.QueueName, late: newLateVerdicts(), deadlines: dl, logger: cfg.Logger}, nil
 }
 
@@ -413,6 +417,13 @@ func (r *Retry) Middleware(h message.HandlerFunc) message.HandlerFunc {
 		}
 		if r.deadlines != nil {
 			markStart(msg)
+		}
+		if msg.Metadata.Get(retrymeta.DeliveryQuarantineKey) != "" {
+			// A quarantine delivery's retry is a published copy: a nack of
+			// it would not dead-letter into Q's wait path (the quarantine
+			// queue has no such route), and the quarantine subscriber hands
+			// a nacked delivery back unchanged (see Retry.NewSubscriber).
+			msg.SetContext(retrymeta.WithCopyRequired(msg.Context()))
 		}
 		if r.topology.deadLetterFirst && msg.Metadata.Get(middleware.XDeathKey) != "" {
 			if ctx := msg.Context(); foreignDeaths(msg, r.queueName(ctx)) {
@@ -460,29 +471,42 @@ func (r *Retry) SubscriberConfig() wamqp.Config { return r.subscriber }
 // closes itself; Close it anyway (it returns the drain's result). It returns
 // watermill-amqp's error.
 //
-// With Config.CrashQuarantine, each subscription also consumes the
-// originating queue's quarantine queue
-// (Naming.QuarantineQueue) with prefetch 1, on a second connection (its
-// connection_name, if set, gets ".quarantine" appended), and hands its
-// messages to the same handler: the RedeliveryGuard moves a redelivered
-// message there so that a crash is counted against the message that
-// crashed, not against the others the consumer held (see
-// middleware.RedeliveryGuard). A subscriber built from SubscriberConfig
-// alone does not consume the quarantine; the guard then counts every
-// redelivery in the originating queue, as before.
+// Unless Config.DisableCrashQuarantine, each subscription also consumes
+// the originating queue's quarantine queue (Naming.QuarantineQueue) on a
+// second connection (its connection_name, if set, gets ".quarantine"
+// appended), and hands its messages to the same handler: the
+// RedeliveryGuard moves a redelivered message there so that a crash is
+// counted against the message that crashed, not against the others the
+// consumer held (see middleware.RedeliveryGuard). Quarantine messages are
+// fetched one at a time (basic.get), only while no message of the
+// originating queue is in flight, at once when this process moved one there
+// and otherwise every QuarantinePollInterval; so the client never holds one
+// it has not started. One that is fetched but not run (the router stopped
+// first) or that the router nacks is handed back: republished unchanged
+// (same attempt and redelivery count, confirmed), then acked, so that a
+// stop is not counted as its redelivery. A subscriber built from
+// SubscriberConfig alone does not consume the quarantine; the guard then
+// counts every redelivery in the originating queue.
 func (r *Retry) NewSubscriber(logger watermill.LoggerAdapter, drainTimeout time.Duration) (*router.DrainingSubscriber, error) {
-	if !r.crashQuarantine {
+	if r.noQuarantine {
 		sub, err := wamqp.NewSubscriber(r.subscriber, logger)
 		if err != nil {
 			return nil, err
 		}
 		return router.NewDrainingSubscriber(sub, drainTimeout), nil
 	}
-	sub, err := newQuarantineSubscriber(r.subscriber, r.topology, logger)
+	sub, err := newQuarantineSubscriber(r.subscriber, r.topology, r.handBack, logger)
 	if err != nil {
 		return nil, err
 	}
 	return router.NewDrainingSubscriber(sub, drainTimeout), nil
+}
+
+// handBack publishes msg unchanged (delivery metadata dropped by the
+// Marshaler) to queue's quarantine queue through the loop-back exchange,
+// confirmed.
+func (r *Retry) handBack(ctx context.Context, msg *message.Message, queue string) error {
+	return r.delayer.publish(ctx, msg, r.topology.naming.LoopBackExchange, r.topology.QuarantineQueue(queue), queue)
 }
 
 // Topology returns the topology builder (names, tiers, TierFor).

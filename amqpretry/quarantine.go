@@ -5,13 +5,16 @@ import (
 	"errors"
 	"fmt"
 	"maps"
+	"slices"
 	"sync"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v2/pkg/amqp"
 	"github.com/ThreeDotsLabs/watermill/message"
 	amqp "github.com/rabbitmq/amqp091-go"
 
+	"github.com/rabbitretry/rabbitretry/internal/redact"
 	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 )
 
@@ -21,17 +24,28 @@ import (
 // subscriber built from SubscriberConfig alone never strands messages there.
 type quarantines struct {
 	mu sync.Mutex
-	n  map[string]int
+	n  map[string][]chan struct{} // per queue, one wake channel per subscription
 }
 
-func (q *quarantines) add(queue string, d int) {
+// add registers a subscription consuming queue's quarantine and returns the
+// channel that wake signals.
+func (q *quarantines) add(queue string) chan struct{} {
 	q.mu.Lock()
 	defer q.mu.Unlock()
 	if q.n == nil {
-		q.n = map[string]int{}
+		q.n = map[string][]chan struct{}{}
 	}
-	q.n[queue] += d
-	if q.n[queue] <= 0 {
+	c := make(chan struct{}, 1)
+	q.n[queue] = append(q.n[queue], c)
+	return c
+}
+
+// remove unregisters the subscription whose wake channel is c.
+func (q *quarantines) remove(queue string, c chan struct{}) {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	q.n[queue] = slices.DeleteFunc(q.n[queue], func(o chan struct{}) bool { return o == c })
+	if len(q.n[queue]) == 0 {
 		delete(q.n, queue)
 	}
 }
@@ -39,7 +53,20 @@ func (q *quarantines) add(queue string, d int) {
 func (q *quarantines) consumed(queue string) bool {
 	q.mu.Lock()
 	defer q.mu.Unlock()
-	return q.n[queue] > 0
+	return len(q.n[queue]) > 0
+}
+
+// wake tells queue's quarantine subscriptions that a message was moved
+// there, so that one fetches it now instead of at its next poll.
+func (q *quarantines) wake(queue string) {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	for _, c := range q.n[queue] {
+		select {
+		case c <- struct{}{}:
+		default:
+		}
+	}
 }
 
 // Quarantine implements retrymeta.Quarantiner: it publishes msg to the
@@ -57,7 +84,11 @@ func (d *Delayer) Quarantine(ctx context.Context, msg *message.Message) error {
 		return fmt.Errorf("amqpretry: queue %q: %w", q, retrymeta.ErrNoQuarantine)
 	}
 	qq := d.topology.QuarantineQueue(q)
-	return d.publish(ctx, msg, d.topology.naming.LoopBackExchange, qq, q)
+	if err := d.publish(ctx, msg, d.topology.naming.LoopBackExchange, qq, q); err != nil {
+		return err
+	}
+	d.topology.quarantines.wake(q)
+	return nil
 }
 
 // Quarantine implements retrymeta.Quarantiner through the loop-back path.
@@ -65,65 +96,64 @@ func (s splitDelayer) Quarantine(ctx context.Context, msg *message.Message) erro
 	return s.loopBack.Quarantine(ctx, msg)
 }
 
+// QuarantinePollInterval is how often a quarantine subscription
+// (Retry.NewSubscriber) looks for messages in its quarantine queue that it
+// was not told about: left there by an earlier run or by another process.
+// A message this process moves there is fetched at once.
+const QuarantinePollInterval = time.Second
+
 // quarantineSubscriber consumes, for each subscribed topic, the originating
-// queue (the user's subscriber configuration) and its quarantine queue (the
-// same configuration with prefetch 1), and hands out the messages of both on
-// one channel; quarantine messages carry retrymeta.DeliveryQuarantineKey.
+// queue (the user's subscriber configuration, watermill-amqp) and its
+// quarantine queue, and hands out the messages of both on one channel;
+// quarantine messages carry retrymeta.DeliveryQuarantineKey.
+//
+// The quarantine queue is read with basic.get, one message at a time and
+// only when it can run at once: while no origin message is in flight. So
+// the client never holds a quarantine message it has not started: a crash
+// while one runs is that message's own, and a graceful stop never returns
+// (and so never charges a redelivery to) a quarantine message that waited.
+// A consumer with prefetch 1 would hold one in its buffer behind the origin
+// message in flight, and a stop or a neighbour's crash then returned it
+// with the redelivered flag: counted as its own crash.
 type quarantineSubscriber struct {
-	origin, quarantine *wamqp.Subscriber
-	topo               *Topology
-	queueName          func(topic string) string
+	origin    *wamqp.Subscriber
+	conn      wamqp.ConnectionConfig
+	marshaler wamqp.Marshaler
+	topo      *Topology
+	queueName func(topic string) string
+	// handBack publishes msg (unchanged: same attempt and redelivery count)
+	// to queue's quarantine queue and returns once the broker confirmed it.
+	handBack func(ctx context.Context, msg *message.Message, queue string) error
+	logger   watermill.LoggerAdapter
+	poll     time.Duration
 
 	done    chan struct{} // closed by Close
 	mu      sync.Mutex
 	closed  bool
 	release []func()
+	wg      sync.WaitGroup // the subscriptions' goroutines
 }
 
-func newQuarantineSubscriber(cfg wamqp.Config, topo *Topology, logger watermill.LoggerAdapter) (*quarantineSubscriber, error) {
+func newQuarantineSubscriber(cfg wamqp.Config, topo *Topology, handBack func(context.Context, *message.Message, string) error,
+	logger watermill.LoggerAdapter) (*quarantineSubscriber, error) {
+	if logger == nil {
+		logger = watermill.NopLogger{}
+	}
 	origin, err := wamqp.NewSubscriber(cfg, logger)
 	if err != nil {
 		return nil, err
 	}
-	gen := cfg.Queue.GenerateName
-	qcfg := cfg
-	qcfg.Queue.GenerateName = func(topic string) string { return topo.QuarantineQueue(gen(topic)) }
-	qcfg.Queue.Arguments = nil
-	qcfg.Consume.Qos.PrefetchCount = 1 // alone on its channel: a redelivery is the message's own
-	qcfg.Consume.Qos.PrefetchSize = 0
-	qcfg.Consume.Consumer = ""
-	qcfg.Consume.Arguments = maps.Clone(cfg.Consume.Arguments)
-	// watermill-amqp passes Exchange.GenerateName(topic) to BuildTopology:
-	// here the originating queue, whose side topology quarantineTopology
-	// declares; nothing is bound to the business exchange.
-	qcfg.Exchange.GenerateName = gen
-	qcfg.TopologyBuilder = quarantineTopology{topo: topo}
-	if a := cfg.Connection.AmqpConfig; a != nil {
+	conn := cfg.Connection
+	if a := conn.AmqpConfig; a != nil {
 		ac := *a
 		ac.Properties = maps.Clone(a.Properties)
 		if name, ok := ac.Properties["connection_name"].(string); ok && name != "" {
 			ac.Properties["connection_name"] = name + ".quarantine"
 		}
-		qcfg.Connection.AmqpConfig = &ac
+		conn.AmqpConfig = &ac
 	}
-	quarantine, err := wamqp.NewSubscriber(qcfg, logger)
-	if err != nil {
-		_ = origin.Close()
-		return nil, err
-	}
-	return &quarantineSubscriber{origin: origin, quarantine: quarantine, topo: topo, queueName: gen, done: make(chan struct{})}, nil
-}
-
-// quarantineTopology declares the side topology of the originating queue
-// (Topology.DeclareRetry: the quarantine queue is part of it) for the
-// quarantine subscription, without binding anything to the business
-// exchange.
-type quarantineTopology struct{ topo *Topology }
-
-func (q quarantineTopology) ExchangeDeclare(*amqp.Channel, string, wamqp.Config) error { return nil }
-
-func (q quarantineTopology) BuildTopology(ch *amqp.Channel, _, origin string, _ wamqp.Config, _ watermill.LoggerAdapter) error {
-	return q.topo.DeclareRetry(ch, origin)
+	return &quarantineSubscriber{origin: origin, conn: conn, marshaler: cfg.Marshaler, topo: topo, queueName: cfg.Queue.GenerateName,
+		handBack: handBack, logger: logger, poll: QuarantinePollInterval, done: make(chan struct{})}, nil
 }
 
 // Subscribe consumes topic's originating queue and its quarantine.
@@ -132,10 +162,6 @@ func (s *quarantineSubscriber) Subscribe(ctx context.Context, topic string) (<-c
 	if err != nil {
 		return nil, err
 	}
-	qin, err := s.quarantine.Subscribe(ctx, topic)
-	if err != nil {
-		return nil, errors.Join(err, s.origin.Close())
-	}
 	queue := s.queueName(topic)
 	s.mu.Lock()
 	if s.closed {
@@ -143,34 +169,29 @@ func (s *quarantineSubscriber) Subscribe(ctx context.Context, topic string) (<-c
 		return nil, errors.New("amqpretry: subscriber closed")
 	}
 	var once sync.Once
-	s.topo.quarantines.add(queue, 1)
-	s.release = append(s.release, func() { once.Do(func() { s.topo.quarantines.add(queue, -1) }) })
+	wake := s.topo.quarantines.add(queue)
+	s.release = append(s.release, func() { once.Do(func() { s.topo.quarantines.remove(queue, wake) }) })
+	s.wg.Add(1)
 	s.mu.Unlock()
 
 	out := make(chan *message.Message)
 	var wg sync.WaitGroup
 	// gate: a quarantine message runs alone in this subscription; an origin
-	// message waits for it, and it waits until the origin message in flight
-	// is settled and its ack written. So a crash while it runs is its own,
-	// and the ack of an origin delivery the guard just moved into the
-	// quarantine is on the wire before the copy runs.
+	// message waits for it, and it is fetched only once the origin message
+	// in flight is settled and its ack written. So a crash while it runs is
+	// its own, and the ack of an origin delivery the guard just moved into
+	// the quarantine is on the wire before the copy is fetched.
 	var gate sync.RWMutex
-	pass := func(in <-chan *message.Message, quarantined bool) {
+	wg.Add(2)
+	go func() {
 		defer wg.Done()
-		lock, unlock := gate.RLock, gate.RUnlock
-		if quarantined {
-			lock, unlock = gate.Lock, gate.Unlock
-		}
 		for msg := range in {
-			if quarantined {
-				msg.Metadata.Set(retrymeta.DeliveryQuarantineKey, "true")
-			}
 			// watermill-amqp cancels the context it gave the message once it
 			// has written the ack or nack to the broker (its processMessage
 			// returned): waiting for it, not just for the router's ack,
 			// closes the window in which a crash could lose the ack.
 			settled := msg.Context().Done()
-			lock()
+			gate.RLock()
 			select {
 			case out <- msg:
 				select {
@@ -185,17 +206,182 @@ func (s *quarantineSubscriber) Subscribe(ctx context.Context, topic string) (<-c
 			case <-s.done:
 				msg.Nack() // not handed out: back to the broker, unprocessed
 			}
-			unlock()
+			gate.RUnlock()
 		}
-	}
-	wg.Add(2)
-	go pass(in, false)
-	go pass(qin, true)
+	}()
 	go func() {
+		defer wg.Done()
+		s.consumeQuarantine(ctx, queue, wake, &gate, out)
+	}()
+	go func() {
+		defer s.wg.Done()
 		wg.Wait()
 		close(out)
 	}()
 	return out, nil
+}
+
+// stopped reports whether the subscription must stop: Close, or ctx ended.
+func (s *quarantineSubscriber) stopped(ctx context.Context) bool {
+	select {
+	case <-s.done:
+		return true
+	case <-ctx.Done():
+		return true
+	default:
+		return false
+	}
+}
+
+// consumeQuarantine fetches queue's quarantine messages one by one (see
+// quarantineSubscriber) until ctx ends or the subscriber closes: at once
+// when woken (this process moved a message there), else every s.poll.
+func (s *quarantineSubscriber) consumeQuarantine(ctx context.Context, queue string, wake <-chan struct{}, gate *sync.RWMutex, out chan<- *message.Message) {
+	qq := s.topo.QuarantineQueue(queue)
+	fields := watermill.LogFields{"queue": queue, "quarantine_queue": qq}
+	var (
+		conn *amqp.Connection
+		ch   *amqp.Channel
+	)
+	reset := func() {
+		if conn != nil {
+			_ = conn.Close()
+		}
+		conn, ch = nil, nil
+	}
+	defer reset()
+	tick := time.NewTicker(s.poll)
+	defer tick.Stop()
+	for {
+		for !s.stopped(ctx) {
+			if ch == nil {
+				var err error
+				if conn, err = s.dial(); err == nil {
+					if ch, err = conn.Channel(); err != nil {
+						reset()
+					}
+				}
+				if err != nil {
+					s.logger.Error("Cannot connect to consume the quarantine queue; retrying", redact.Error(err, s.conn.AmqpURI), fields)
+					break
+				}
+			}
+			// Ready count first: no gate taken while the quarantine is empty.
+			st, err := ch.QueueDeclarePassive(qq, true, false, false, false, nil)
+			if err != nil {
+				s.logger.Error("Cannot inspect the quarantine queue; retrying", redact.Error(err, s.conn.AmqpURI), fields)
+				reset()
+				break
+			}
+			if st.Messages == 0 {
+				break
+			}
+			gate.Lock()
+			more, err := s.runOne(ctx, ch, queue, qq, out)
+			gate.Unlock()
+			if err != nil {
+				s.logger.Error("Quarantine delivery failed; reconnecting", redact.Error(err, s.conn.AmqpURI), fields)
+				reset()
+				break
+			}
+			if !more {
+				break
+			}
+		}
+		select {
+		case <-s.done:
+			return
+		case <-ctx.Done():
+			return
+		case <-wake:
+		case <-tick.C:
+		}
+	}
+}
+
+// runOne fetches one message from the quarantine queue qq (basic.get), hands
+// it out and settles it: the router's ack acks it; a nack, or a stop before
+// the router took it, hands it back (a confirmed copy with the same attempt
+// and redelivery count, then an ack of the delivery), so that returning it
+// unprocessed is not a redelivery. Only when the copy cannot be published
+// is the delivery requeued (then counted as a redelivery). It reports
+// whether a message was fetched; an error means the channel is unusable.
+func (s *quarantineSubscriber) runOne(ctx context.Context, ch *amqp.Channel, queue, qq string, out chan<- *message.Message) (bool, error) {
+	if s.stopped(ctx) {
+		return false, nil
+	}
+	d, ok, err := ch.Get(qq, false)
+	if err != nil || !ok {
+		return false, err
+	}
+	msg, err := s.marshaler.Unmarshal(d)
+	if err != nil {
+		s.logger.Error("Cannot unmarshal a quarantine delivery; requeueing it", err, watermill.LogFields{"queue": queue})
+		return false, d.Nack(false, true)
+	}
+	msg.Metadata.Set(retrymeta.DeliveryQuarantineKey, "true")
+	mctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	msg.SetContext(mctx)
+	select {
+	case out <- msg:
+	case <-s.done:
+		return true, s.giveBack(ch, d, msg, queue)
+	case <-ctx.Done():
+		return true, s.giveBack(ch, d, msg, queue)
+	}
+	var stop <-chan struct{} = s.done
+	for {
+		select {
+		case <-msg.Acked():
+			return true, d.Ack(false)
+		case <-msg.Nacked():
+			return true, s.giveBack(ch, d, msg, queue)
+		case <-stop:
+			// Closed with the handler still running (past the drain
+			// timeout): the router's verdict, if it comes now, wins; else
+			// it goes back to the broker as watermill-amqp would return it.
+			select {
+			case <-msg.Acked():
+				return true, d.Ack(false)
+			case <-msg.Nacked():
+				return true, s.giveBack(ch, d, msg, queue)
+			default:
+			}
+			s.logger.Info("Quarantine message still running at close; requeueing it", watermill.LogFields{"queue": queue, "message_uuid": msg.UUID})
+			return true, d.Nack(false, true)
+		}
+	}
+}
+
+// giveBack returns a quarantine delivery that was not settled as an
+// uncounted copy (see runOne).
+//
+// A delivery whose channel closed (connection lost) is already back in the
+// queue: no copy then, which would duplicate it.
+func (s *quarantineSubscriber) giveBack(ch *amqp.Channel, d amqp.Delivery, msg *message.Message, queue string) error {
+	if ch.IsClosed() {
+		return amqp.ErrClosed
+	}
+	if err := s.handBack(context.Background(), msg, queue); err != nil {
+		s.logger.Error("Cannot hand a quarantine message back as a copy; requeueing it (its redelivery will count)", err,
+			watermill.LogFields{"queue": queue, "message_uuid": msg.UUID})
+		return d.Nack(false, true)
+	}
+	return d.Ack(false)
+}
+
+// dial connects like watermill-amqp does with the subscriber's connection
+// settings (connection_name, if set, with ".quarantine" appended).
+func (s *quarantineSubscriber) dial() (*amqp.Connection, error) {
+	switch {
+	case s.conn.AmqpConfig != nil:
+		return amqp.DialConfig(s.conn.AmqpURI, *s.conn.AmqpConfig)
+	case s.conn.TLSConfig != nil:
+		return amqp.DialTLS(s.conn.AmqpURI, s.conn.TLSConfig)
+	default:
+		return amqp.Dial(s.conn.AmqpURI)
+	}
 }
 
 // SubscribeInitialize declares the originating queue's topology (the
@@ -204,8 +390,10 @@ func (s *quarantineSubscriber) SubscribeInitialize(topic string) error {
 	return s.origin.SubscribeInitialize(topic)
 }
 
-// Close closes both subscribers; the quarantine no longer counts as
-// consumed by this process.
+// Close stops fetching from the quarantines (a message fetched and not yet
+// settled is handed back, see runOne), waits for that, then closes the
+// origin subscriber; the quarantine no longer counts as consumed by this
+// process.
 func (s *quarantineSubscriber) Close() error {
 	s.mu.Lock()
 	if !s.closed {
@@ -218,5 +406,7 @@ func (s *quarantineSubscriber) Close() error {
 	for _, r := range release {
 		r()
 	}
-	return errors.Join(s.origin.Close(), s.quarantine.Close())
+	err := s.origin.Close()
+	s.wg.Wait()
+	return err
 }

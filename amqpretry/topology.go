@@ -53,8 +53,9 @@ type Naming struct {
 	PoisonQueue func(queue string) string
 	// QuarantineQueue names Q's quarantine queue: where the RedeliveryGuard
 	// moves a message redelivered in Q (a crash or consumer timeout may
-	// have been any of the unacked deliveries), to run it with prefetch 1 so
-	// that a crash there is attributable (the RedeliveryGuard's quarantine). It is
+	// have been any of the unacked deliveries), to run it alone (fetched one
+	// at a time while nothing else runs) so that a crash there is
+	// attributable (retrymeta.Quarantiner). It is
 	// bound to LoopBackExchange with its own name and consumed by the
 	// subscriber from Retry.NewSubscriber. Default "<Q>.quarantine".
 	QuarantineQueue func(queue string) string

@@ -50,7 +50,7 @@ func crashLoop(t *testing.T, bin string, prefetch int) {
 		out := filepath.Join(dir, fmt.Sprintf("success-%d.log", len(outs)))
 		outs = append(outs, out)
 		c := startCrashingConsumer(t, bin, e, out, "-prefetch", fmt.Sprint(prefetch), "-fail-percent", "0",
-			"-crash-payload", "crash", "-max-redeliveries", fmt.Sprint(maxRedeliveries), "-crash-quarantine")
+			"-crash-payload", "crash", "-max-redeliveries", fmt.Sprint(maxRedeliveries))
 		exited := false
 		waitFor(t, 60*time.Second, "a crash or the end", func() bool {
 			select {

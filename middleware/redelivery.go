@@ -27,8 +27,11 @@ type RedeliveryGuardConfig struct {
 	// cause: the redelivery that brings its count (rabbitretry-redeliveries) to
 	// MaxRedeliveries poisons it (class ClassRedeliveryLimit) without running
 	// the handler again, if that redelivery is attributable to the message
-	// (a quarantining Delayer: amqpretry's with Retry.NewSubscriber). With a quarantine the message's first crash, outside
-	// it, is not attributable, so MaxRedeliveries 1 allows two crashes.
+	// (see Quarantiner). With a quarantine, only redeliveries in the
+	// quarantine are counted, and the one that brings the count to
+	// MaxRedeliveries-1 (at least 1) poisons it: the crash that sent it there
+	// may have been its own, so a message that crashes every time crashes
+	// at most MaxRedeliveries times (MaxRedeliveries 1: twice).
 	// Default DefaultMaxRedeliveries (3); range [1, MaxAttemptsCap].
 	MaxRedeliveries int
 	// QueueName names the originating queue (for logs). Default: the router's
@@ -101,13 +104,15 @@ func (c RedeliveryGuardConfig) Validate() error {
 // Crashes are counted against the message that crashed, not against its
 // neighbours: when the Delayer is a Quarantiner with a quarantine consumer,
 // a message redelivered in its own queue (where the crash may have been any
-// of the deliveries the consumer held) is moved, as a counted copy, to the
-// quarantine queue, consumed with prefetch 1: there it runs alone on its
-// channel, so a redelivery there is its own crash or consumer timeout. Only
-// such an attributable redelivery can poison it: the one that brings its
-// count to MaxRedeliveries returns a *ClassifiedError with ActionPoison and
-// class ClassRedeliveryLimit (the forwarder poisons it); an earlier one
-// puts it back into the quarantine with the count raised. A message that
+// of the deliveries the consumer held, or a graceful stop returned it
+// unstarted) is moved, as a copy with its count unchanged, to the
+// quarantine queue, where it runs alone (amqpretry fetches one message at a
+// time, only while nothing else runs), so a redelivery there is its own
+// crash or consumer timeout. Only such an attributable redelivery counts
+// and can poison it: the one that brings its count to MaxRedeliveries-1 (at
+// least 1; see MaxRedeliveries) returns a *ClassifiedError with
+// ActionPoison and class ClassRedeliveryLimit (the forwarder poisons it); an
+// earlier one puts it back into the quarantine with the count raised. A message that
 // runs in the quarantine and succeeds is acked; a failure takes the normal
 // retry path (back to its own queue through the Delayer). Without a
 // quarantine every redelivery counts. The library does not rely on the
@@ -141,7 +146,7 @@ func Redeliveries(msg *message.Message) int {
 		return 0
 	}
 	n, err := strconv.ParseInt(v, 10, 64)
-	if err != nil || n < 0 {
+	if err != nil || n <= 0 {
 		return 0
 	}
 	return clampAttempt(n)
@@ -174,13 +179,20 @@ func (g *RedeliveryGuard) onRedelivered(msg *message.Message) error {
 	c := retrymeta.CloneMessage(msg)
 	retrymeta.StripDeliveryMetadata(c.Metadata)
 	c.Metadata.Set(AttemptKey, strconv.Itoa(attempt))
-	c.Metadata.Set(retrymeta.RedeliveriesKey, strconv.Itoa(n))
+	limit := g.cfg.MaxRedeliveries
 	if q != nil && !quarantined {
-		// Not attributable: the crash may have been a neighbour's. Move it
-		// to the quarantine, where it runs alone.
+		// Not attributable: the crash may have been a neighbour's, or a
+		// graceful stop returned it unstarted. Move it to the quarantine,
+		// where it runs alone, with its count unchanged.
+		if n > 1 {
+			c.Metadata.Set(retrymeta.RedeliveriesKey, strconv.Itoa(n-1))
+		} else {
+			delete(c.Metadata, retrymeta.RedeliveriesKey)
+		}
 		qerr := q.Quarantine(ctx, c)
 		switch {
 		case qerr == nil:
+			fields["redeliveries"] = n - 1
 			g.cfg.Logger.Info("Redelivered message moved to the quarantine queue", fields)
 			return nil
 		case errors.Is(qerr, retrymeta.ErrNoQuarantine):
@@ -189,7 +201,14 @@ func (g *RedeliveryGuard) onRedelivered(msg *message.Message) error {
 			return g.copyNotHeld(qerr, attempt, fields, "redelivered")
 		}
 	}
-	if n >= g.cfg.MaxRedeliveries {
+	c.Metadata.Set(retrymeta.RedeliveriesKey, strconv.Itoa(n))
+	if q != nil {
+		// Attributable, in the quarantine. The crash that sent it there
+		// (outside, uncounted) may have been its own: one fewer here keeps
+		// a message that crashes every time to MaxRedeliveries crashes.
+		limit = max(limit-1, 1)
+	}
+	if n >= limit {
 		return &ClassifiedError{
 			Err: fmt.Errorf("redelivered %d times (MaxRedeliveries %d): it crashed, timed out or was returned by its consumer each time",
 				n, g.cfg.MaxRedeliveries),

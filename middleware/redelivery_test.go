@@ -94,7 +94,7 @@ func TestRedeliveryGuardConfigValidate(t *testing.T) {
 }
 
 // quarantiningDelayer is a recordingDelayer that also implements
-// middleware.Quarantiner.
+// retrymeta.Quarantiner.
 type quarantiningDelayer struct {
 	recordingDelayer
 	quarantined []*message.Message
@@ -107,8 +107,10 @@ func (d *quarantiningDelayer) Quarantine(_ context.Context, msg *message.Message
 }
 
 // With a quarantine, a redelivery in the message's own queue is not
-// attributable: it moves the message to the quarantine (count +1, never
-// poisoned there); only a redelivery in the quarantine can poison it.
+// attributable: it moves the message to the quarantine (count unchanged,
+// never poisoned there); only a redelivery in the quarantine counts and can
+// poison it, at MaxRedeliveries-1 (the uncounted crash outside may have
+// been its own).
 func TestRedeliveryGuardQuarantine(t *testing.T) {
 	d := &quarantiningDelayer{}
 	g, err := middleware.NewRedeliveryGuard(middleware.RedeliveryGuardConfig{Delayer: d, MaxRedeliveries: 3})
@@ -128,23 +130,32 @@ func TestRedeliveryGuardQuarantine(t *testing.T) {
 		}
 	}
 	// In the quarantine, below the limit: counted, back into the quarantine.
-	if _, err := g.Middleware(h)(inQuarantine("1")); err != nil {
+	if _, err := g.Middleware(h)(inQuarantine("")); err != nil {
 		t.Fatal(err)
 	}
 	if len(d.quarantined) != 3 || len(d.Calls()) != 0 {
 		t.Fatalf("%d quarantined, %d scheduled", len(d.quarantined), len(d.Calls()))
 	}
-	for i, want := range []string{"1", "8", "2"} {
+	for i, want := range []string{"", "7", "1"} {
 		m := d.quarantined[i]
 		if got := m.Metadata.Get(retrymeta.RedeliveriesKey); got != want || m.Metadata.Get(retrymeta.DeliveryQuarantineKey) != "" {
 			t.Errorf("copy %d: redeliveries %q (want %s), metadata %v", i, got, want, m.Metadata)
 		}
 	}
-	// In the quarantine, at the limit: poisoned.
-	_, err = g.Middleware(h)(inQuarantine("2"))
+	// In the quarantine, at the limit (MaxRedeliveries-1): poisoned.
+	_, err = g.Middleware(h)(inQuarantine("1"))
 	var ce *middleware.ClassifiedError
 	if !errors.As(err, &ce) || ce.Class != middleware.ClassRedeliveryLimit {
 		t.Fatalf("at the limit in the quarantine: %v", err)
+	}
+	// MaxRedeliveries 1: the first attributable redelivery poisons it (two
+	// crashes in all).
+	g1, err := middleware.NewRedeliveryGuard(middleware.RedeliveryGuardConfig{Delayer: d, MaxRedeliveries: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err = g1.Middleware(h)(inQuarantine("")); !errors.As(err, &ce) || ce.Class != middleware.ClassRedeliveryLimit {
+		t.Fatalf("MaxRedeliveries 1, first redelivery in the quarantine: %v", err)
 	}
 	// No quarantine consumer in this process: counted in Q as before.
 	d.qerr = retrymeta.ErrNoQuarantine
@@ -153,5 +164,19 @@ func TestRedeliveryGuardQuarantine(t *testing.T) {
 	}
 	if _, err = g.Middleware(h)(redelivered(1, "2")); !errors.As(err, &ce) || ce.Class != middleware.ClassRedeliveryLimit {
 		t.Fatalf("no quarantine, at the limit: %v", err)
+	}
+}
+
+// An explicit count of 0 is no redelivery (not clamped to 1 like an
+// attempt number).
+func TestRedeliveriesZero(t *testing.T) {
+	for v, want := range map[string]int{"": 0, "0": 0, "-3": 0, "x": 0, "2": 2} {
+		m := message.NewMessage("u", nil)
+		if v != "" {
+			m.Metadata.Set(retrymeta.RedeliveriesKey, v)
+		}
+		if got := middleware.Redeliveries(m); got != want {
+			t.Errorf("Redeliveries(%q) = %d, want %d", v, got, want)
+		}
 	}
 }

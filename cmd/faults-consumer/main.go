@@ -45,25 +45,25 @@ func Failures(uuid string, failPercent int) int {
 
 func run() error {
 	var (
-		uri         = flag.String("uri", "amqp://guest:guest@127.0.0.1:5672/", "AMQP URI")
-		exchange    = flag.String("exchange", "", "business exchange (direct)")
-		routingKey  = flag.String("routing-key", "order.created", "binding key of the queue")
-		queue       = flag.String("queue", "", "originating queue (subscribe topic)")
-		prefix      = flag.String("naming-prefix", "", "prefix of the loopback/wait/poison exchanges")
-		queueType   = flag.String("queue-type", amqpretry.QueueTypeClassic, "classic or quorum")
-		tiersFlag   = flag.String("tiers", "200ms,400ms", "comma-separated delay tiers")
-		maxAttempts = flag.Int("max-attempts", 5, "MaxAttempts")
-		initial     = flag.Duration("initial-backoff", 200*time.Millisecond, "first backoff delay (x2, no jitter)")
-		failPercent = flag.Int("fail-percent", 30, "share of UUIDs failing transiently once or twice")
-		work        = flag.Duration("work", time.Millisecond, "simulated work per attempt")
-		out         = flag.String("out", "", "file the handled UUIDs are appended to")
-		nativeMin   = flag.Duration("native-min", 0, "amqpretry.NativeDelayed mode with this NativeDelayedRetry.Min (0: mode off; RabbitMQ 4.3+ quorum queues)")
-		nativeMax   = flag.Duration("native-max", 0, "NativeDelayedRetry.Max (0: Min)")
-		cascadePfx  = flag.String("cascade-prefix", "", "retry through the delay cascade with this cascade.Config.Prefix (cascade.Mode; -tiers is then ignored)")
-		prefetch    = flag.Int("prefetch", 16, "Qos.PrefetchCount of the subscriber")
-		crashOn     = flag.String("crash-payload", "", "the process SIGKILLs itself when it handles a message with this payload (faults.TestCrashLoop)")
-		maxRedeliv  = flag.Int("max-redeliveries", 0, "MaxRedeliveries (0: default)")
-		quarantine  = flag.Bool("crash-quarantine", false, "amqpretry.Config.CrashQuarantine")
+		uri          = flag.String("uri", "amqp://guest:guest@127.0.0.1:5672/", "AMQP URI")
+		exchange     = flag.String("exchange", "", "business exchange (direct)")
+		routingKey   = flag.String("routing-key", "order.created", "binding key of the queue")
+		queue        = flag.String("queue", "", "originating queue (subscribe topic)")
+		prefix       = flag.String("naming-prefix", "", "prefix of the loopback/wait/poison exchanges")
+		queueType    = flag.String("queue-type", amqpretry.QueueTypeClassic, "classic or quorum")
+		tiersFlag    = flag.String("tiers", "200ms,400ms", "comma-separated delay tiers")
+		maxAttempts  = flag.Int("max-attempts", 5, "MaxAttempts")
+		initial      = flag.Duration("initial-backoff", 200*time.Millisecond, "first backoff delay (x2, no jitter)")
+		failPercent  = flag.Int("fail-percent", 30, "share of UUIDs failing transiently once or twice")
+		work         = flag.Duration("work", time.Millisecond, "simulated work per attempt")
+		out          = flag.String("out", "", "file the handled UUIDs are appended to")
+		nativeMin    = flag.Duration("native-min", 0, "amqpretry.NativeDelayed mode with this NativeDelayedRetry.Min (0: mode off; RabbitMQ 4.3+ quorum queues)")
+		nativeMax    = flag.Duration("native-max", 0, "NativeDelayedRetry.Max (0: Min)")
+		cascadePfx   = flag.String("cascade-prefix", "", "retry through the delay cascade with this cascade.Config.Prefix (cascade.Mode; -tiers is then ignored)")
+		prefetch     = flag.Int("prefetch", 16, "Qos.PrefetchCount of the subscriber")
+		crashOn      = flag.String("crash-payload", "", "the process SIGKILLs itself when it handles a message with this payload (faults.TestCrashLoop)")
+		maxRedeliv   = flag.Int("max-redeliveries", 0, "MaxRedeliveries (0: default)")
+		noQuarantine = flag.Bool("no-crash-quarantine", false, "amqpretry.Config.DisableCrashQuarantine")
 	)
 	flag.Parse()
 	if *exchange == "" || *queue == "" || *prefix == "" || *out == "" {
@@ -113,7 +113,7 @@ func run() error {
 			b.InitialInterval, b.Multiplier, b.RandomizationFactor, b.MaxElapsedTime = *initial, 2, 0, 0
 			return b
 		}, MaxRedeliveries: *maxRedeliv},
-		CrashQuarantine: *quarantine,
+		DisableCrashQuarantine: *noQuarantine,
 		Naming: amqpretry.Naming{
 			LoopBackExchange: *prefix + ".loopback", WaitExchange: *prefix + ".wait", PoisonExchange: *prefix + ".poison",
 		},
