@@ -161,7 +161,11 @@ type Config struct {
 	// straight to its destination: so it arrives on time if the level has
 	// room again, or its delay ends, within FullWait. After FullWait the
 	// last refusal is returned (wrapping amqpretry.ErrNacked). Default
-	// 30 s; negative: no hold (the refusal is returned at once).
+	// 30 s; negative: no hold (the refusal is returned at once). The
+	// Delayer's hold, like its publish, does not end with the router's
+	// context (a retry in flight is not dropped at shutdown), so a router
+	// stopping while a level is full may wait up to FullWait; the
+	// Publisher's ends with the message's context.
 	FullWait time.Duration
 
 	// legacyLevels: the level queues were declared by a version without
