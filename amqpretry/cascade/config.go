@@ -160,8 +160,13 @@ type Config struct {
 	// pauses up to 1 s, and at its due time at the latest, when it goes
 	// straight to its destination: so it arrives on time if the level has
 	// room again, or its delay ends, within FullWait. After FullWait the
-	// last refusal is returned (wrapping amqpretry.ErrNacked). Default
-	// 30 s; negative: no hold (the refusal is returned at once). The
+	// last refusal is returned (wrapping amqpretry.ErrNacked). A message
+	// due within FullWait whose way crosses a level known full (it refused
+	// a publish and has not shown room since, or the management API shows
+	// it at its max-length) is held the same way without being sent: a
+	// full level would refuse it from the level above, where it would wait
+	// minutes (see LevelCount.Full). Default 30 s; negative: no hold (a
+	// refusal is returned at once, nothing is held). The
 	// Delayer's hold, like its publish, does not end with the router's
 	// context (a retry in flight is not dropped at shutdown), so a router
 	// stopping while a level is full may wait up to FullWait; the

@@ -323,6 +323,11 @@ func (c *core) send(ctx context.Context, msg *message.Message, n uint64, queue s
 	if err := c.ensure(queue); err != nil {
 		return fmt.Errorf("cascade: declaring the cascade for %q: %w", queue, err)
 	}
+	if c.pathFull(n) && c.cfg.FullWait >= 0 && !due.After(time.Now().Add(c.cfg.FullWait)) {
+		// A level on its way is full: it would refuse the message, or
+		// refuse it from the level above, where it would wait minutes.
+		return c.holdRefused(ctx, p, n, due, queue, nil)
+	}
 	err = c.pub.PublishRaw(ctx, exchange, key, p)
 	if err != nil && topologyMissing(err) {
 		c.cfg.Logger.Error("Delay cascade publish found no route; redeclaring", err, watermill.LogFields{

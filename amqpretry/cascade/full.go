@@ -53,10 +53,15 @@ func entryLevel(n uint64) int { return bits.Len64(n) - 1 }
 // lower level; if a publish straight to the destination is refused (its
 // own length limit), again at those pauses.
 // It returns nil once the broker confirmed a copy, the last refusal after
-// Config.FullWait, another publish error, or ctx's error.
+// Config.FullWait, another publish error, or ctx's error. refusal nil:
+// send held the message without publishing it (pathFull).
 func (c *core) holdRefused(ctx context.Context, p amqp.Publishing, n uint64, due time.Time, queue string, refusal error) error {
 	level := entryLevel(n)
-	c.noteRefused(level)
+	if refusal != nil {
+		c.noteRefused(level)
+	} else {
+		refusal = fmt.Errorf("%w (not sent: a level on its way is full)", amqpretry.ErrNacked)
+	}
 	if c.cfg.FullWait < 0 {
 		return c.fullError(level, 0, refusal)
 	}
@@ -165,6 +170,31 @@ func (c *core) noteRefused(level int) {
 		"queue": c.cfg.LevelName(level), "ready": count, "full_wait": c.cfg.FullWait.String()})
 }
 
+// pathFull reports whether a level marked full (fullLevels) is on the way
+// of a key of n grains: one of n's set bits (its entry level, or a level it
+// is dead-lettered into later).
+func (c *core) pathFull(n uint64) bool {
+	c.full.mu.Lock()
+	defer c.full.mu.Unlock()
+	for level := range c.full.limit {
+		if n>>uint(level)&1 == 1 {
+			return true
+		}
+	}
+	return false
+}
+
+// markAtLimit marks level full from the management API (its count at its
+// max-length): it has room again once its ready count is below limit.
+func (c *core) markAtLimit(level, limit int) {
+	c.full.mu.Lock()
+	defer c.full.mu.Unlock()
+	if c.full.limit == nil {
+		c.full.refused, c.full.limit = map[int]int{}, map[int]int{}
+	}
+	c.full.limit[level] = limit
+}
+
 // admitted records that level accepted a publish: it has room.
 func (c *core) admitted(level int) {
 	f := &c.full
@@ -213,7 +243,9 @@ func (c *core) markedFull(level int) (refused int, full bool) {
 	return c.full.refused[level], full
 }
 
-// checkBacklogs, with the management API's reading stats, logs an error
+// checkBacklogs, with the management API's reading stats, marks the
+// levels at their max-length full (new messages whose way crosses one are
+// held, see send), and logs an error
 // once per episode when a level holds a dead-letter backlog while a level
 // is at its max-length: its messages were refused by the full level, and
 // RabbitMQ's at-least-once dead-letter worker resends a refused message
@@ -227,6 +259,8 @@ func (c *core) checkBacklogs(stats map[string]levelStat) {
 		s := stats[c.cfg.LevelName(n)]
 		if s.atLimit() {
 			full = append(full, s.Name)
+			limit, _ := s.maxLength()
+			c.markAtLimit(n, limit)
 		}
 		if s.MessagesDLX != nil && *s.MessagesDLX > 0 {
 			backlog = append(backlog, fmt.Sprintf("%s=%d", s.Name, *s.MessagesDLX))

@@ -43,15 +43,22 @@ func (s levelStat) lengthLimit() string {
 	return strings.Join(parts, " ")
 }
 
-// atLimit reports a level queue at its max-length (from its effective
-// policy or its arguments): full, it refuses publishes and dead-lettering.
-func (s levelStat) atLimit() bool {
+// maxLength is the level queue's max-length (from its effective policy or
+// its arguments), if it has one.
+func (s levelStat) maxLength() (int, bool) {
 	v, ok := s.Effective["max-length"]
 	if !ok {
 		v, ok = s.Arguments["x-max-length"]
 	}
 	limit, isNum := v.(float64)
-	return ok && isNum && s.Messages != nil && float64(*s.Messages) >= limit
+	return int(limit), ok && isNum
+}
+
+// atLimit reports a level queue at its max-length: full, it refuses
+// publishes and dead-lettering.
+func (s levelStat) atLimit() bool {
+	limit, ok := s.maxLength()
+	return ok && s.Messages != nil && *s.Messages >= limit
 }
 
 // managementClient is a Config's management API client, or nil when
