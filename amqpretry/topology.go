@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"regexp"
 	"slices"
 	"sync"
 	"time"
@@ -12,6 +11,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v2/pkg/amqp"
 	amqp "github.com/rabbitmq/amqp091-go"
+	"github.com/rabbitretry/rabbitretry/internal/amqperr"
 
 	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 )
@@ -126,26 +126,12 @@ func orUnknown(s string) string {
 // Unwrap returns the broker error (an *amqp.Error for a refused declare).
 func (e *DeclareError) Unwrap() error { return e.Err }
 
-var (
-	inequivalentArg = regexp.MustCompile(`inequivalent arg '([^']+)'`)
-	// "received none but current is the value '1000' of type 'long'"
-	inequivalentValues = regexp.MustCompile(`received (none|the value '[^']*' of type '[^']*') but current is (none|the value '[^']*' of type '[^']*')`)
-)
-
 func declareError(kind, name string, err error) error {
 	if err == nil {
 		return nil
 	}
 	de := &DeclareError{Kind: kind, Name: name, Err: err}
-	var aerr *amqp.Error
-	if errors.As(err, &aerr) && aerr.Code == amqp.PreconditionFailed {
-		if m := inequivalentArg.FindStringSubmatch(aerr.Reason); m != nil {
-			de.Argument = m[1]
-			if v := inequivalentValues.FindStringSubmatch(aerr.Reason); v != nil {
-				de.Wanted, de.Found = v[1], v[2]
-			}
-		}
-	}
+	de.Argument, de.Wanted, de.Found = amqperr.Inequivalent(err)
 	return de
 }
 

@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"math/bits"
-	"regexp"
 	"strings"
 	"time"
 
@@ -16,6 +15,9 @@ import (
 	"github.com/rabbitretry/rabbitretry/amqpretry"
 	"github.com/rabbitretry/rabbitretry/confirm"
 )
+
+// defaultFullWait is the default of Config.FullWait.
+const defaultFullWait = 30 * time.Second
 
 // Defaults of Config.
 const (
@@ -149,6 +151,28 @@ type Config struct {
 	// Vhost is the cascade's virtual host, for ManagementURL only (AMQP
 	// uses the connection's). Default "/".
 	Vhost string
+	// FullWait bounds how long Schedule and Publish hold a message that a
+	// full level queue refused (a length limit from a policy or operator
+	// policy, "Queue Length Limit": quorum levels overflow with
+	// reject-publish, so the broker answers basic.nack). The caller's
+	// message stays unacknowledged meanwhile. The held message is
+	// published again, with what is left of its delay (never less: its due
+	// time is fixed when it is first sent), after 100 ms, then at doubling
+	// pauses up to 1 s, and at its due time at the latest, when it goes
+	// straight to its destination: so it arrives on time if the level has
+	// room again, or its delay ends, within FullWait. After FullWait the
+	// last refusal is returned (wrapping confirm.ErrNacked). A message
+	// due within FullWait whose way crosses a level known full (it refused
+	// a publish and has not shown room since, or the management API shows
+	// it at its max-length) is held the same way without being sent: a
+	// full level would refuse it from the level above, where it would wait
+	// minutes (see LevelCount.Full). Default 30 s; negative: no hold (a
+	// refusal is returned at once, nothing is held). The
+	// Delayer's hold, like its publish, does not end with the router's
+	// context (a retry in flight is not dropped at shutdown), so a router
+	// stopping while a level is full may wait up to FullWait; the
+	// Publisher's ends with the message's context.
+	FullWait time.Duration
 
 	// legacyLevels: the level queues were declared by a version without
 	// x-delivery-limit (set by the Delayer/Publisher after the broker
@@ -177,6 +201,9 @@ func (c *Config) setDefaults() {
 	}
 	if c.TopologyCheck == 0 {
 		c.TopologyCheck = DefaultTopologyCheck
+	}
+	if c.FullWait == 0 {
+		c.FullWait = defaultFullWait
 	}
 }
 
@@ -319,299 +346,4 @@ func (c *Config) levelArgs(n int) amqp.Table {
 		}
 	}
 	return args
-}
-
-// SettingsExchange is the name of the cascade's settings marker:
-// "<Prefix>.settings", an internal fanout exchange that routes nothing.
-// Declare declares it first, with the settings (Levels, Grain, QueueType)
-// written in its alternate-exchange argument, the one exchange argument
-// RabbitMQ compares on a redeclare ("Exchanges", equivalence): a second
-// Declare with other settings is refused by the broker (406
-// PRECONDITION_FAILED) before it binds anything, and Declare returns
-// ErrSettingsMismatch naming both. The alternate exchange it names does
-// not exist and is never used (nothing is published to an internal
-// exchange).
-func (c Config) SettingsExchange() string {
-	c.setDefaults()
-	return c.Prefix + ".settings"
-}
-
-// settings is the marker's value: "levels=L grain=G T" (short: the
-// broker's refusal, which quotes it twice, is limited to 255 bytes).
-func (c *Config) settings() string {
-	return fmt.Sprintf("levels=%d grain=%v %s", c.Levels, c.Grain, c.QueueType)
-}
-
-var aeValues = regexp.MustCompile(`received '([^']*)' but current is '([^']*)'`)
-
-// declareSettings declares the settings marker (see SettingsExchange).
-func (c *Config) declareSettings(ch *amqp.Channel) error {
-	err := ch.ExchangeDeclare(c.SettingsExchange(), amqp.ExchangeFanout, true, false, true, false,
-		amqp.Table{"alternate-exchange": c.settings()})
-	if err == nil {
-		return nil
-	}
-	var aerr *amqp.Error
-	if errors.As(err, &aerr) && aerr.Code == amqp.PreconditionFailed {
-		found := "other settings (the broker's message is truncated)"
-		if m := aeValues.FindStringSubmatch(aerr.Reason); m != nil {
-			found = m[2]
-		}
-		return fmt.Errorf("%w: prefix %q is declared with %s, this Config has %s (every process sharing a cascade must use the same Levels, Grain and QueueType; use another Prefix, or Delete the cascade once it is empty): %w",
-			ErrSettingsMismatch, c.Prefix, found, c.settings(), err)
-	}
-	return declareError("exchange", c.SettingsExchange(), err)
-}
-
-// Declare declares the whole fixed topology on ch, idempotently (RabbitMQ
-// declares are no-ops when the object exists with the same arguments):
-//
-//   - first the settings marker (SettingsExchange): if the prefix is
-//     already declared with other Levels, Grain or QueueType, Declare
-//     stops there with ErrSettingsMismatch (wrapped, naming both), having
-//     bound nothing (the broker closes ch);
-//   - the delivery exchange (topic, durable);
-//   - per level n in [0, Levels): exchange "<Prefix>.level.NN" (topic,
-//     durable) and queue "<Prefix>.level.NN" (durable, QueueType,
-//     x-message-ttl 2^n × Grain in ms, x-dead-letter-exchange level n-1's
-//     exchange or, for level 0, the delivery exchange, no
-//     x-dead-letter-routing-key so the message keeps its key; quorum:
-//     x-dead-letter-strategy at-least-once, x-overflow reject-publish,
-//     x-delivery-limit LevelDeliveryLimit);
-//   - level n's exchange bound to its queue with "*." × (Levels-1-n) + "1.#"
-//     and to the next exchange (exchange-to-exchange binding, RabbitMQ
-//     "Exchange to Exchange Bindings") with "*." × (Levels-1-n) + "0.#".
-//
-// 4 × Levels + 1 operations; nothing per destination (see
-// BindDestination). It returns Validate's error, or an
-// *amqpretry.DeclareError (Kind "exchange", "queue" or "binding") for the
-// first refused operation; the broker then closes ch (a queue declared with
-// other arguments: 406 PRECONDITION_FAILED, Argument names the argument).
-// Quorum level queues declared by a version without x-delivery-limit are
-// refused with Argument "x-delivery-limit" and Found "none"; the Delayer
-// and the Publisher then keep using them as they are and log a warning
-// (see the README's upgrade note: recreate the levels once empty).
-func (c Config) Declare(ch *amqp.Channel) error {
-	c, err := c.resolved()
-	if err != nil {
-		return err
-	}
-	if err := c.declareSettings(ch); err != nil {
-		return err
-	}
-	if err := ch.ExchangeDeclare(c.DeliveryExchange(), amqp.ExchangeTopic, true, false, false, false, nil); err != nil {
-		return declareError("exchange", c.DeliveryExchange(), err)
-	}
-	for n := 0; n < c.Levels; n++ {
-		name := c.LevelName(n)
-		if err := ch.ExchangeDeclare(name, amqp.ExchangeTopic, true, false, false, false, nil); err != nil {
-			return declareError("exchange", name, err)
-		}
-		if _, err := ch.QueueDeclare(name, true, false, false, false, c.levelArgs(n)); err != nil {
-			return declareError("queue", name, err)
-		}
-	}
-	for n := 0; n < c.Levels; n++ {
-		name := c.LevelName(n)
-		one, zero := c.levelPatterns(n)
-		if err := ch.QueueBind(name, one, name, false, nil); err != nil {
-			return declareError("binding", name, err)
-		}
-		if err := ch.ExchangeBind(c.nextExchange(n), zero, name, false, nil); err != nil {
-			return declareError("binding", name, err)
-		}
-	}
-	return nil
-}
-
-// BindDestination binds queue to the delivery exchange with the key
-// "*." × Levels + queue, so that messages addressed to queue arrive there
-// and nowhere else. Idempotent (a binding that exists is not duplicated);
-// one binding per destination, no queue. The queue must exist. It returns
-// Validate's error, ErrBadQueueName (wrapped), or an *amqpretry.DeclareError
-// (Kind "binding"; 404 NOT_FOUND when the queue or the delivery exchange is
-// missing, which closes ch).
-//
-// A message whose destination is unbound when it leaves the last level is
-// unroutable: with classic level queues it is dropped; with quorum ones
-// (at-least-once) RabbitMQ keeps it in the level queue and retries the
-// dead-lettering ("Quorum Queues", at-least-once dead-lettering), so it is
-// delivered once the binding exists, after up to the dead-letter worker's
-// resend interval (3 min by default; see the package doc).
-func (c Config) BindDestination(ch *amqp.Channel, queue string) error {
-	c, err := c.resolved()
-	if err != nil {
-		return err
-	}
-	if err := c.checkQueue(queue); err != nil {
-		return err
-	}
-	if err := ch.QueueBind(queue, c.destinationPattern(queue), c.DeliveryExchange(), false, nil); err != nil {
-		return declareError("binding", queue, err)
-	}
-	return nil
-}
-
-// UnbindDestination removes queue's binding (see BindDestination). It
-// returns Validate's error, ErrBadQueueName or the broker's error.
-func (c Config) UnbindDestination(ch *amqp.Channel, queue string) error {
-	c, err := c.resolved()
-	if err != nil {
-		return err
-	}
-	if err := c.checkQueue(queue); err != nil {
-		return err
-	}
-	return ch.QueueUnbind(queue, c.destinationPattern(queue), c.DeliveryExchange(), nil)
-}
-
-// Delete deletes the level queues (with every message waiting in them),
-// the level exchanges, the delivery exchange and the settings marker
-// (unconditionally; missing
-// ones are not an error: queue.delete and exchange.delete of a missing
-// object succeed on RabbitMQ 3.10+). For tests and decommissioning. It
-// returns Validate's error or the first broker error.
-func (c Config) Delete(ch *amqp.Channel) error {
-	c, err := c.resolved()
-	if err != nil {
-		return err
-	}
-	for n := 0; n < c.Levels; n++ {
-		if _, err := ch.QueueDelete(c.LevelName(n), false, false, false); err != nil {
-			return fmt.Errorf("cascade: deleting queue %q: %w", c.LevelName(n), err)
-		}
-	}
-	for n := 0; n < c.Levels; n++ {
-		if err := ch.ExchangeDelete(c.LevelName(n), false, false); err != nil {
-			return fmt.Errorf("cascade: deleting exchange %q: %w", c.LevelName(n), err)
-		}
-	}
-	if err := ch.ExchangeDelete(c.DeliveryExchange(), false, false); err != nil {
-		return fmt.Errorf("cascade: deleting exchange %q: %w", c.DeliveryExchange(), err)
-	}
-	if err := ch.ExchangeDelete(c.SettingsExchange(), false, false); err != nil {
-		return fmt.Errorf("cascade: deleting exchange %q: %w", c.SettingsExchange(), err)
-	}
-	return nil
-}
-
-// legacyLevelQueue reports whether err is the broker refusing a level
-// queue's x-delivery-limit because the queue was declared without one (by
-// an earlier version of this package).
-func legacyLevelQueue(err error) bool {
-	var de *amqpretry.DeclareError
-	return errors.As(err, &de) && de.Kind == "queue" && de.Argument == "x-delivery-limit" && de.Found == "none"
-}
-
-// LevelCount is what Waiting reports for one level.
-type LevelCount struct {
-	// Level is n: the queue holds messages 2^n grains.
-	Level int
-	// Queue is the level queue's name.
-	Queue string
-	// TTL is the level queue's x-message-ttl: 2^n × Grain.
-	TTL time.Duration
-	// Messages is the number of messages ready in the queue, as queue.declare
-	// (passive) reports it ("Queues", passive declare): messages waiting
-	// out this level's TTL. Level queues have no consumers, so none are
-	// unacknowledged; a quorum queue's count does not include messages
-	// already expired and waiting to be dead-lettered.
-	Messages int
-	// Consumers should be 0: anything consuming a level queue takes
-	// messages out of the cascade.
-	Consumers int
-	// DeadLettering is the level's dead-letter backlog: messages that
-	// expired out of this level and that RabbitMQ's at-least-once
-	// dead-letter worker has not yet handed to the next level (a quorum
-	// queue's messages_dlx, "Quorum Queues", at-least-once
-	// dead-lettering), read from the management API, which refreshes it
-	// about every 5 s. Normally 0 or a few in transit; a lasting backlog
-	// means the next hop had no route or refused them (a deleted level
-	// queue or exchange, a length limit): they are still safe in this
-	// queue and the worker retries them every
-	// dead_letter_worker_publisher_confirm_timeout (3 min by default).
-	// These messages are not in Messages: the cascade holds Messages +
-	// DeadLettering. -1 when unknown: Config.ManagementURL not set, a
-	// classic level (no buffer: it dead-letters at-most-once), or a queue
-	// the management API has no statistics for yet (created seconds ago).
-	DeadLettering int
-	// LengthLimit lists the length limits in force on the level queue
-	// ("max-length=100", "max-length-bytes=…", from a policy, an operator
-	// policy or an argument; "Queue Length Limit"), read from the
-	// management API; "" when none, or when Config.ManagementURL is not
-	// set. Levels must have none: a full quorum level refuses publishes
-	// (x-overflow reject-publish: Schedule returns confirm.ErrNacked and
-	// the message is retried or nacked by the caller, never lost) and
-	// dead-lettering into it (the messages wait in the level above for
-	// the dead-letter worker's retry, minutes late).
-	LengthLimit string
-}
-
-// Waiting reports, per level (level 0 first), how many messages wait in
-// the level queue, with a passive queue.declare each. A message is counted
-// in the level it is in now; how long it still waits, and for which
-// destination, is in its routing key and DueHeader, which can only be read
-// by consuming it: Census does, and gives per-destination counts. A ready
-// count does not include the level's dead-letter backlog (messages that
-// expired and are not yet in the next level): with Config.ManagementURL
-// set, Waiting reads it (and length limits) from the management API, one
-// GET for all levels (LevelCount.DeadLettering, LengthLimit); without,
-// DeadLettering is -1. It returns Validate's error, ctx's error (checked
-// between declares), the broker's error (a missing level queue: 404
-// NOT_FOUND, which closes ch), or the management API's error (with the
-// counts read so far).
-func (c Config) Waiting(ctx context.Context, ch *amqp.Channel) ([]LevelCount, error) {
-	c, err := c.resolved()
-	if err != nil {
-		return nil, err
-	}
-	counts := make([]LevelCount, 0, c.Levels)
-	for n := 0; n < c.Levels; n++ {
-		if err := ctx.Err(); err != nil {
-			return counts, err
-		}
-		q, err := ch.QueueDeclarePassive(c.LevelName(n), true, false, false, false, c.levelArgs(n))
-		if err != nil {
-			return counts, fmt.Errorf("cascade: inspecting level queue %q: %w", c.LevelName(n), err)
-		}
-		counts = append(counts, LevelCount{Level: n, Queue: q.Name, TTL: levelTTL(c.Grain, n), Messages: q.Messages, Consumers: q.Consumers, DeadLettering: -1})
-	}
-	if c.ManagementURL == "" {
-		return counts, nil
-	}
-	stats, err := c.levelStats(ctx)
-	if err != nil {
-		return counts, err
-	}
-	for i := range counts {
-		s, ok := stats[counts[i].Queue]
-		if !ok {
-			continue
-		}
-		if s.MessagesDLX != nil {
-			counts[i].DeadLettering = *s.MessagesDLX
-		}
-		counts[i].LengthLimit = s.lengthLimit()
-	}
-	return counts, nil
-}
-
-var (
-	inequivalentArg    = regexp.MustCompile(`inequivalent arg '([^']+)'`)
-	inequivalentValues = regexp.MustCompile(`received (none|the value '[^']*' of type '[^']*') but current is (none|the value '[^']*' of type '[^']*')`)
-)
-
-// declareError wraps a refused declare or bind like amqpretry does.
-func declareError(kind, name string, err error) error {
-	de := &amqpretry.DeclareError{Kind: kind, Name: name, Err: err}
-	var aerr *amqp.Error
-	if errors.As(err, &aerr) && aerr.Code == amqp.PreconditionFailed {
-		if m := inequivalentArg.FindStringSubmatch(aerr.Reason); m != nil {
-			de.Argument = m[1]
-			if v := inequivalentValues.FindStringSubmatch(aerr.Reason); v != nil {
-				de.Wanted, de.Found = v[1], v[2]
-			}
-		}
-	}
-	return de
 }

@@ -31,6 +31,8 @@ type core struct {
 	// legacy: the level queues were declared without x-delivery-limit (by
 	// an earlier version); declare them as they are.
 	legacy atomic.Bool
+	// full: the levels that refused publishes (see full.go).
+	full fullLevels
 
 	// The topology check (Config.TopologyCheck): started by the first
 	// declare, stopped by close.
@@ -165,13 +167,15 @@ func (c *core) watch() {
 			c.cfg.Logger.Debug("Delay cascade topology check skipped", watermill.LogFields{"prefix": c.cfg.Prefix, "error": err.Error()})
 			continue
 		}
+		c.checkFull()
 		c.checkLengthLimits(warned)
 	}
 }
 
 // checkLengthLimits logs an error for each level queue the management API
 // (Config.ManagementURL) shows with a length limit, once per level and
-// limit (warned remembers them).
+// limit (warned remembers them), and has a stuck dead-letter backlog
+// reported (checkBacklogs).
 func (c *core) checkLengthLimits(warned map[string]string) {
 	if c.cfg.ManagementURL == "" {
 		return
@@ -187,11 +191,12 @@ func (c *core) checkLengthLimits(warned map[string]string) {
 		limit := s.lengthLimit()
 		if limit != "" && warned[name] != limit {
 			c.cfg.Logger.Error("Delay cascade level queue has a length limit (a policy?): once full it refuses scheduled messages "+
-				"(Schedule fails with a nack) and dead-lettering from the level above (those wait minutes in its dead-letter buffer); "+
+				"(they are held, Config.FullWait) and dead-lettering from the level above (those wait minutes in its dead-letter buffer); "+
 				"exclude the level queues from length-limit policies", nil, watermill.LogFields{"queue": name, "limit": limit})
 		}
 		warned[name] = limit
 	}
+	c.checkBacklogs(stats)
 }
 
 // checkTopology passively declares the settings marker, the delivery
@@ -307,7 +312,8 @@ func (c *core) send(ctx context.Context, msg *message.Message, n uint64, queue s
 	if p.Headers == nil {
 		p.Headers = amqp.Table{}
 	}
-	p.Headers[DueHeader] = formatDue(time.Now().Add(time.Duration(n) * c.cfg.Grain))
+	due := time.Now().Add(time.Duration(n) * c.cfg.Grain)
+	p.Headers[DueHeader] = formatDue(due)
 	delete(p.Headers, CensusHeader)
 	if size, limit := headerBytes(p.Headers), c.headerLimit(queue); size > limit {
 		return fmt.Errorf("%w: the delayed copy's headers take about %d bytes, more than the %d that stay deliverable once the broker adds an x-death entry per level",
@@ -319,17 +325,29 @@ func (c *core) send(ctx context.Context, msg *message.Message, n uint64, queue s
 	if err := c.ensure(queue); err != nil {
 		return fmt.Errorf("cascade: declaring the cascade for %q: %w", queue, err)
 	}
+	if c.pathFull(n) && c.cfg.FullWait >= 0 && !due.After(time.Now().Add(c.cfg.FullWait)) {
+		// A level on its way is full: it would refuse the message, or
+		// refuse it from the level above, where it would wait minutes.
+		return c.holdRefused(ctx, p, n, due, queue, nil)
+	}
 	err = c.pub.PublishRaw(ctx, exchange, key, p)
-	if err == nil || !topologyMissing(err) {
-		return err
+	if err != nil && topologyMissing(err) {
+		c.cfg.Logger.Error("Delay cascade publish found no route; redeclaring", err, watermill.LogFields{
+			"queue": queue, "exchange": exchange, "routing_key": key})
+		c.forget(queue)
+		if rerr := c.ensure(queue); rerr != nil {
+			return errors.Join(err, fmt.Errorf("cascade: redeclaring the cascade for %q: %w", queue, rerr))
+		}
+		err = c.pub.PublishRaw(ctx, exchange, key, p)
 	}
-	c.cfg.Logger.Error("Delay cascade publish found no route; redeclaring", err, watermill.LogFields{
-		"queue": queue, "exchange": exchange, "routing_key": key})
-	c.forget(queue)
-	if rerr := c.ensure(queue); rerr != nil {
-		return errors.Join(err, fmt.Errorf("cascade: redeclaring the cascade for %q: %w", queue, rerr))
+	if n > 0 && errors.Is(err, confirm.ErrNacked) {
+		// A full level (a length limit: x-overflow reject-publish).
+		return c.holdRefused(ctx, p, n, due, queue, err)
 	}
-	return c.pub.PublishRaw(ctx, exchange, key, p)
+	if err == nil && n > 0 {
+		c.admitted(entryLevel(n))
+	}
+	return err
 }
 
 func topologyMissing(err error) bool {
@@ -455,7 +473,13 @@ func (c *core) waiting(ctx context.Context) ([]LevelCount, error) {
 		return nil, err
 	}
 	defer ch.Close()
-	return c.cfg.Waiting(ctx, ch)
+	counts, err := c.cfg.Waiting(ctx, ch)
+	for i := range counts {
+		refused, full := c.markedFull(counts[i].Level)
+		counts[i].Refused = refused
+		counts[i].Full = counts[i].Full || full
+	}
+	return counts, err
 }
 
 // Close closes the publisher if NewDelayer dialled it (Config.URI), waiting

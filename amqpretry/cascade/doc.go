@@ -125,8 +125,14 @@
 // reached the gap before that wait for the worker's resend; with
 // Config.ManagementURL the repair has the workers resend them at once (a
 // policy change), and Waiting reports each level's dead-letter backlog
-// (LevelCount.DeadLettering) and length limits (a full level refuses
-// publishes: Schedule returns confirm.ErrNacked).
+// (LevelCount.DeadLettering) and length limits. A full level (a length
+// limit from a policy) refuses publishes: the Delayer and Publisher hold a
+// refused message and publish it again, never earlier than asked, and
+// hold new messages whose way crosses a level known full
+// (Config.FullWait); Waiting shows the level Full. A full level also
+// refuses dead-lettering from the level above, whose messages then wait
+// for the dead-letter worker's resend (3 min): exclude the levels from
+// length-limit policies.
 //
 // # What the consumer sees
 //

@@ -16,6 +16,8 @@ import (
 // levelStat is what the management API reports about a level queue.
 type levelStat struct {
 	Name string `json:"name"`
+	// Messages: ready and unacknowledged.
+	Messages *int `json:"messages"`
 	// MessagesDLX: quorum queues only (messages_dlx, RabbitMQ 3.10+).
 	MessagesDLX *int           `json:"messages_dlx"`
 	Effective   map[string]any `json:"effective_policy_definition"`
@@ -41,6 +43,24 @@ func (s levelStat) lengthLimit() string {
 	return strings.Join(parts, " ")
 }
 
+// maxLength is the level queue's max-length (from its effective policy or
+// its arguments), if it has one.
+func (s levelStat) maxLength() (int, bool) {
+	v, ok := s.Effective["max-length"]
+	if !ok {
+		v, ok = s.Arguments["x-max-length"]
+	}
+	limit, isNum := v.(float64)
+	return int(limit), ok && isNum
+}
+
+// atLimit reports a level queue at its max-length: full, it refuses
+// publishes and dead-lettering.
+func (s levelStat) atLimit() bool {
+	limit, ok := s.maxLength()
+	return ok && s.Messages != nil && *s.Messages >= limit
+}
+
 // managementClient is a Config's management API client, or nil when
 // ManagementURL is empty. The URL's password is sent as basic auth and
 // never shown in errors.
@@ -61,7 +81,7 @@ func (c *Config) levelStats(ctx context.Context) (map[string]levelStat, error) {
 	q.Set("page_size", "100")
 	q.Set("use_regex", "true")
 	q.Set("name", c.levelQueuePattern())
-	q.Set("columns", "name,messages_dlx,effective_policy_definition,arguments")
+	q.Set("columns", "name,messages,messages_dlx,effective_policy_definition,arguments")
 	var page struct {
 		Items []levelStat `json:"items"`
 	}

@@ -2,19 +2,14 @@ package cascade
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"os"
-	"regexp"
-	"strings"
 	"testing"
 	"time"
 
-	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	amqp "github.com/rabbitmq/amqp091-go"
 
-	"github.com/rabbitretry/rabbitretry/confirm"
 	"github.com/rabbitretry/rabbitretry/internal/testkit"
 )
 
@@ -156,82 +151,6 @@ func delayerWithoutManagement(t *testing.T, f *fixture) *Delayer {
 	}
 	t.Cleanup(func() { _ = d.Close() })
 	return d
-}
-
-// TestLengthLimitPolicyOnLevels: an operator's policy puts max-length 2 on
-// every level queue. Of 5 messages scheduled 3.2 s ahead (level 5 only),
-// the broker takes 2 (3: a quorum queue checks the limit before each
-// enqueue, so one more gets in) and refuses the rest (x-overflow
-// reject-publish): Schedule
-// returns confirm.ErrNacked for those (the retry middleware then nacks
-// the original: nothing lost), the 2 taken arrive on time; Waiting names
-// the limit on each level, and the topology check logs it.
-func TestLengthLimitPolicyOnLevels(t *testing.T) {
-	testkit.HaveCtl(t)
-	mgmt := testkit.HaveMgmt(t)
-	var logs testkit.SyncBuffer
-	f := newFixture(t, Config{Levels: 8, QueueName: queueFromCtx, TopologyCheck: 200 * time.Millisecond, ManagementURL: mgmt,
-		Logger: watermill.NewStdLoggerWithOut(&logs, false, false)})
-	q := f.cfg.Prefix + ".dest"
-	arrivals := f.queue(q)
-	d := f.delayer(q)
-	policy := f.cfg.Prefix + ".maxlen"
-	if out, err := testkit.Ctl(t, 60*time.Second, "set_policy", "--apply-to", "queues", "--priority", "100", policy,
-		"^"+regexp.QuoteMeta(f.cfg.Prefix)+`\.level\.`, `{"max-length":2}`); err != nil {
-		t.Fatalf("set_policy: %v %s", err, out)
-	}
-	t.Cleanup(func() { _, _ = testkit.Ctl(t, 60*time.Second, "clear_policy", policy) })
-	testkit.WaitFor(t, 20*time.Second, "the policy on the level queues", func() bool {
-		counts, err := d.Waiting(context.Background())
-		return err == nil && counts[5].LengthLimit == "max-length=2"
-	})
-
-	const published = 5
-	const delay = 3200 * time.Millisecond
-	sent := time.Now()
-	var accepted, nacked int
-	for i := range published {
-		err := d.Schedule(queueCtx(q), message.NewMessage(fmt.Sprint(i), nil), delay)
-		switch {
-		case err == nil:
-			accepted++
-		case errors.Is(err, confirm.ErrNacked):
-			nacked++
-		default:
-			t.Fatalf("Schedule %d: %v", i, err)
-		}
-	}
-	seen := map[string]int{}
-	var early, late, duplicates int
-	deadline := time.After(delay + 6*time.Second)
-wait:
-	for len(seen) < accepted {
-		select {
-		case a := <-arrivals:
-			seen[a.msg.UUID]++
-			if seen[a.msg.UUID] > 1 {
-				duplicates++
-			}
-			switch errd := a.at.Sub(sent) - delay; {
-			case errd < -2*earlyPerLevel:
-				early++
-			case errd > lateTolerance:
-				late++
-			}
-		case <-deadline:
-			break wait
-		}
-	}
-	lost := accepted - len(seen)
-	t.Logf("ACCOUNT %s: published=%d handled=%d poisoned=0 duplicates=%d lost=%d", t.Name(), published, len(seen), duplicates, lost)
-	t.Logf("%s: accepted=%d nacked=%d (reported to the caller) early=%d late=%d", t.Name(), accepted, nacked, early, late)
-	if accepted < 2 || accepted > 3 || nacked != published-accepted || lost != 0 || early != 0 || late != 0 || duplicates != 0 {
-		t.Errorf("accepted %d nacked %d lost %d early %d late %d duplicates %d; want 2-3 accepted, the rest nacked, 0 lost/early/late/duplicates",
-			accepted, nacked, lost, early, late, duplicates)
-	}
-	testkit.WaitFor(t, 10*time.Second, "the topology check's length limit error", func() bool {
-		return strings.Contains(logs.String(), "has a length limit") && strings.Contains(logs.String(), "max-length=2")
-	})
 }
 
 // TestRepairDrainsDeadLetterBacklog: level 1's queue is deleted before 5

@@ -76,88 +76,21 @@ func runCascade(ctx context.Context, o *options, pos []string, stdout, stderr io
 	if len(pos) > 1 {
 		return usageErr(stderr, "cascade %s: unexpected argument %q", sub, pos[1])
 	}
+	if msg := checkCascadeFlags(o, sub); msg != "" {
+		return usageErr(stderr, "%s", msg)
+	}
 	co := &o.cascade
-	switch sub {
-	case "waiting", "census", "move", "redirect", "unredirect":
-	default:
-		return usageErr(stderr, "cascade: unknown subcommand %q (want waiting, census, move, redirect or unredirect)", sub)
-	}
-	if o.queue != "" || o.tiers != "" || o.waitEx != "" || o.poisonEx != "" || o.loopBackEx != "" || (o.mgmtURL != "" && sub != "waiting") {
-		return usageErr(stderr, "cascade %s: --queue, --tiers, --management-url and the exchange flags apply to show and tidy only (--management-url also to cascade waiting)", sub)
-	}
-	if o.dryRun && sub != "move" {
-		return usageErr(stderr, "--dry-run applies to tidy and cascade move only")
-	}
-	if o.json && sub != "census" {
-		return usageErr(stderr, "--json applies to show and cascade census only")
-	}
-	moving := sub == "move" || sub == "redirect" || sub == "unredirect"
-	if moving && (co.from == "" || co.to == "") {
-		return usageErr(stderr, "cascade %s: --from and --to are required", sub)
-	}
-	if !moving && (co.from != "" || co.to != "") {
-		return usageErr(stderr, "--from and --to apply to cascade move, redirect and unredirect only")
-	}
-	if co.levelList != "" && sub != "census" && sub != "move" {
-		return usageErr(stderr, "--level applies to cascade census and move only")
-	}
 	levels, err := parseLevels(co.levelList)
 	if err != nil {
 		return usageErr(stderr, "--level: %v", err)
 	}
-	o.defaultURI()
-	au, err := amqp.ParseURI(o.uri)
-	if err != nil {
-		return usageErr(stderr, "--uri: %v", err)
+	cfg, sec, msg := cascadeConfig(o)
+	if msg != "" {
+		return usageErr(stderr, "%s", msg)
 	}
-	sec := secrets{au.Password}
-	cfg := cascade.Config{Prefix: co.prefix, Grain: co.grain, Levels: co.levels, QueueType: o.queueType}
-	if o.mgmtURL != "" { // cascade waiting: dead-letter backlogs and length limits too
-		mu, err := url.Parse(o.mgmtURL)
-		if err != nil || (mu.Scheme != "http" && mu.Scheme != "https") || mu.Host == "" {
-			return usageErr(stderr, "--management-url: want an http(s) URL such as %s", defaultMgmtURL)
-		}
-		if p, ok := mu.User.Password(); ok {
-			sec = append(sec, p)
-		}
-		cfg.ManagementURL, cfg.Vhost = o.mgmtURL, au.Vhost
-	}
-	if err := cfg.Validate(); err != nil {
-		return usageErr(stderr, "%s", strings.TrimPrefix(err.Error(), "cascade."))
-	}
-	if cfg.Grain == 0 {
-		cfg.Grain = cascade.DefaultGrain
-	}
-	if cfg.Levels == 0 {
-		key, _ := cfg.RoutingKey(0, "q") // L words "0", then "q"
-		cfg.Levels = strings.Count(key, ".")
-	}
-
 	if sub == "census" || sub == "move" {
-		opts := cascade.CensusOptions{Levels: levels, DryRun: o.dryRun}
-		if sub == "move" {
-			opts.Move = map[string]string{co.from: co.to}
-		}
-		cfg.URI = o.uri
-		rep, err := cascade.Census(ctx, cfg, opts)
-		if err != nil {
-			if rep.Taken > 0 {
-				fmt.Fprintf(stderr, "%s: stopped after taking %d message(s), %d put back; the others stay in their level queues\n", prog, rep.Taken, rep.PutBack)
-			}
-			return sec.fail(stderr, err)
-		}
-		if o.json {
-			enc := json.NewEncoder(stdout)
-			enc.SetIndent("", "  ")
-			if err := enc.Encode(rep); err != nil {
-				return sec.fail(stderr, err)
-			}
-			return exitOK
-		}
-		printCensus(stdout, cfg, sub, co, o.dryRun, rep)
-		return exitOK
+		return runCensus(ctx, o, sub, cfg, levels, sec, stdout, stderr)
 	}
-
 	conn, err := amqp.DialConfig(o.uri, amqp.Config{Dial: amqp.DefaultDial(10 * time.Second)})
 	if err != nil {
 		return sec.fail(stderr, err)
@@ -168,7 +101,8 @@ func runCascade(ctx context.Context, o *options, pos []string, stdout, stderr io
 		return sec.fail(stderr, err)
 	}
 	defer ch.Close()
-	if sub == "redirect" {
+	switch sub {
+	case "redirect":
 		if err := cfg.Redirect(ch, co.from, co.to); err != nil {
 			return sec.fail(stderr, err)
 		}
@@ -177,8 +111,7 @@ func runCascade(ctx context.Context, o *options, pos []string, stdout, stderr io
 		fmt.Fprintf(stdout, "Anything that binds %q again (its Delayer, Publisher or subscriber) makes its messages arrive at both queues.\n", co.from)
 		fmt.Fprintf(stdout, "Undo: %s cascade unredirect --from %s --to %s (same cascade flags).\n", prog, co.from, co.to)
 		return exitOK
-	}
-	if sub == "unredirect" {
+	case "unredirect":
 		if err := cfg.Unredirect(ch, co.from, co.to); err != nil {
 			return sec.fail(stderr, err)
 		}
@@ -190,6 +123,113 @@ func runCascade(ctx context.Context, o *options, pos []string, stdout, stderr io
 	if err != nil {
 		return sec.fail(stderr, err)
 	}
+	printWaiting(stdout, cfg, counts)
+	return exitOK
+}
+
+// checkCascadeFlags returns a usage message for a subcommand sub that is
+// unknown or given flags it does not take, "" when all is well. Cyclomatic
+// complexity 20: a flat list of independent rules, one branch each, read
+// top to bottom as the usage text states them.
+func checkCascadeFlags(o *options, sub string) string {
+	co := &o.cascade
+	switch sub {
+	case "waiting", "census", "move", "redirect", "unredirect":
+	default:
+		return fmt.Sprintf("cascade: unknown subcommand %q (want waiting, census, move, redirect or unredirect)", sub)
+	}
+	if showFlagsSet(o) || (o.mgmtURL != "" && sub != "waiting") {
+		return fmt.Sprintf("cascade %s: --queue, --tiers, --management-url and the exchange flags apply to show and tidy only (--management-url also to cascade waiting)", sub)
+	}
+	if o.dryRun && sub != "move" {
+		return "--dry-run applies to tidy and cascade move only"
+	}
+	if o.json && sub != "census" {
+		return "--json applies to show and cascade census only"
+	}
+	moving := sub == "move" || sub == "redirect" || sub == "unredirect"
+	if moving && (co.from == "" || co.to == "") {
+		return fmt.Sprintf("cascade %s: --from and --to are required", sub)
+	}
+	if !moving && (co.from != "" || co.to != "") {
+		return "--from and --to apply to cascade move, redirect and unredirect only"
+	}
+	if co.levelList != "" && sub != "census" && sub != "move" {
+		return "--level applies to cascade census and move only"
+	}
+	return ""
+}
+
+// showFlagsSet reports a flag of show and tidy that the cascade commands
+// do not take.
+func showFlagsSet(o *options) bool {
+	return o.queue != "" || o.tiers != "" || o.waitEx != "" || o.poisonEx != "" || o.loopBackEx != ""
+}
+
+// cascadeConfig builds the cascade.Config the flags describe, with Grain
+// and Levels filled in, and the secrets to hide in errors; msg is a usage
+// message ("" when the flags are valid).
+func cascadeConfig(o *options) (cfg cascade.Config, sec secrets, msg string) {
+	co := &o.cascade
+	o.defaultURI()
+	au, err := amqp.ParseURI(o.uri)
+	if err != nil {
+		return cfg, nil, fmt.Sprintf("--uri: %v", err)
+	}
+	sec = secrets{au.Password}
+	cfg = cascade.Config{Prefix: co.prefix, Grain: co.grain, Levels: co.levels, QueueType: o.queueType}
+	if o.mgmtURL != "" { // cascade waiting: dead-letter backlogs and length limits too
+		mu, err := url.Parse(o.mgmtURL)
+		if err != nil || (mu.Scheme != "http" && mu.Scheme != "https") || mu.Host == "" {
+			return cfg, nil, fmt.Sprintf("--management-url: want an http(s) URL such as %s", defaultMgmtURL)
+		}
+		if p, ok := mu.User.Password(); ok {
+			sec = append(sec, p)
+		}
+		cfg.ManagementURL, cfg.Vhost = o.mgmtURL, au.Vhost
+	}
+	if err := cfg.Validate(); err != nil {
+		return cfg, nil, strings.TrimPrefix(err.Error(), "cascade.")
+	}
+	if cfg.Grain == 0 {
+		cfg.Grain = cascade.DefaultGrain
+	}
+	if cfg.Levels == 0 {
+		key, _ := cfg.RoutingKey(0, "q") // L words "0", then "q"
+		cfg.Levels = strings.Count(key, ".")
+	}
+	return cfg, sec, ""
+}
+
+// runCensus runs "cascade census" and "cascade move".
+func runCensus(ctx context.Context, o *options, sub string, cfg cascade.Config, levels []int, sec secrets, stdout, stderr io.Writer) int {
+	co := &o.cascade
+	opts := cascade.CensusOptions{Levels: levels, DryRun: o.dryRun}
+	if sub == "move" {
+		opts.Move = map[string]string{co.from: co.to}
+	}
+	cfg.URI = o.uri
+	rep, err := cascade.Census(ctx, cfg, opts)
+	if err != nil {
+		if rep.Taken > 0 {
+			fmt.Fprintf(stderr, "%s: stopped after taking %d message(s), %d put back; the others stay in their level queues\n", prog, rep.Taken, rep.PutBack)
+		}
+		return sec.fail(stderr, err)
+	}
+	if o.json {
+		enc := json.NewEncoder(stdout)
+		enc.SetIndent("", "  ")
+		if err := enc.Encode(rep); err != nil {
+			return sec.fail(stderr, err)
+		}
+		return exitOK
+	}
+	printCensus(stdout, cfg, sub, co, o.dryRun, rep)
+	return exitOK
+}
+
+// printWaiting prints "cascade waiting"'s table and summary.
+func printWaiting(stdout io.Writer, cfg cascade.Config, counts []cascade.LevelCount) {
 	tw := tabwriter.NewWriter(stdout, 0, 4, 2, ' ', 0)
 	if cfg.ManagementURL == "" {
 		fmt.Fprintln(tw, "LEVEL\tQUEUE\tTTL\tMESSAGES\tCONSUMERS")
@@ -198,29 +238,29 @@ func runCascade(ctx context.Context, o *options, pos []string, stdout, stderr io
 	}
 	total, dlx, limited, unknown := 0, 0, 0, 0
 	for _, c := range counts {
+		total += c.Messages
 		if cfg.ManagementURL == "" {
 			fmt.Fprintf(tw, "%d\t%s\t%v\t%d\t%d\n", c.Level, c.Queue, c.TTL, c.Messages, c.Consumers)
-		} else {
-			dl, limit := "-", c.LengthLimit
-			if c.DeadLettering >= 0 {
-				dl = fmt.Sprint(c.DeadLettering)
-				dlx += c.DeadLettering
-			} else {
-				unknown++
-			}
-			if limit == "" {
-				limit = "-"
-			} else {
-				limited++
-			}
-			fmt.Fprintf(tw, "%d\t%s\t%v\t%d\t%d\t%s\t%s\n", c.Level, c.Queue, c.TTL, c.Messages, c.Consumers, dl, limit)
+			continue
 		}
-		total += c.Messages
+		dl, limit := "-", c.LengthLimit
+		if c.DeadLettering >= 0 {
+			dl = fmt.Sprint(c.DeadLettering)
+			dlx += c.DeadLettering
+		} else {
+			unknown++
+		}
+		if limit == "" {
+			limit = "-"
+		} else {
+			limited++
+		}
+		fmt.Fprintf(tw, "%d\t%s\t%v\t%d\t%d\t%s\t%s\n", c.Level, c.Queue, c.TTL, c.Messages, c.Consumers, dl, limit)
 	}
 	_ = tw.Flush()
 	if cfg.ManagementURL == "" {
 		fmt.Fprintf(stdout, "%d message(s) waiting in %d levels (ready counts; per destination: cascade census; dead-letter backlogs: --management-url).\n", total, len(counts))
-		return exitOK
+		return
 	}
 	fmt.Fprintf(stdout, "%d message(s) waiting in %d levels, and %d in dead-letter backlogs (between two levels; management API figures, refreshed every ~5 s", total, len(counts), dlx)
 	if unknown > 0 {
@@ -230,7 +270,6 @@ func runCascade(ctx context.Context, o *options, pos []string, stdout, stderr io
 	if limited > 0 {
 		fmt.Fprintf(stdout, "%d level queue(s) have a length limit: a full level refuses scheduled messages and holds the level above's for minutes; exclude the levels from length-limit policies.\n", limited)
 	}
-	return exitOK
 }
 
 func printCensus(w io.Writer, cfg cascade.Config, sub string, co *cascadeOptions, dryRun bool, rep cascade.CensusReport) {
