@@ -103,6 +103,26 @@ func (d *Delayer) plan(ctx context.Context, msg *message.Message, delay time.Dur
 	return p, nil
 }
 
+// PlannedDelay returns how long a retry scheduled with ctx and delay waits:
+// its tier (TierFor(delay); with a RetryAfter in ctx, the smallest tier at
+// or above it), or the whole delay when it is longer than the longest tier
+// (held again for the rest). It has no side effects; the retry chain logs
+// it as scheduled_delay beside the delay asked.
+func (d *Delayer) PlannedDelay(ctx context.Context, delay time.Duration) time.Duration {
+	if delay <= 0 || len(d.topology.tiers) == 0 {
+		return delay
+	}
+	asked, tier := delay, d.topology.TierFor(delay)
+	if minimum, ok := middleware.MinimumDelay(ctx); ok {
+		asked = max(delay, minimum)
+		tier, _ = d.topology.TierAtLeast(asked)
+	}
+	if asked > d.topology.tiers[len(d.topology.tiers)-1] {
+		return asked
+	}
+	return tier
+}
+
 // publishPlan publishes msg where p says.
 func (d *Delayer) publishPlan(ctx context.Context, msg *message.Message, p retryPlan) error {
 	if p.back {

@@ -242,9 +242,19 @@ func (r *Republisher) onFailure(msg *message.Message, err error) error {
 	r.cfg.Observer.RetryScheduled(msg, attempt, delay, took)
 	r.cfg.Logger.Info("Retry scheduled", watermill.LogFields{
 		"message_uuid": msg.UUID, "queue": r.cfg.QueueName(ctx), "attempt": attempt,
-		"next_attempt": attempt + 1, "delay": delay.String(), "error_class": cl.Class, "error": retry.Metadata[LastErrorKey],
+		"next_attempt": attempt + 1, "delay": delay.String(), "scheduled_delay": r.planned(schedCtx, delay).String(),
+		"error_class": cl.Class, "error": retry.Metadata[LastErrorKey],
 	})
 	return nil
+}
+
+// planned is the delay the Delayer waits for a retry asked with delay: the
+// same unless it rounds delays (retrymeta.DelayPlanner, amqpretry's tiers).
+func (r *Republisher) planned(ctx context.Context, delay time.Duration) time.Duration {
+	if p, ok := r.cfg.Delayer.(retrymeta.DelayPlanner); ok {
+		return p.PlannedDelay(ctx, delay)
+	}
+	return delay
 }
 
 func (r *Republisher) copyForRetry(ctx context.Context, msg *message.Message, attempt int, cl Classification, err error, delay time.Duration) *message.Message {

@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/cenkalti/backoff/v4"
 
@@ -507,4 +508,34 @@ type countingObserver struct {
 
 func (o *countingObserver) RetryScheduled(*message.Message, int, time.Duration, time.Duration) {
 	o.onScheduled()
+}
+
+// The "Retry scheduled" log shows the delay asked and the one the Delayer
+// waits (amqpretry's tiers round a delay to the nearest tier).
+func TestRepublisherLogsScheduledDelay(t *testing.T) {
+	logger := watermill.NewCaptureLogger()
+	r := newRepublisher(t, middleware.RepublisherConfig{Delayer: planningDelayer{}, MaxAttempts: 5, Logger: logger,
+		Backoff: exactBackoff(3 * time.Second)})
+	if _, err := r.Middleware(func(*message.Message) ([]*message.Message, error) {
+		return nil, errors.New("down")
+	})(attemptMsg(1, "x")); err != nil {
+		t.Fatal(err)
+	}
+	for _, m := range logger.Captured()[watermill.InfoLogLevel] {
+		if m.Msg == "Retry scheduled" {
+			if m.Fields["delay"] != "3s" || m.Fields["scheduled_delay"] != "4s" {
+				t.Fatalf("log fields %v, want delay 3s and scheduled_delay 4s", m.Fields)
+			}
+			return
+		}
+	}
+	t.Fatalf("no \"Retry scheduled\" log: %v", logger.Captured())
+}
+
+// planningDelayer holds nothing and plans every delay as 4 s.
+type planningDelayer struct{}
+
+func (planningDelayer) Schedule(context.Context, *message.Message, time.Duration) error { return nil }
+func (planningDelayer) PlannedDelay(context.Context, time.Duration) time.Duration {
+	return 4 * time.Second
 }

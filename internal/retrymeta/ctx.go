@@ -38,3 +38,11 @@ func CopyRequired(ctx context.Context) bool {
 	ok, _ := ctx.Value(copyRequiredCtxKey{}).(bool)
 	return ok
 }
+
+// DelayPlanner is implemented by a Delayer that rounds delays (amqpretry's
+// tiers): PlannedDelay returns how long a retry scheduled now with ctx and
+// delay would wait, so the republisher's log shows it next to the delay
+// asked. It has no side effects.
+type DelayPlanner interface {
+	PlannedDelay(ctx context.Context, delay time.Duration) time.Duration
+}
