@@ -348,11 +348,11 @@ func deliveryLogOf(s Store) DeliveryLog {
 	return nil
 }
 
-// MarshalAttempt encodes an Attempt as the Recorder publishes it on the
+// marshalAttempt encodes an Attempt as the Recorder publishes it on the
 // audit exchange (JSON, content-type application/json).
-func MarshalAttempt(a Attempt) ([]byte, error) { return json.Marshal(a) }
+func marshalAttempt(a Attempt) ([]byte, error) { return json.Marshal(a) }
 
-// unmarshalAttempt decodes MarshalAttempt's output.
+// unmarshalAttempt decodes marshalAttempt's output.
 func unmarshalAttempt(b []byte) (Attempt, error) {
 	var a Attempt
 	err := json.Unmarshal(b, &a)

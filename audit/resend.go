@@ -51,7 +51,7 @@ func (r *Resender) publisher() (*amqpretry.ConfirmPublisher, error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if r.closed {
-		return nil, ErrResenderClosed
+		return nil, errResenderClosed
 	}
 	if r.pub == nil {
 		p, err := amqpretry.NewConfirmPublisher(amqpretry.PublisherConfig{
@@ -139,7 +139,8 @@ type pager interface {
 // (amqpretry.ErrConfirmTimeout, ErrChannelClosed, ...), which stops Resend
 // after the batch in flight: its messages that failed so are reported
 // failed and may or may not have been delivered, the ones not tried
-// StatusUnsent; ctx.Err() (checked between batches); ErrResenderClosed.
+// StatusUnsent; ctx.Err() (checked between batches); an error once the
+// Resender is closed.
 func (r *Resender) Resend(ctx context.Context, f Filter, opts ResendOptions) (ResendReport, error) {
 	rep := ResendReport{Mode: opts.Mode, DryRun: opts.DryRun, Results: []ResendResult{}}
 	if err := opts.Validate(); err != nil {
@@ -150,7 +151,7 @@ func (r *Resender) Resend(ctx context.Context, f Filter, opts ResendOptions) (Re
 	}
 	limit := opts.Limit
 	if limit == 0 {
-		limit = DefaultResendLimit
+		limit = defaultResendLimit
 	}
 	msgs, next, err := r.collect(ctx, f, limit)
 	if err != nil {

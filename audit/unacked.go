@@ -109,7 +109,7 @@ func (c *Consumer) holdSession(conn *amqp.Connection, token string) error {
 		return err
 	}
 	defer ch.Close()
-	_, err = ch.QueueDeclare(c.sessionQueue(token), false, true, true, false, amqp.Table{"x-queue-type": QueueTypeClassic})
+	_, err = ch.QueueDeclare(c.sessionQueue(token), false, true, true, false, amqp.Table{"x-queue-type": queueTypeClassic})
 	return err
 }
 
