@@ -215,7 +215,9 @@ type Filter struct {
 	After string `json:"after,omitempty"`
 }
 
-// Store persists and finds records. Implemented by pgstore.Store.
+// Store persists and finds records. Implemented by pgstore.Store (and, in
+// memory, audittest.MemoryStore). Optional parts a Store may have: SetAside
+// (SetAsider), and a method DeliveryLog() DeliveryLog (see DeliveryLog).
 type Store interface {
 	// Write stores the records in one transaction. It is idempotent on
 	// Arrival.ID and Attempt.ID: writing a record again changes nothing.

@@ -69,7 +69,7 @@ import (
 
 // maxLimit is the largest limit= (and filter.limit of a resend), as
 // pgstore's; without limit= a page has 100 messages (pgstore's default).
-const maxLimit = 10000
+const maxLimit = auditconst.MaxSearchLimit
 
 // defaultResendTimeout bounds one POST /v1/resend.
 const defaultResendTimeout = auditconst.ResendTimeout
