@@ -14,7 +14,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitretry/rabbitretry/audit"
-	"github.com/rabbitretry/rabbitretry/audit/audittest"
+	"github.com/rabbitretry/rabbitretry/audit/internal/memstore"
 	"github.com/rabbitretry/rabbitretry/internal/testkit"
 )
 
@@ -82,7 +82,7 @@ func ackDial(before bool, onAck func()) *amqp.Config {
 // fails and the Consumer's Run is cancelled (the process is gone; its
 // connection closes).
 type deadLog struct {
-	audit.DeliveryLog
+	storeLog
 	dead   atomic.Bool
 	cancel func()
 }
@@ -95,6 +95,9 @@ func (s *deadLog) kill() {
 	}
 }
 
+// DeliveryLog is the log of every call.
+func (s *deadLog) DeliveryLog() audit.DeliveryLog { return s }
+
 func (s *deadLog) check() error {
 	if s.dead.Load() {
 		return errDead
@@ -106,49 +109,49 @@ func (s *deadLog) Write(ctx context.Context, a []audit.Arrival, b []audit.Attemp
 	if err := s.check(); err != nil {
 		return err
 	}
-	return s.DeliveryLog.Write(ctx, a, b)
+	return s.storeLog.Write(ctx, a, b)
 }
 
 func (s *deadLog) WriteDeliveries(ctx context.Context, a []audit.Arrival, b []audit.Attempt, d []audit.UnackedDelivery) error {
 	if err := s.check(); err != nil {
 		return err
 	}
-	return s.DeliveryLog.WriteDeliveries(ctx, a, b, d)
+	return s.storeLog.WriteDeliveries(ctx, a, b, d)
 }
 
 func (s *deadLog) UnackedDeliveries(ctx context.Context, fps []string) ([]audit.UnackedDelivery, error) {
 	if err := s.check(); err != nil {
 		return nil, err
 	}
-	return s.DeliveryLog.UnackedDeliveries(ctx, fps)
+	return s.storeLog.UnackedDeliveries(ctx, fps)
 }
 
 func (s *deadLog) ClaimDelivery(ctx context.Context, id, from, to string) (bool, error) {
 	if err := s.check(); err != nil {
 		return false, err
 	}
-	return s.DeliveryLog.ClaimDelivery(ctx, id, from, to)
+	return s.storeLog.ClaimDelivery(ctx, id, from, to)
 }
 
 func (s *deadLog) TakeAckingDelivery(ctx context.Context, id, session string) (bool, error) {
 	if err := s.check(); err != nil {
 		return false, err
 	}
-	return s.DeliveryLog.TakeAckingDelivery(ctx, id, session)
+	return s.storeLog.TakeAckingDelivery(ctx, id, session)
 }
 
 func (s *deadLog) DeliveriesAcking(ctx context.Context, session string, ids []string) error {
 	if err := s.check(); err != nil {
 		return err
 	}
-	return s.DeliveryLog.DeliveriesAcking(ctx, session, ids)
+	return s.storeLog.DeliveriesAcking(ctx, session, ids)
 }
 
 func (s *deadLog) DeliveriesNotAcked(ctx context.Context, session string, ids []string) error {
 	if err := s.check(); err != nil {
 		return err
 	}
-	return s.DeliveryLog.DeliveriesNotAcked(ctx, session, ids)
+	return s.storeLog.DeliveriesNotAcked(ctx, session, ids)
 }
 
 // runUntilDead runs a Consumer into log with cfg until log is killed.
@@ -207,7 +210,7 @@ func (e *brokerEnv) publishSame() {
 // redeliveries. It returns the arrival records of the message.
 func crashAroundAck(t *testing.T, afterAck bool) (records []audit.Arrival, accounted string) {
 	e := newBrokerEnv(t)
-	mem := audittest.NewMemoryStore()
+	mem := memstore.New()
 	c := audit.ConsumerConfig{URI: e.uri, Store: mem, Naming: e.naming, Exchanges: []audit.Binding{{Exchange: e.exchange, RoutingKey: routingKey}}}
 	if dc, err := audit.NewConsumer(c); err != nil {
 		t.Fatal(err)
@@ -216,7 +219,7 @@ func crashAroundAck(t *testing.T, afterAck bool) (records []audit.Arrival, accou
 	}
 	// 1. P1 stored; the process dies around its ack.
 	e.publishSame()
-	first := &deadLog{DeliveryLog: mem}
+	first := &deadLog{storeLog: joinLog(mem)}
 	runUntilDead(t, e, first, ackDial(!afterAck, first.kill))
 	if a, _, _, _, _ := mem.Counts(); a != 1 {
 		t.Fatalf("%d arrivals after the first consumer, want 1", a)
@@ -227,8 +230,8 @@ func crashAroundAck(t *testing.T, afterAck bool) (records []audit.Arrival, accou
 		// its commit.
 		e.publishSame()
 		published++
-		second := &deadLog{DeliveryLog: mem}
-		second.DeliveryLog = &killBeforeWrite{DeliveryLog: mem, kill: second.kill}
+		second := &deadLog{storeLog: joinLog(mem)}
+		second.storeLog = &killBeforeWrite{storeLog: joinLog(mem), kill: second.kill}
 		runUntilDead(t, e, second, nil)
 	}
 	testkit.WaitFor(t, 10*time.Second, "the unacked publishes back in the queue", func() bool { return e.ready(e.naming.ArrivalsQueue) == 1 })
@@ -258,7 +261,7 @@ func accountLine(name string, published, handled, dups, lost int) string {
 // killBeforeWrite kills the process at its first write, before anything
 // is committed.
 type killBeforeWrite struct {
-	audit.DeliveryLog
+	storeLog
 	kill func()
 }
 

@@ -42,7 +42,7 @@ type Arrival struct {
 	// random nonce), so two identical publishes (the same bytes within one
 	// second, or one UUID published twice) are two arrivals. A redelivery
 	// of a stored arrival gets its ID back and is not stored again: with a
-	// Store that is a DeliveryLog (pgstore) from the row its commit wrote,
+	// Store with a DeliveryLog (pgstore) from the row its commit wrote,
 	// also after the Consumer process died between commit and ack; with
 	// another Store only from this Consumer process's memory (after a lost
 	// connection), else it is stored under a new ID with MaybeDuplicate
@@ -86,7 +86,7 @@ type Arrival struct {
 	BodyTruncated bool `json:"body_truncated,omitempty"`
 	// MaybeDuplicate is true for an arrival recorded from a redelivery the
 	// Consumer could not match to its first delivery: with a Store that is
-	// not a DeliveryLog, when that delivery went to a Consumer process that
+	// without a DeliveryLog, when that delivery went to a Consumer process that
 	// died (or to another one); with a DeliveryLog, when the state of a
 	// session holding a matching row could not be read, or the matching rows
 	// are of ended sessions that were acking their deliveries (the process
@@ -189,7 +189,9 @@ type Filter struct {
 	After string `json:"after,omitempty"`
 }
 
-// Store persists and finds records. Implemented by pgstore.Store.
+// Store persists and finds records. Implemented by pgstore.Store (and, in
+// memory, audittest.MemoryStore). Optional parts a Store may have: SetAside
+// (SetAsider), and a method DeliveryLog() DeliveryLog (see DeliveryLog).
 type Store interface {
 	// Write stores the records in one transaction. It is idempotent on
 	// Arrival.ID and Attempt.ID: writing a record again changes nothing.
@@ -258,10 +260,17 @@ type UnackedDelivery struct {
 	Acking bool
 }
 
-// DeliveryLog is an optional extension of Store (pgstore implements it,
-// table unacked_arrivals) that makes each publish exactly one arrival even
-// when a Consumer process dies between the commit of a batch and its ack.
-// RabbitMQ then redelivers the batch with the redelivered flag set
+// DeliveryLog is an optional part of a Store (pgstore.Store has one, table
+// unacked_arrivals; so does audittest.MemoryStore) that makes each publish
+// exactly one arrival even when a Consumer process dies between the commit
+// of a batch and its ack. A Store offers it through one more method,
+//
+//	DeliveryLog() audit.DeliveryLog
+//
+// returning a log of the same database (nil: none). The Consumer then
+// stores arrivals with DeliveryLog.WriteDeliveries instead of Store.Write.
+//
+// RabbitMQ redelivers such a batch with the redelivered flag set
 // ("Consumer Acknowledgements and Publisher Confirms": Redeliveries) to a
 // Consumer that cannot know, from the delivery alone, whether it was
 // stored. With a DeliveryLog the Consumer records, in the transaction that
@@ -272,14 +281,14 @@ type UnackedDelivery struct {
 // arrival ID, so the record is not stored twice; one matching only Acking
 // rows of ended sessions is stored again, flagged Arrival.MaybeDuplicate
 // (the ack may have been lost with the process), and deletes one of them
-// (TakeAckingDelivery): a row whose ack was sent is never claimed, so a publish is never taken for another. A first
-// delivery never claims a row, so identical publishes stay distinct
-// arrivals. Without a DeliveryLog the Consumer stores such a redelivery
-// again, flagged Arrival.MaybeDuplicate.
+// (TakeAckingDelivery): a row whose ack was sent is never claimed, so a
+// publish is never taken for another. A first delivery never claims a
+// row, so identical publishes stay distinct arrivals. Without a
+// DeliveryLog the Consumer stores such a redelivery again, flagged
+// Arrival.MaybeDuplicate.
 type DeliveryLog interface {
-	Store
-	// WriteDeliveries is Write, and records deliveries in the same
-	// transaction, not Acking (a row already stored under the same
+	// WriteDeliveries is the Store's Write, and records deliveries in the
+	// same transaction, not Acking (a row already stored under the same
 	// ArrivalID is replaced: it moves to the new session).
 	WriteDeliveries(ctx context.Context, arrivals []Arrival, attempts []Attempt, deliveries []UnackedDelivery) error
 	// UnackedDeliveries returns the rows of these fingerprints.
@@ -307,11 +316,19 @@ type DeliveryLog interface {
 	DeliveriesNotAcked(ctx context.Context, session string, arrivalIDs []string) error
 }
 
-// MarshalAttempt encodes an Attempt as the Recorder publishes it on the
-// audit exchange (JSON, content-type application/json).
-func MarshalAttempt(a Attempt) ([]byte, error) { return json.Marshal(a) }
+// deliveryLogOf returns s's DeliveryLog, nil if it has none.
+func deliveryLogOf(s Store) DeliveryLog {
+	if h, ok := s.(interface{ DeliveryLog() DeliveryLog }); ok {
+		return h.DeliveryLog()
+	}
+	return nil
+}
 
-// unmarshalAttempt decodes MarshalAttempt's output.
+// marshalAttempt encodes an Attempt as the Recorder publishes it on the
+// audit exchange (JSON, content-type application/json).
+func marshalAttempt(a Attempt) ([]byte, error) { return json.Marshal(a) }
+
+// unmarshalAttempt decodes marshalAttempt's output.
 func unmarshalAttempt(b []byte) (Attempt, error) {
 	var a Attempt
 	err := json.Unmarshal(b, &a)

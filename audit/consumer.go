@@ -79,7 +79,7 @@ type ConsumerStats struct {
 // connection keeps its per-publish ID (Arrival.ID) and is not duplicated.
 // After the Consumer process died between commit and ack, RabbitMQ gives
 // the redelivery no identity that says whether it was stored: with a Store
-// that is a DeliveryLog (pgstore), each committed delivery has a row until
+// with a DeliveryLog (pgstore), each committed delivery has a row until
 // its ack, and a redelivery claims a row of a session that ended (below)
 // instead of being stored again, so each publish is exactly one arrival
 // (a second, flagged record only if the process died in the instant
@@ -129,7 +129,7 @@ type ConsumerStats struct {
 type Consumer struct {
 	cfg   ConsumerConfig
 	ids   *publishIDs // without a DeliveryLog
-	log   DeliveryLog // cfg.Store, if it is one
+	log   DeliveryLog // cfg.Store's, if it has one
 	ended sync.Map    // session tokens seen ended
 
 	untrusted                                                    atomic.Uint64
@@ -147,7 +147,7 @@ func NewConsumer(cfg ConsumerConfig) (*Consumer, error) {
 		return nil, err
 	}
 	c := &Consumer{cfg: cfg, ids: newPublishIDs()}
-	c.log, _ = cfg.Store.(DeliveryLog)
+	c.log = deliveryLogOf(cfg.Store)
 	return c, nil
 }
 

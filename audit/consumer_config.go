@@ -9,21 +9,22 @@ import (
 	"github.com/cenkalti/backoff/v4"
 	amqp "github.com/rabbitmq/amqp091-go"
 
+	"github.com/rabbitretry/rabbitretry/internal/auditconst"
 	"github.com/rabbitretry/rabbitretry/internal/redact"
 )
 
 // Consumer defaults.
 const (
-	// DefaultBatchSize is the default number of records per Store.Write.
-	DefaultBatchSize = 500
+	// defaultBatchSize is the default number of records per Store.Write.
+	defaultBatchSize = auditconst.BatchSize
 	// defaultWriters is the default number of Store.Write calls in flight.
 	defaultWriters = 4
 	// defaultBatchWait is the default longest wait for a batch to fill.
 	defaultBatchWait = 200 * time.Millisecond
 	// defaultBodyLimit is the default number of body bytes kept per arrival.
 	defaultBodyLimit = 256 << 10
-	// DefaultUUIDHeader is watermill-amqp's header of the message UUID.
-	DefaultUUIDHeader = "_watermill_message_uuid"
+	// defaultUUIDHeader is watermill-amqp's header of the message UUID.
+	defaultUUIDHeader = "_watermill_message_uuid"
 )
 
 // Binding is one audited business exchange.
@@ -71,14 +72,14 @@ type ConsumerConfig struct {
 	// BodySize and BodyTruncated say so). Default 256 KiB; must be >= 0
 	// (negative: keep no body).
 	BodyLimit int
-	// QueueType of the audit queues: QueueTypeQuorum (default) or
-	// QueueTypeClassic.
+	// QueueType of the audit queues: "quorum" (default) or "classic"
+	// (amqpretry.QueueTypeQuorum, amqpretry.QueueTypeClassic).
 	QueueType string
 	// Naming names the audit exchange and queues; the Recorder must use the
 	// same. Default: the default names (see Naming).
 	Naming Naming
 	// UUIDHeader is the header holding the Watermill message UUID (the
-	// Marshaler's). Default DefaultUUIDHeader; without it, the AMQP
+	// Marshaler's). Default "_watermill_message_uuid"; without it, the AMQP
 	// message-id property is the message id.
 	UUIDHeader string
 	// WriteBackoff paces retries of a failed Store.Write (PostgreSQL down):
@@ -135,7 +136,7 @@ func expBackoff(initial, maxInterval time.Duration) func() backoff.BackOff {
 func (c *ConsumerConfig) setDefaults() {
 	c.Naming = c.Naming.withDefaults()
 	if c.BatchSize == 0 {
-		c.BatchSize = DefaultBatchSize
+		c.BatchSize = defaultBatchSize
 	}
 	if c.Writers == 0 {
 		c.Writers = defaultWriters
@@ -147,10 +148,10 @@ func (c *ConsumerConfig) setDefaults() {
 		c.BodyLimit = defaultBodyLimit
 	}
 	if c.QueueType == "" {
-		c.QueueType = QueueTypeQuorum
+		c.QueueType = queueTypeQuorum
 	}
 	if c.UUIDHeader == "" {
-		c.UUIDHeader = DefaultUUIDHeader
+		c.UUIDHeader = defaultUUIDHeader
 	}
 	if c.WriteBackoff == nil {
 		c.WriteBackoff = expBackoff(100*time.Millisecond, 30*time.Second)

@@ -254,7 +254,7 @@ func pgCount(t testing.TB, query string) int {
 func TestConsumerIdenticalPublishesDieAfterCommitPostgres(t *testing.T) {
 	e := newBrokerEnv(t)
 	pg, check := pgStore(t)
-	store := &commitThenDie{DeliveryLog: pg}
+	store := &commitThenDie{storeLog: joinLog(pg)}
 	const same, others = 60, 40
 	const n = same + others
 	p := amqp.Publishing{Headers: amqp.Table{audit.DefaultUUIDHeader: "same-1"}, Body: []byte("same"), Timestamp: time.Now(), DeliveryMode: amqp.Persistent}

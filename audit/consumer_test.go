@@ -20,7 +20,7 @@ import (
 
 	"github.com/rabbitretry/rabbitretry/amqpretry"
 	"github.com/rabbitretry/rabbitretry/audit"
-	"github.com/rabbitretry/rabbitretry/audit/audittest"
+	"github.com/rabbitretry/rabbitretry/audit/internal/memstore"
 	"github.com/rabbitretry/rabbitretry/internal/testkit"
 	"github.com/rabbitretry/rabbitretry/middleware"
 	"github.com/rabbitretry/rabbitretry/router"
@@ -388,13 +388,13 @@ func runStorm(t *testing.T, e *brokerEnv, store audit.Store, check func() (arriv
 		n, handled, len(arrivals), records, wantRecords, duplicates, lost, wrong, took.Seconds(), st.Batches, st.WriteFailures, st.Reconnects)
 }
 
-func memCheck(s *audittest.MemoryStore) func() (map[string][]audit.Arrival, map[string][]audit.Attempt) {
+func memCheck(s *memstore.Store) func() (map[string][]audit.Arrival, map[string][]audit.Attempt) {
 	return func() (map[string][]audit.Arrival, map[string][]audit.Attempt) { return s.Arrivals(), s.Attempts() }
 }
 
 func TestStormEndToEnd(t *testing.T) {
 	e := newBrokerEnv(t)
-	store := audittest.NewMemoryStore()
+	store := memstore.New()
 	runStorm(t, e, store, memCheck(store), 300, nil)
 }
 
@@ -402,7 +402,7 @@ func TestStormEndToEnd(t *testing.T) {
 // queue; when it is back every record lands exactly once.
 func TestConsumerStoreDown(t *testing.T) {
 	e := newBrokerEnv(t)
-	store := audittest.NewMemoryStore()
+	store := memstore.New()
 	store.SetDown(true)
 	const n = 200
 	cons, stop := e.consumer(store, func(c *audit.ConsumerConfig) { c.BatchSize = 50 })
@@ -450,7 +450,7 @@ func TestConsumerStoreDown(t *testing.T) {
 // it cancels the Consumer's Run and reports a failure (the commit
 // acknowledgement lost on the way back).
 type commitThenDie struct {
-	audit.DeliveryLog
+	storeLog
 	once   sync.Once
 	cancel atomic.Pointer[func()]
 	died   atomic.Bool
@@ -469,21 +469,24 @@ func (s *commitThenDie) die() error {
 	return nil
 }
 
+// DeliveryLog is the log of every call.
+func (s *commitThenDie) DeliveryLog() audit.DeliveryLog { return s }
+
 func (s *commitThenDie) Write(ctx context.Context, arr []audit.Arrival, att []audit.Attempt) error {
-	if err := s.DeliveryLog.Write(ctx, arr, att); err != nil {
+	if err := s.storeLog.Write(ctx, arr, att); err != nil {
 		return err
 	}
 	return s.die()
 }
 
 func (s *commitThenDie) WriteDeliveries(ctx context.Context, arr []audit.Arrival, att []audit.Attempt, d []audit.UnackedDelivery) error {
-	if err := s.DeliveryLog.WriteDeliveries(ctx, arr, att, d); err != nil {
+	if err := s.storeLog.WriteDeliveries(ctx, arr, att, d); err != nil {
 		return err
 	}
 	return s.die()
 }
 
-// plainStore hides a Store's DeliveryLog methods.
+// plainStore hides a Store's DeliveryLog.
 type plainStore struct{ audit.Store }
 
 // dieAfterCommit runs a Consumer (BatchSize 40) into store until its
@@ -537,8 +540,8 @@ func distinctMessages(n int) []*message.Message {
 // the DeliveryLog empty once everything is acked.
 func TestConsumerDiesAfterCommit(t *testing.T) {
 	e := newBrokerEnv(t)
-	mem := audittest.NewMemoryStore()
-	store := &commitThenDie{DeliveryLog: mem}
+	mem := memstore.New()
+	store := &commitThenDie{storeLog: joinLog(mem)}
 	const n = 100
 	msgs := distinctMessages(n)
 	first := dieAfterCommit(t, e, store, store, n,
@@ -575,8 +578,8 @@ func TestConsumerDiesAfterCommit(t *testing.T) {
 // MaybeDuplicate (never an unflagged duplicate).
 func TestConsumerDiesAfterCommitPlainStore(t *testing.T) {
 	e := newBrokerEnv(t)
-	mem := audittest.NewMemoryStore()
-	cd := &commitThenDie{DeliveryLog: mem}
+	mem := memstore.New()
+	cd := &commitThenDie{storeLog: joinLog(mem)}
 	store := plainStore{cd}
 	const n = 100
 	msgs := distinctMessages(n)
@@ -614,7 +617,7 @@ func TestConsumerDiesAfterCommitPlainStore(t *testing.T) {
 // records behind it.
 func TestConsumerMalformedAttempt(t *testing.T) {
 	e := newBrokerEnv(t)
-	store := audittest.NewMemoryStore()
+	store := memstore.New()
 	cons, stop := e.consumer(store, nil)
 	good := audit.Attempt{ID: watermill.NewUUID(), MessageID: "m1", Queue: "q", Attempt: 1, Outcome: audit.OutcomeSuccess, StartedAt: time.Now()}
 	body, _ := audit.MarshalAttempt(good)
@@ -637,7 +640,7 @@ func TestConsumerMalformedAttempt(t *testing.T) {
 
 func TestConsumerMissingExchange(t *testing.T) {
 	e := newBrokerEnv(t)
-	c, err := audit.NewConsumer(audit.ConsumerConfig{URI: e.uri, Store: audittest.NewMemoryStore(), Naming: e.naming,
+	c, err := audit.NewConsumer(audit.ConsumerConfig{URI: e.uri, Store: memstore.New(), Naming: e.naming,
 		Exchanges: []audit.Binding{{Exchange: e.prefix + ".nope"}}})
 	if err != nil {
 		t.Fatal(err)
@@ -650,7 +653,7 @@ func TestConsumerMissingExchange(t *testing.T) {
 }
 
 func TestConsumerConfigValidate(t *testing.T) {
-	store := audittest.NewMemoryStore()
+	store := memstore.New()
 	for _, c := range []struct {
 		cfg  audit.ConsumerConfig
 		want string
@@ -702,9 +705,12 @@ func (s *gateStore) Write(ctx context.Context, arr []audit.Arrival, att []audit.
 // gateLog is gateStore for a DeliveryLog: its first WriteDeliveries is
 // held until released, then commits.
 type gateLog struct {
-	audit.DeliveryLog
+	storeLog
 	gate *gateStore
 }
+
+// DeliveryLog is the log of every call.
+func (s *gateLog) DeliveryLog() audit.DeliveryLog { return s }
 
 func (s *gateLog) WriteDeliveries(ctx context.Context, arr []audit.Arrival, att []audit.Attempt, d []audit.UnackedDelivery) error {
 	first := false
@@ -716,7 +722,7 @@ func (s *gateLog) WriteDeliveries(ctx context.Context, arr []audit.Arrival, att 
 	if first {
 		ctx = context.WithoutCancel(ctx)
 	}
-	return s.DeliveryLog.WriteDeliveries(ctx, arr, att, d)
+	return s.storeLog.WriteDeliveries(ctx, arr, att, d)
 }
 
 func TestConsumerConnectionLostMidBatch(t *testing.T) { connectionLostMidBatch(t, false) }
@@ -728,11 +734,11 @@ func TestConsumerConnectionLostMidBatchDeliveryLog(t *testing.T) { connectionLos
 
 func connectionLostMidBatch(t *testing.T, withLog bool) {
 	e := newBrokerEnv(t)
-	mem := audittest.NewMemoryStore()
+	mem := memstore.New()
 	gate := &gateStore{Store: plainStore{mem}, entered: make(chan struct{}), release: make(chan struct{})}
 	var store audit.Store = gate
 	if withLog {
-		store = &gateLog{DeliveryLog: mem, gate: gate}
+		store = &gateLog{storeLog: joinLog(mem), gate: gate}
 	}
 	var mu sync.Mutex
 	var sockets []net.Conn
@@ -795,7 +801,7 @@ func connectionLostMidBatch(t *testing.T, withLog bool) {
 // happened); every other Write commits at once, so later batches commit
 // before the first one.
 type holdFirstBatch struct {
-	*audittest.MemoryStore
+	*memstore.Store
 	first   string
 	once    sync.Once
 	entered chan struct{}
@@ -817,7 +823,7 @@ func (s *holdFirstBatch) Write(ctx context.Context, arr []audit.Arrival, att []a
 			return errors.New("store connection lost before commit")
 		}
 	}
-	return s.MemoryStore.Write(ctx, arr, att)
+	return s.Store.Write(ctx, arr, att)
 }
 
 // With Writers 4, batches commit out of order: the first batch is held
@@ -832,8 +838,8 @@ func TestConsumerWritersAckInBatchOrder(t *testing.T) {
 	for i := range msgs {
 		msgs[i] = message.NewMessage(watermill.NewUUID(), []byte(fmt.Sprint(i)))
 	}
-	mem := audittest.NewMemoryStore()
-	store := &holdFirstBatch{MemoryStore: mem, first: msgs[0].UUID, entered: make(chan struct{}), release: make(chan struct{})}
+	mem := memstore.New()
+	store := &holdFirstBatch{Store: mem, first: msgs[0].UUID, entered: make(chan struct{}), release: make(chan struct{})}
 	var mu sync.Mutex
 	var sockets []net.Conn
 	dial := func(network, addr string) (net.Conn, error) {

@@ -5,12 +5,22 @@ package audit
 var (
 	UnmarshalAttempt    = unmarshalAttempt
 	ArrivalFromDelivery = arrivalFromDelivery
+	MarshalAttempt      = marshalAttempt
+	ErrResenderClosed   = errResenderClosed
 )
 
 const (
 	DefaultResendConfirmAbove = defaultResendConfirmAbove
 	SetAsideRoutingKey        = setAsideRoutingKey
 	TimestampErrorProperty    = timestampErrorProperty
+	AttemptRoutingKey         = attemptRoutingKey
+	DefaultUUIDHeader         = defaultUUIDHeader
+	DefaultBatchSize          = defaultBatchSize
+	DefaultLoopBackExchange   = defaultLoopBackExchange
+	DefaultResendLimit        = defaultResendLimit
+	MaxResendLimit            = maxResendLimit
+	QueueTypeQuorum           = queueTypeQuorum
+	QueueTypeClassic          = queueTypeClassic
 )
 
 // WithDefaults is withDefaults for the external tests.

@@ -18,7 +18,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitretry/rabbitretry/audit"
-	"github.com/rabbitretry/rabbitretry/audit/audittest"
+	"github.com/rabbitretry/rabbitretry/audit/internal/memstore"
 	"github.com/rabbitretry/rabbitretry/internal/testkit"
 )
 
@@ -58,7 +58,7 @@ func (d *dropper) drop() int {
 
 // offerStore remembers the arrival IDs offered to Write since reset.
 type offerStore struct {
-	*audittest.MemoryStore
+	*memstore.Store
 	mu   sync.Mutex
 	seen map[string]bool
 }
@@ -72,11 +72,23 @@ func (s *offerStore) Write(ctx context.Context, arr []audit.Arrival, att []audit
 		s.seen[a.ID] = true
 	}
 	s.mu.Unlock()
-	return s.MemoryStore.Write(ctx, arr, att)
+	return s.Store.Write(ctx, arr, att)
 }
 
-// WriteDeliveries is Write for the Consumer's delivery-log path (the
-// embedded MemoryStore is an audit.DeliveryLog).
+// DeliveryLog is the embedded store's, its WriteDeliveries going through
+// offerStore's.
+func (s *offerStore) DeliveryLog() audit.DeliveryLog { return offerLog{s.Store.DeliveryLog(), s} }
+
+type offerLog struct {
+	audit.DeliveryLog
+	s *offerStore
+}
+
+func (l offerLog) WriteDeliveries(ctx context.Context, arr []audit.Arrival, att []audit.Attempt, dels []audit.UnackedDelivery) error {
+	return l.s.WriteDeliveries(ctx, arr, att, dels)
+}
+
+// WriteDeliveries is Write for the Consumer's delivery-log path.
 func (s *offerStore) WriteDeliveries(ctx context.Context, arr []audit.Arrival, att []audit.Attempt, dels []audit.UnackedDelivery) error {
 	s.mu.Lock()
 	if s.seen == nil {
@@ -86,7 +98,7 @@ func (s *offerStore) WriteDeliveries(ctx context.Context, arr []audit.Arrival, a
 		s.seen[a.ID] = true
 	}
 	s.mu.Unlock()
-	return s.MemoryStore.WriteDeliveries(ctx, arr, att, dels)
+	return s.Store.DeliveryLog().WriteDeliveries(ctx, arr, att, dels)
 }
 
 func (s *offerStore) offered() map[string]bool {
@@ -220,7 +232,7 @@ func holdThroughLosses(t *testing.T, e *brokerEnv, closes int) {
 // and lost by drop (which returns how many connections it closed).
 func holdThrough(t *testing.T, e *brokerEnv, closes int, mod func(*audit.ConsumerConfig), drop func() int) {
 	t.Helper()
-	store := &offerStore{MemoryStore: audittest.NewMemoryStore()}
+	store := &offerStore{Store: memstore.New()}
 	store.SetDown(true)
 	_, _ = e.consumer(store, func(cfg *audit.ConsumerConfig) {
 		mod(cfg)
@@ -375,7 +387,7 @@ func TestConsumerSetsAsideRecordsPostgresRefuses(t *testing.T) {
 func TestConsumerSetsAsideUndecodableMessage(t *testing.T) {
 	testkit.HaveCtl(t)
 	e := newBrokerEnv(t)
-	store := audittest.NewMemoryStore()
+	store := memstore.New()
 	cfg := audit.ConsumerConfig{URI: e.uri, Store: store, Naming: e.naming,
 		Exchanges: []audit.Binding{{Exchange: e.exchange, RoutingKey: routingKey}}}
 	pre, err := audit.NewConsumer(cfg)
@@ -430,7 +442,7 @@ func TestConsumerSetsAsideUndecodableMessage(t *testing.T) {
 // the record is alone and sets it aside; every other record is stored.
 func TestConsumerSplitsRejectedBatch(t *testing.T) {
 	e := newBrokerEnv(t)
-	store := audittest.NewMemoryStore()
+	store := memstore.New()
 	badArr, badAtt := e.prefix+"-bad-arrival", e.prefix+"-bad-attempt"
 	store.SetReject(func(mid string) bool { return mid == badArr || mid == badAtt })
 	c, _ := e.consumer(store, nil)
@@ -482,7 +494,7 @@ func TestConsumerSetsAsideUndecodableMessageDefaultLimit(t *testing.T) {
 		t.Skip("a fault run (minutes): set RABBITRETRY_FAULTS=1")
 	}
 	e := newBrokerEnv(t)
-	store := audittest.NewMemoryStore()
+	store := memstore.New()
 	deep := amqp.Table{"leaf": int32(1)}
 	for range 40 {
 		deep = amqp.Table{"n": deep}

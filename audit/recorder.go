@@ -93,7 +93,7 @@ func NewRecorder(cfg RecorderConfig) (*Recorder, error) {
 		return nil, err
 	}
 	r.send = func(ctx context.Context, msgs []amqp.Publishing) error {
-		return r.pub.PublishRawBatch(ctx, r.cfg.Naming.Exchange, AttemptRoutingKey, msgs)
+		return r.pub.PublishRawBatch(ctx, r.cfg.Naming.Exchange, attemptRoutingKey, msgs)
 	}
 	r.start()
 	return r, nil

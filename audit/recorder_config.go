@@ -60,8 +60,8 @@ type RecorderConfig struct {
 	// use the same. Default: "rabbitretry.audit",
 	// "rabbitretry.audit.attempts".
 	Naming Naming
-	// QueueType of the attempts queue: QueueTypeQuorum (default) or
-	// QueueTypeClassic.
+	// QueueType of the attempts queue: "quorum" (default) or "classic"
+	// (amqpretry.QueueTypeQuorum, amqpretry.QueueTypeClassic).
 	QueueType string
 	// Buffer is how many records may wait in memory for the publisher.
 	// When it is full, the recording call (the Middleware, after the chain
@@ -111,7 +111,7 @@ func (c *RecorderConfig) setDefaults() {
 		}
 	}
 	if c.QueueType == "" {
-		c.QueueType = QueueTypeQuorum
+		c.QueueType = queueTypeQuorum
 	}
 	if c.Buffer == 0 {
 		c.Buffer = defaultBuffer

@@ -62,7 +62,7 @@ func (r *Recorder) publish(batch []Attempt) bool {
 		if batch[i].ID == "" {
 			batch[i].ID = watermill.NewUUID()
 		}
-		body, err := MarshalAttempt(batch[i])
+		body, err := marshalAttempt(batch[i])
 		if err != nil { // cannot happen for these field types; never drop silently
 			r.cfg.Logger.Error("Marshalling attempt record failed", err, watermill.LogFields{"message_uuid": batch[i].MessageID})
 			continue

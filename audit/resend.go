@@ -149,7 +149,7 @@ func (r *Resender) Resend(ctx context.Context, f Filter, opts ResendOptions) (Re
 	}
 	limit := opts.Limit
 	if limit == 0 {
-		limit = DefaultResendLimit
+		limit = defaultResendLimit
 	}
 	msgs, next, err := r.collect(ctx, f, limit)
 	if err != nil {

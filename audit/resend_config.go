@@ -10,14 +10,15 @@ import (
 	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v2/pkg/amqp"
 	amqp "github.com/rabbitmq/amqp091-go"
 
+	"github.com/rabbitretry/rabbitretry/internal/auditconst"
 	"github.com/rabbitretry/rabbitretry/internal/redact"
 	"github.com/rabbitretry/rabbitretry/middleware"
 )
 
-// DefaultLoopBackExchange is the default ResenderConfig.LoopBackExchange,
+// defaultLoopBackExchange is the default ResenderConfig.LoopBackExchange,
 // the loop-back exchange amqpretry declares (amqpretry.Naming): a direct
 // exchange to which every originating queue Q is bound with routing key Q.
-const DefaultLoopBackExchange = "rabbitretry.loopback"
+const defaultLoopBackExchange = auditconst.LoopBackExchange
 
 // ResentKey is the header every resent copy carries: the time of the
 // resend, RFC 3339 in UTC.
@@ -29,11 +30,11 @@ const defaultResenderConnectionName = "rabbitretry-audit-resend"
 
 // Resend limits.
 const (
-	// DefaultResendLimit is the number of messages Resend considers when
+	// defaultResendLimit is the number of messages Resend considers when
 	// ResendOptions.Limit is 0.
-	DefaultResendLimit = 1000
-	// MaxResendLimit is the largest ResendOptions.Limit.
-	MaxResendLimit = 100000
+	defaultResendLimit = 1000
+	// maxResendLimit is the largest ResendOptions.Limit.
+	maxResendLimit = auditconst.MaxResendLimit
 	// defaultResendConfirmAbove is the default
 	// ResenderConfig.ConfirmAbove: a filter that selects more messages
 	// than this needs ResendOptions.AllowAll.
@@ -100,7 +101,7 @@ type ResenderConfig struct {
 	// Store is where the messages are found. Required.
 	Store Store
 	// LoopBackExchange is the retry topology's loop-back exchange
-	// (ResendToQueue). Default DefaultLoopBackExchange, the same default as
+	// (ResendToQueue). Default "rabbitretry.loopback", the same default as
 	// amqpretry.Naming.LoopBackExchange.
 	LoopBackExchange string
 	// UUIDHeaderKey is the header holding the Watermill message UUID.
@@ -138,7 +139,7 @@ type ResenderConfig struct {
 	Logger watermill.LoggerAdapter
 	// ConfirmAbove is how many messages a filter may select before a
 	// resend needs ResendOptions.AllowAll (ErrBroadResend). Default
-	// 10; at most MaxResendLimit.
+	// 10; at most 100,000.
 	ConfirmAbove int
 }
 
@@ -147,7 +148,7 @@ func (c *ResenderConfig) setDefaults() {
 		c.ConfirmAbove = defaultResendConfirmAbove
 	}
 	if c.LoopBackExchange == "" {
-		c.LoopBackExchange = DefaultLoopBackExchange
+		c.LoopBackExchange = defaultLoopBackExchange
 	}
 	if c.UUIDHeaderKey == "" {
 		c.UUIDHeaderKey = wamqp.DefaultMessageUUIDHeaderKey
@@ -178,8 +179,8 @@ func (c ResenderConfig) Validate() error {
 		return errors.New("audit: ResenderConfig.Store is required")
 	case c.ConfirmTimeout < 0:
 		return fmt.Errorf("audit: ResenderConfig.ConfirmTimeout %v is negative", c.ConfirmTimeout)
-	case c.ConfirmAbove < 0 || c.ConfirmAbove > MaxResendLimit:
-		return fmt.Errorf("audit: ResenderConfig.ConfirmAbove %d: want 0 (default %d) to %d", c.ConfirmAbove, defaultResendConfirmAbove, MaxResendLimit)
+	case c.ConfirmAbove < 0 || c.ConfirmAbove > maxResendLimit:
+		return fmt.Errorf("audit: ResenderConfig.ConfirmAbove %d: want 0 (default %d) to %d", c.ConfirmAbove, defaultResendConfirmAbove, maxResendLimit)
 	case len(c.LoopBackExchange) > 255:
 		return errors.New("audit: ResenderConfig.LoopBackExchange is longer than 255 bytes")
 	}
@@ -205,9 +206,9 @@ type ResendOptions struct {
 	// DryRun reports what would be sent without connecting or publishing.
 	DryRun bool `json:"dry_run,omitempty"`
 	// Limit caps the messages considered (sent, skipped or failed), newest
-	// first as Search returns them. Default DefaultResendLimit, at most
-	// MaxResendLimit; Filter.Limit is ignored (Filter.After starts the
-	// walk). ResendReport.Next continues after the last one.
+	// first as Search returns them. Default 1000, at most 100,000;
+	// Filter.Limit is ignored (Filter.After starts the walk).
+	// ResendReport.Next continues after the last one.
 	Limit int `json:"limit,omitempty"`
 	// AllowAll must be true for a Filter that selects every message (no
 	// field set: ErrEmptyFilter) or whose result is broad: more than
@@ -277,7 +278,7 @@ func IsEmptyFilter(f Filter) bool {
 }
 
 // Validate checks opts: a known Mode, Queue only with ResendToQueue,
-// Limit within 0..MaxResendLimit.
+// Limit and ExpectedCount within 0..100,000.
 func (o ResendOptions) Validate() error {
 	switch o.Mode {
 	case ResendToQueue, ResendToExchange:
@@ -291,10 +292,10 @@ func (o ResendOptions) Validate() error {
 		return fmt.Errorf("audit: ResendOptions.Queue is only for mode %q", ResendToQueue)
 	case len(o.Queue) > 255:
 		return errors.New("audit: ResendOptions.Queue is longer than 255 bytes")
-	case o.Limit < 0 || o.Limit > MaxResendLimit:
-		return fmt.Errorf("audit: ResendOptions.Limit %d: want 0..%d", o.Limit, MaxResendLimit)
-	case o.ExpectedCount < 0 || o.ExpectedCount > MaxResendLimit:
-		return fmt.Errorf("audit: ResendOptions.ExpectedCount %d: want 0..%d", o.ExpectedCount, MaxResendLimit)
+	case o.Limit < 0 || o.Limit > maxResendLimit:
+		return fmt.Errorf("audit: ResendOptions.Limit %d: want 0..%d", o.Limit, maxResendLimit)
+	case o.ExpectedCount < 0 || o.ExpectedCount > maxResendLimit:
+		return fmt.Errorf("audit: ResendOptions.ExpectedCount %d: want 0..%d", o.ExpectedCount, maxResendLimit)
 	}
 	return nil
 }

@@ -5,6 +5,8 @@ import (
 	"fmt"
 
 	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/rabbitretry/rabbitretry/internal/auditconst"
 )
 
 // Default names of the audit topology.
@@ -14,13 +16,13 @@ const (
 	defaultExchange = "rabbitretry.audit"
 	// defaultAttemptsQueue holds attempt records until the Consumer has
 	// written them to the Store; bound to the audit exchange with
-	// AttemptRoutingKey.
+	// attemptRoutingKey.
 	defaultAttemptsQueue = "rabbitretry.audit.attempts"
 	// defaultArrivalsQueue receives one copy of every message published to
 	// an audited business exchange (bound by the Consumer).
 	defaultArrivalsQueue = "rabbitretry.audit.arrivals"
-	// AttemptRoutingKey is the routing key of attempt records.
-	AttemptRoutingKey = "attempt"
+	// attemptRoutingKey is the routing key of attempt records.
+	attemptRoutingKey = auditconst.AttemptRoutingKey
 	// setAsideRoutingKey is the dead-letter routing key of the audit
 	// queues (x-dead-letter-routing-key): it routes to the set-aside queue.
 	setAsideRoutingKey = "set-aside"
@@ -42,11 +44,11 @@ const (
 
 // Queue types of the audit queues ("Quorum Queues", "Classic Queues").
 const (
-	// QueueTypeQuorum: replicated, durable, publisher confirms once a
+	// queueTypeQuorum: replicated, durable, publisher confirms once a
 	// majority stored the record. The default.
-	QueueTypeQuorum = "quorum"
-	// QueueTypeClassic: a durable classic queue (single node).
-	QueueTypeClassic = "classic"
+	queueTypeQuorum = "quorum"
+	// queueTypeClassic: a durable classic queue (single node).
+	queueTypeClassic = "classic"
 )
 
 // Naming names the audit exchange and queues. Zero fields take the
@@ -100,8 +102,8 @@ func (n Naming) validate(field string) error {
 }
 
 func checkQueueType(field, qt string) error {
-	if qt != QueueTypeQuorum && qt != QueueTypeClassic {
-		return fmt.Errorf("audit: %s.QueueType %q is neither %q nor %q", field, qt, QueueTypeQuorum, QueueTypeClassic)
+	if qt != queueTypeQuorum && qt != queueTypeClassic {
+		return fmt.Errorf("audit: %s.QueueType %q is neither %q nor %q", field, qt, queueTypeQuorum, queueTypeClassic)
 	}
 	return nil
 }
@@ -111,11 +113,11 @@ func checkQueueType(field, qt string) error {
 // needs overflow reject-publish; no length limit is set, so nothing is
 // refused) to the audit exchange with setAsideRoutingKey.
 func auditQueueArgs(queueType string, n Naming) amqp.Table {
-	if queueType != QueueTypeQuorum {
+	if queueType != queueTypeQuorum {
 		return nil
 	}
 	return amqp.Table{
-		"x-queue-type":              QueueTypeQuorum,
+		"x-queue-type":              queueTypeQuorum,
 		"x-delivery-limit":          int64(DeliveryLimit),
 		"x-dead-letter-exchange":    n.Exchange,
 		"x-dead-letter-routing-key": setAsideRoutingKey,
@@ -127,8 +129,8 @@ func auditQueueArgs(queueType string, n Naming) amqp.Table {
 // legacyQueueArgs are the arguments audit queues were declared with before
 // DeliveryLimit: the queue type only.
 func legacyQueueArgs(queueType string) amqp.Table {
-	if queueType == QueueTypeQuorum {
-		return amqp.Table{"x-queue-type": QueueTypeQuorum}
+	if queueType == queueTypeQuorum {
+		return amqp.Table{"x-queue-type": queueTypeQuorum}
 	}
 	return nil
 }
@@ -141,7 +143,7 @@ type channelOpener interface {
 
 // declareAttemptTopology declares the audit exchange (direct, durable), the
 // attempts queue (durable, of queueType) bound to it with
-// AttemptRoutingKey, and the set-aside queue bound with
+// attemptRoutingKey, and the set-aside queue bound with
 // setAsideRoutingKey. A quorum attempts queue gets x-delivery-limit
 // DeliveryLimit and dead-letters to the set-aside queue. An attempts queue
 // declared by an older version (without those arguments: RabbitMQ refuses
@@ -179,7 +181,7 @@ func declareAttempts(open channelOpener, n Naming, queueType string) (legacy []s
 	if err := ch.QueueBind(n.SetAsideQueue, setAsideRoutingKey, n.Exchange, false, nil); err != nil {
 		return nil, fmt.Errorf("audit: binding %q to %q: %w", n.SetAsideQueue, n.Exchange, err)
 	}
-	if err := ch.QueueBind(n.AttemptsQueue, AttemptRoutingKey, n.Exchange, false, nil); err != nil {
+	if err := ch.QueueBind(n.AttemptsQueue, attemptRoutingKey, n.Exchange, false, nil); err != nil {
 		return nil, fmt.Errorf("audit: binding %q to %q: %w", n.AttemptsQueue, n.Exchange, err)
 	}
 	return legacy, nil
@@ -191,7 +193,7 @@ func declareAttempts(open channelOpener, n Naming, queueType string) (legacy []s
 // QueueType) is used as it is.
 func declareSetAside(open channelOpener, n Naming, queueType string) error {
 	args := legacyQueueArgs(queueType)
-	if queueType == QueueTypeQuorum {
+	if queueType == queueTypeQuorum {
 		args["x-delivery-limit"] = int64(DeliveryLimit)
 	}
 	declare := func(passive bool) error {
@@ -233,7 +235,7 @@ func declareQueue(open channelOpener, q, queueType string, n Naming) (legacy boo
 	}
 	err = try(auditQueueArgs(queueType, n))
 	var ae *amqp.Error
-	if errors.As(err, &ae) && ae.Code == amqp.PreconditionFailed && queueType == QueueTypeQuorum {
+	if errors.As(err, &ae) && ae.Code == amqp.PreconditionFailed && queueType == queueTypeQuorum {
 		if err = try(legacyQueueArgs(queueType)); err == nil {
 			return true, nil
 		}

@@ -13,7 +13,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 )
 
-// With a Store that is a DeliveryLog, the Consumer makes an arrival
+// With a Store that has a DeliveryLog, the Consumer makes an arrival
 // redelivered after a crash between commit and ack exact:
 //
 //   - Each AMQP session of the Consumer has a random token and holds an
@@ -109,7 +109,7 @@ func (c *Consumer) holdSession(conn *amqp.Connection, token string) error {
 		return err
 	}
 	defer ch.Close()
-	_, err = ch.QueueDeclare(c.sessionQueue(token), false, true, true, false, amqp.Table{"x-queue-type": QueueTypeClassic})
+	_, err = ch.QueueDeclare(c.sessionQueue(token), false, true, true, false, amqp.Table{"x-queue-type": queueTypeClassic})
 	return err
 }
 

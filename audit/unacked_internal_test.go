@@ -19,6 +19,7 @@ type rowsLog struct {
 	beforeTake func()
 }
 
+func (l *rowsLog) DeliveryLog() DeliveryLog                          { return l }
 func (l *rowsLog) Write(context.Context, []Arrival, []Attempt) error { return nil }
 func (l *rowsLog) Search(context.Context, Filter) ([]Message, error) { return nil, nil }
 func (l *rowsLog) WriteDeliveries(_ context.Context, _ []Arrival, _ []Attempt, d []UnackedDelivery) error {

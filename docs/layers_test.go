@@ -33,8 +33,10 @@ var layers = map[string][]string{
 	"audit":             {"middleware", "amqpwire", "confirm"},
 	"audit/pgstore":     {"amqpwire", "audit"},
 	"audit/httpapi":     {"audit"},
-	"audit/audittest":   {"audit"},
-	"metrics":           {"middleware", "audit"},
+	"audit/audittest":   {"audit", "audit/internal/memstore"},
+	// The in-memory store behind audittest, with its test hooks.
+	"audit/internal/memstore": {"audit"},
+	"metrics":                 {"middleware", "audit"},
 	// The one metadata vocabulary, under everything: Watermill only.
 	"internal/retrymeta": {},
 	// Parsing of auditctl's and the HTTP API's filter syntax, on audit's types.

@@ -24,6 +24,7 @@ import (
 	"github.com/rabbitretry/rabbitretry/amqpretry"
 	"github.com/rabbitretry/rabbitretry/audit"
 	"github.com/rabbitretry/rabbitretry/audit/pgstore"
+	"github.com/rabbitretry/rabbitretry/internal/auditconst"
 	"github.com/rabbitretry/rabbitretry/middleware"
 	"github.com/rabbitretry/rabbitretry/router"
 )
@@ -165,7 +166,7 @@ func TestAuditPostgresRestartMidStorm(t *testing.T) {
 		plans[id] = p
 		wantAttempts += len(p.outcomes(maxAttempts))
 		ids = append(ids, id)
-		pubs = append(pubs, amqp.Publishing{Headers: amqp.Table{audit.DefaultUUIDHeader: id}, Body: []byte(fmt.Sprintf(`{"order":%d}`, i)),
+		pubs = append(pubs, amqp.Publishing{Headers: amqp.Table{wamqp.DefaultMessageUUIDHeaderKey: id}, Body: []byte(fmt.Sprintf(`{"order":%d}`, i)),
 			DeliveryMode: amqp.Persistent, Timestamp: time.Now()})
 	}
 
@@ -309,7 +310,7 @@ func TestAuditPostgresRestartMidStorm(t *testing.T) {
 	}
 	defer pool.Close()
 	arrivals := map[string]int{}
-	rows, err := pool.Query(ctx, `SELECT message_id FROM `+pgstore.DefaultSchema+`.arrivals`)
+	rows, err := pool.Query(ctx, `SELECT message_id FROM `+auditconst.Schema+`.arrivals`)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -322,7 +323,7 @@ func TestAuditPostgresRestartMidStorm(t *testing.T) {
 	}
 	rows.Close()
 	attempts := map[string][]string{}
-	rows, err = pool.Query(ctx, `SELECT message_id, outcome FROM `+pgstore.DefaultSchema+`.attempts ORDER BY message_id, attempt, started_at`)
+	rows, err = pool.Query(ctx, `SELECT message_id, outcome FROM `+auditconst.Schema+`.attempts ORDER BY message_id, attempt, started_at`)
 	if err != nil {
 		t.Fatal(err)
 	}

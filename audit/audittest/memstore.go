@@ -1,328 +1,47 @@
 // Package audittest provides an in-memory audit.Store for tests: writes
-// are idempotent on the record IDs, like pgstore's, and it counts
-// rewrites, so a test can tell a redelivered record (harmless) from a
-// record written twice under two IDs (a duplicate).
+// are idempotent on the record IDs, like pgstore's, it keeps the records
+// it is asked to set aside (audit.SetAsider), and it has a DeliveryLog
+// (audit.DeliveryLog), so an audit.Consumer or audit.Resender runs on it
+// as on pgstore.
 package audittest
 
 import (
 	"context"
-	"errors"
-	"fmt"
-	"slices"
-	"sort"
-	"sync"
 
 	"github.com/rabbitretry/rabbitretry/audit"
+	"github.com/rabbitretry/rabbitretry/audit/internal/memstore"
 )
-
-// ErrDown is returned by Write and Search while the store is Down.
-var ErrDown = errors.New("audittest: store down")
 
 // MemoryStore is an in-memory audit.Store. Safe for concurrent use.
 type MemoryStore struct {
-	mu       sync.Mutex
-	down     bool
-	arrivals map[string]audit.Arrival
-	attempts map[string]audit.Attempt
-	rewrites int // records written again under an ID already stored
-	writes   int // successful Write calls
-	failed   int // Write calls refused while down
-	reject   func(messageID string) bool
-	aside    map[string]audit.SetAside
-	unacked  map[string]audit.UnackedDelivery
+	s *memstore.Store
 }
 
-var (
-	_ audit.DeliveryLog = (*MemoryStore)(nil)
-	_ audit.SetAsider   = (*MemoryStore)(nil)
-)
+var _ audit.SetAsider = (*MemoryStore)(nil)
 
-// NewMemoryStore returns an empty, up store.
+// NewMemoryStore returns an empty store.
 func NewMemoryStore() *MemoryStore {
-	return &MemoryStore{arrivals: map[string]audit.Arrival{}, attempts: map[string]audit.Attempt{}, unacked: map[string]audit.UnackedDelivery{}}
-}
-
-// SetDown makes Write and Search fail with ErrDown (true) or work again.
-func (s *MemoryStore) SetDown(down bool) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	s.down = down
+	return &MemoryStore{s: memstore.New()}
 }
 
 // Write stores the records all or nothing; a record whose ID is stored
-// already is counted in Rewrites and changes nothing.
-func (s *MemoryStore) Write(ctx context.Context, arrivals []audit.Arrival, attempts []audit.Attempt) error {
-	return s.WriteDeliveries(ctx, arrivals, attempts, nil)
-}
-
-// WriteDeliveries is Write, and records the deliveries (audit.DeliveryLog)
-// with it, all or nothing.
-func (s *MemoryStore) WriteDeliveries(ctx context.Context, arrivals []audit.Arrival, attempts []audit.Attempt, deliveries []audit.UnackedDelivery) error {
-	if err := ctx.Err(); err != nil {
-		return err
-	}
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if s.down {
-		s.failed++
-		return ErrDown
-	}
-	if s.reject != nil {
-		for _, a := range arrivals {
-			if s.reject(a.MessageID) {
-				return fmt.Errorf("audittest: arrival of message %q: %w", a.MessageID, audit.ErrRecordRejected)
-			}
-		}
-		for _, a := range attempts {
-			if s.reject(a.MessageID) {
-				return fmt.Errorf("audittest: attempt of message %q: %w", a.MessageID, audit.ErrRecordRejected)
-			}
-		}
-	}
-	s.writes++
-	for _, a := range arrivals {
-		if _, ok := s.arrivals[a.ID]; ok {
-			s.rewrites++
-			continue
-		}
-		a.Body = slices.Clone(a.Body)
-		s.arrivals[a.ID] = a
-	}
-	for _, a := range attempts {
-		if _, ok := s.attempts[a.ID]; ok {
-			s.rewrites++
-			continue
-		}
-		s.attempts[a.ID] = a
-	}
-	for _, d := range deliveries {
-		d.Acking = false
-		s.unacked[d.ArrivalID] = d
-	}
-	return nil
-}
-
-// UnackedDeliveries returns the recorded deliveries of these fingerprints,
-// in arrival ID order (audit.DeliveryLog).
-func (s *MemoryStore) UnackedDeliveries(ctx context.Context, fingerprints []string) ([]audit.UnackedDelivery, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if s.down {
-		return nil, ErrDown
-	}
-	var out []audit.UnackedDelivery
-	for _, d := range s.unacked {
-		if slices.Contains(fingerprints, d.Fingerprint) {
-			out = append(out, d)
-		}
-	}
-	sort.Slice(out, func(i, j int) bool { return out[i].ArrivalID < out[j].ArrivalID })
-	return out, nil
-}
-
-// ClaimDelivery moves a recorded delivery from session from to session to,
-// unless it is Acking (audit.DeliveryLog).
-func (s *MemoryStore) ClaimDelivery(ctx context.Context, arrivalID, from, to string) (bool, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if s.down {
-		return false, ErrDown
-	}
-	d, ok := s.unacked[arrivalID]
-	if !ok || d.Session != from || d.Acking {
-		return false, nil
-	}
-	d.Session = to
-	s.unacked[arrivalID] = d
-	return true, nil
-}
-
-// TakeAckingDelivery forgets a recorded delivery of session if it is
-// Acking (audit.DeliveryLog).
-func (s *MemoryStore) TakeAckingDelivery(ctx context.Context, arrivalID, session string) (bool, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if s.down {
-		return false, ErrDown
-	}
-	d, ok := s.unacked[arrivalID]
-	if !ok || d.Session != session || !d.Acking {
-		return false, nil
-	}
-	delete(s.unacked, arrivalID)
-	return true, nil
-}
-
-// DeliveriesAcking forgets session's Acking deliveries, then marks
-// session's deliveries of these arrival IDs Acking (audit.DeliveryLog).
-func (s *MemoryStore) DeliveriesAcking(ctx context.Context, session string, arrivalIDs []string) error {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if s.down {
-		return ErrDown
-	}
-	for id, d := range s.unacked {
-		if d.Session == session && d.Acking {
-			delete(s.unacked, id)
-		}
-	}
-	s.markLocked(session, arrivalIDs, true)
-	return nil
-}
-
-// DeliveriesNotAcked clears Acking on session's deliveries of these
-// arrival IDs (audit.DeliveryLog).
-func (s *MemoryStore) DeliveriesNotAcked(ctx context.Context, session string, arrivalIDs []string) error {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if s.down {
-		return ErrDown
-	}
-	s.markLocked(session, arrivalIDs, false)
-	return nil
-}
-
-func (s *MemoryStore) markLocked(session string, arrivalIDs []string, acking bool) {
-	for _, id := range arrivalIDs {
-		if d, ok := s.unacked[id]; ok && d.Session == session {
-			d.Acking = acking
-			s.unacked[id] = d
-		}
-	}
-}
-
-// Unacked returns how many deliveries are recorded (audit.DeliveryLog):
-// unacked, not yet Acking; and acking, marked Acking (their ack sent or
-// about to be).
-func (s *MemoryStore) Unacked() (unacked, acking int) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	for _, d := range s.unacked {
-		if d.Acking {
-			acking++
-		} else {
-			unacked++
-		}
-	}
-	return unacked, acking
+// already changes nothing.
+func (m *MemoryStore) Write(ctx context.Context, arrivals []audit.Arrival, attempts []audit.Attempt) error {
+	return m.s.Write(ctx, arrivals, attempts)
 }
 
 // Search supports Filter.MessageID only (and no filter: every message);
 // messages come in message-id order, attempts by attempt number then
 // start time.
-func (s *MemoryStore) Search(ctx context.Context, f audit.Filter) ([]audit.Message, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if s.down {
-		return nil, ErrDown
-	}
-	byID := s.messagesLocked()
-	var out []audit.Message
-	for id, m := range byID {
-		if f.MessageID == "" || f.MessageID == id {
-			out = append(out, *m)
-		}
-	}
-	sort.Slice(out, func(i, j int) bool { return out[i].MessageID < out[j].MessageID })
-	return out, nil
+func (m *MemoryStore) Search(ctx context.Context, f audit.Filter) ([]audit.Message, error) {
+	return m.s.Search(ctx, f)
 }
 
-func (s *MemoryStore) messagesLocked() map[string]*audit.Message {
-	byID := map[string]*audit.Message{}
-	get := func(id string) *audit.Message {
-		m := byID[id]
-		if m == nil {
-			m = &audit.Message{MessageID: id}
-			byID[id] = m
-		}
-		return m
-	}
-	for _, a := range s.arrivals {
-		m := get(a.MessageID)
-		a := a
-		m.Arrival = &a
-	}
-	for _, a := range s.attempts {
-		m := get(a.MessageID)
-		m.Attempts = append(m.Attempts, a)
-	}
-	for _, m := range byID {
-		sort.Slice(m.Attempts, func(i, j int) bool {
-			if m.Attempts[i].Attempt != m.Attempts[j].Attempt {
-				return m.Attempts[i].Attempt < m.Attempts[j].Attempt
-			}
-			return m.Attempts[i].StartedAt.Before(m.Attempts[j].StartedAt)
-		})
-	}
-	return byID
+// SetAside keeps the records (idempotent on kind and record ID).
+func (m *MemoryStore) SetAside(ctx context.Context, records []audit.SetAside) error {
+	return m.s.SetAside(ctx, records)
 }
 
-// Arrivals returns the stored arrivals per message id (a message with
-// more than one arrival record has more than one entry).
-func (s *MemoryStore) Arrivals() map[string][]audit.Arrival {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	out := map[string][]audit.Arrival{}
-	for _, a := range s.arrivals {
-		out[a.MessageID] = append(out[a.MessageID], a)
-	}
-	return out
-}
-
-// Attempts returns the stored attempts per message id, ordered like Search.
-func (s *MemoryStore) Attempts() map[string][]audit.Attempt {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	out := map[string][]audit.Attempt{}
-	for id, m := range s.messagesLocked() {
-		if len(m.Attempts) > 0 {
-			out[id] = m.Attempts
-		}
-	}
-	return out
-}
-
-// SetReject makes Write reject for good (audit.ErrRecordRejected), all or
-// nothing, a batch holding a record whose message id f accepts; nil
-// accepts every record again.
-func (s *MemoryStore) SetReject(f func(messageID string) bool) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	s.reject = f
-}
-
-// SetAside keeps the records (idempotent on kind and record ID); it fails
-// with ErrDown while the store is down.
-func (s *MemoryStore) SetAside(ctx context.Context, records []audit.SetAside) error {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if s.down {
-		return ErrDown
-	}
-	if s.aside == nil {
-		s.aside = map[string]audit.SetAside{}
-	}
-	for _, r := range records {
-		s.aside[r.Kind+":"+r.RecordID] = r
-	}
-	return nil
-}
-
-// SetAsideRecords returns the records set aside, in no order.
-func (s *MemoryStore) SetAsideRecords() []audit.SetAside {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	out := make([]audit.SetAside, 0, len(s.aside))
-	for _, r := range s.aside {
-		out = append(out, r)
-	}
-	return out
-}
-
-// Counts returns the numbers of stored arrivals and attempts, rewrites
-// (idempotent re-writes), successful Write calls and refused ones.
-func (s *MemoryStore) Counts() (arrivals, attempts, rewrites, writes, failed int) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return len(s.arrivals), len(s.attempts), s.rewrites, s.writes, s.failed
-}
+// DeliveryLog returns the store's audit.DeliveryLog, kept in memory with
+// the records.
+func (m *MemoryStore) DeliveryLog() audit.DeliveryLog { return m.s.DeliveryLog() }

@@ -64,14 +64,15 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 
 	"github.com/rabbitretry/rabbitretry/audit"
+	"github.com/rabbitretry/rabbitretry/internal/auditconst"
 )
 
 // maxLimit is the largest limit= (and filter.limit of a resend), as
 // pgstore's; without limit= a page has 100 messages (pgstore's default).
-const maxLimit = 10000
+const maxLimit = auditconst.MaxSearchLimit
 
-// DefaultResendTimeout bounds one POST /v1/resend.
-const DefaultResendTimeout = 5 * time.Minute
+// defaultResendTimeout bounds one POST /v1/resend.
+const defaultResendTimeout = auditconst.ResendTimeout
 
 // maxBodyBytes bounds a POST body.
 const maxBodyBytes = 1 << 20
@@ -115,7 +116,7 @@ type Config struct {
 	ReadToken string
 	// Resender performs resends. Required with EnableResend.
 	Resender Resender
-	// ResendTimeout bounds one resend (default DefaultResendTimeout).
+	// ResendTimeout bounds one resend (default 5 min).
 	ResendTimeout time.Duration
 	// Logger logs resends and internal errors. Default watermill.NopLogger.
 	Logger watermill.LoggerAdapter
@@ -123,7 +124,7 @@ type Config struct {
 
 func (c *Config) setDefaults() {
 	if c.ResendTimeout == 0 {
-		c.ResendTimeout = DefaultResendTimeout
+		c.ResendTimeout = defaultResendTimeout
 	}
 	if c.Logger == nil {
 		c.Logger = watermill.NopLogger{}

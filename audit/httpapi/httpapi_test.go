@@ -16,6 +16,7 @@ import (
 
 	"github.com/rabbitretry/rabbitretry/audit"
 	"github.com/rabbitretry/rabbitretry/audit/httpapi"
+	"github.com/rabbitretry/rabbitretry/internal/auditconst"
 )
 
 const token = "s3cret-token-0123456789"
@@ -312,7 +313,7 @@ func TestResendDryRunThroughRealResender(t *testing.T) {
 		t.Fatalf("%d %s", code, b)
 	}
 	if rep.Matched != 1 || rep.Sent != 1 || rep.Results[0].Status != audit.StatusWouldSend ||
-		rep.Results[0].Queue != "billing" || rep.Results[0].Exchange != audit.DefaultLoopBackExchange {
+		rep.Results[0].Queue != "billing" || rep.Results[0].Exchange != auditconst.LoopBackExchange {
 		t.Fatalf("report %s", b)
 	}
 }

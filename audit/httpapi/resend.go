@@ -25,7 +25,7 @@ type resendRequest struct {
 	Queue string `json:"queue,omitempty"`
 	// DryRun reports what would be sent, sending nothing.
 	DryRun bool `json:"dry_run,omitempty"`
-	// Limit caps the messages (default audit.DefaultResendLimit, 1000).
+	// Limit caps the messages (default 1000, as audit.ResendOptions.Limit).
 	Limit int `json:"limit,omitempty"`
 	// AllowAll must be true for a filter that selects every message or
 	// more than the Resender's ConfirmAbove (audit.ErrEmptyFilter,

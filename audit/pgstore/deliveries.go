@@ -10,7 +10,15 @@ import (
 	"github.com/rabbitretry/rabbitretry/audit"
 )
 
-var _ audit.DeliveryLog = (*Store)(nil)
+// deliveryLog is the Store's audit.DeliveryLog: the same pool and schema,
+// table unacked_arrivals (migration 0005).
+type deliveryLog Store
+
+// DeliveryLog returns the store's audit.DeliveryLog (table
+// unacked_arrivals): the audit.Consumer records there each stored
+// arrival's delivery until its ack, so that an arrival redelivered after
+// the Consumer process died between commit and ack is stored exactly once.
+func (s *Store) DeliveryLog() audit.DeliveryLog { return (*deliveryLog)(s) }
 
 // unackedRetention is how long a row of unacked_arrivals (migration 0005)
 // is kept at most: a row whose Consumer died for good and whose delivery
@@ -39,10 +47,10 @@ UPDATE ` + t + ` SET acking = true WHERE session = $1 AND arrival_id = ANY($2)`,
 	}
 }
 
-// WriteDeliveries is Write, plus the rows of deliveries in table
+// WriteDeliveries is Store.Write, plus the rows of deliveries in table
 // unacked_arrivals (not acking), in the same transaction
 // (audit.DeliveryLog).
-func (s *Store) WriteDeliveries(ctx context.Context, arrivals []audit.Arrival, attempts []audit.Attempt, deliveries []audit.UnackedDelivery) error {
+func (s *deliveryLog) WriteDeliveries(ctx context.Context, arrivals []audit.Arrival, attempts []audit.Attempt, deliveries []audit.UnackedDelivery) error {
 	if len(arrivals) == 0 && len(attempts) == 0 && len(deliveries) == 0 {
 		return nil
 	}
@@ -76,7 +84,7 @@ func (s *Store) WriteDeliveries(ctx context.Context, arrivals []audit.Arrival, a
 
 // UnackedDeliveries returns the unacked_arrivals rows of these
 // fingerprints, oldest first (audit.DeliveryLog).
-func (s *Store) UnackedDeliveries(ctx context.Context, fingerprints []string) ([]audit.UnackedDelivery, error) {
+func (s *deliveryLog) UnackedDeliveries(ctx context.Context, fingerprints []string) ([]audit.UnackedDelivery, error) {
 	rows, err := s.pool.Query(ctx, s.q.unackedSQL().byFingerprint, fingerprints)
 	if err != nil {
 		return nil, fmt.Errorf("pgstore: unacked deliveries: %w", err)
@@ -95,7 +103,7 @@ func (s *Store) UnackedDeliveries(ctx context.Context, fingerprints []string) ([
 // ClaimDelivery moves the row of arrivalID from session from to session
 // to, unless it is acking; false if no such row (audit.DeliveryLog). One
 // UPDATE: of two Consumers claiming one row, one wins.
-func (s *Store) ClaimDelivery(ctx context.Context, arrivalID, from, to string) (bool, error) {
+func (s *deliveryLog) ClaimDelivery(ctx context.Context, arrivalID, from, to string) (bool, error) {
 	tag, err := s.pool.Exec(ctx, s.q.unackedSQL().claim, arrivalID, from, to)
 	if err != nil {
 		return false, fmt.Errorf("pgstore: claim unacked delivery: %w", err)
@@ -106,7 +114,7 @@ func (s *Store) ClaimDelivery(ctx context.Context, arrivalID, from, to string) (
 // TakeAckingDelivery deletes the row of arrivalID if session holds it and
 // it is acking; false if not (audit.DeliveryLog). One DELETE: of two
 // Consumers, one wins.
-func (s *Store) TakeAckingDelivery(ctx context.Context, arrivalID, session string) (bool, error) {
+func (s *deliveryLog) TakeAckingDelivery(ctx context.Context, arrivalID, session string) (bool, error) {
 	tag, err := s.pool.Exec(ctx, s.q.unackedSQL().take, arrivalID, session)
 	if err != nil {
 		return false, fmt.Errorf("pgstore: take acking unacked delivery: %w", err)
@@ -117,7 +125,7 @@ func (s *Store) TakeAckingDelivery(ctx context.Context, arrivalID, session strin
 // DeliveriesAcking deletes session's acking unacked_arrivals rows and
 // every row older than unackedRetention, and marks session's rows of
 // these arrival IDs acking, in one statement (audit.DeliveryLog).
-func (s *Store) DeliveriesAcking(ctx context.Context, session string, arrivalIDs []string) error {
+func (s *deliveryLog) DeliveriesAcking(ctx context.Context, session string, arrivalIDs []string) error {
 	if _, err := s.pool.Exec(ctx, s.q.unackedSQL().acking, session, arrivalIDs); err != nil {
 		return fmt.Errorf("pgstore: mark deliveries acking: %w", err)
 	}
@@ -126,7 +134,7 @@ func (s *Store) DeliveriesAcking(ctx context.Context, session string, arrivalIDs
 
 // DeliveriesNotAcked clears acking on session's rows of these arrival IDs
 // (audit.DeliveryLog).
-func (s *Store) DeliveriesNotAcked(ctx context.Context, session string, arrivalIDs []string) error {
+func (s *deliveryLog) DeliveriesNotAcked(ctx context.Context, session string, arrivalIDs []string) error {
 	if _, err := s.pool.Exec(ctx, s.q.unackedSQL().notAcked, session, arrivalIDs); err != nil {
 		return fmt.Errorf("pgstore: unmark deliveries acking: %w", err)
 	}

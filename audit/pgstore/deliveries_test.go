@@ -17,7 +17,8 @@ import (
 // acking (then not claimable) and deleted by the next mark only for its
 // own session, and rows older than a day pruned.
 func TestDeliveryLogRows(t *testing.T) {
-	s := newTestStore(t)
+	st := newTestStore(t)
+	s := st.DeliveryLog()
 	ctx := context.Background()
 	now := time.Now()
 	a1, a2, a3 := arrival("m1", now), arrival("m1", now), arrival("m2", now)
@@ -29,7 +30,7 @@ func TestDeliveryLogRows(t *testing.T) {
 		[]audit.UnackedDelivery{d("id-1", "fp-same", "dead"), d("id-2", "fp-same", "dead"), d("id-3", "fp-other", "live")}); err != nil {
 		t.Fatal(err)
 	}
-	if arr, _, _ := counts(t, s); arr != 3 {
+	if arr, _, _ := counts(t, st); arr != 3 {
 		t.Fatalf("%d arrivals, want 3", arr)
 	}
 	rows, err := s.UnackedDeliveries(ctx, []string{"fp-same"})
@@ -135,7 +136,7 @@ func TestDeliveryLogRows(t *testing.T) {
 	}
 	// A row older than a day (its Consumer died for good) is pruned by the
 	// next DeliveriesAcking of any session.
-	if _, err := s.pool.Exec(ctx, `UPDATE `+s.q.unacked+` SET since = now() - interval '25 hours' WHERE arrival_id = 'id-2'`); err != nil {
+	if _, err := st.pool.Exec(ctx, `UPDATE `+st.q.unacked+` SET since = now() - interval '25 hours' WHERE arrival_id = 'id-2'`); err != nil {
 		t.Fatal(err)
 	}
 	if err := s.DeliveriesAcking(ctx, "anyone", nil); err != nil {

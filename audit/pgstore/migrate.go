@@ -74,7 +74,7 @@ func loadMigrations() ([]schemaMigration, error) {
 	return out, nil
 }
 
-// Migrate creates schema (DefaultSchema if empty) if it is missing and
+// Migrate creates schema ("rabbitretry_audit" if empty) if it is missing and
 // applies the embedded migrations it does not have yet, in version order,
 // each in its own transaction together with its row in migrationsTable.
 // Each transaction first takes pg_advisory_xact_lock on a key derived from
@@ -95,7 +95,7 @@ func Migrate(ctx context.Context, pool *pgxpool.Pool, schema string) ([]int, err
 		return nil, fmt.Errorf("pgstore: Migrate: pool is nil")
 	}
 	if schema == "" {
-		schema = DefaultSchema
+		schema = defaultSchema
 	}
 	if err := validSchema(schema); err != nil {
 		return nil, err

@@ -70,25 +70,26 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/rabbitretry/rabbitretry/audit"
+	"github.com/rabbitretry/rabbitretry/internal/auditconst"
 
 	"github.com/rabbitretry/rabbitretry/internal/redact"
 )
 
-// DefaultSchema is the schema used when Config.Schema is empty.
-const DefaultSchema = "rabbitretry_audit"
+// defaultSchema is the schema used when Config.Schema is empty.
+const defaultSchema = auditconst.Schema
 
 // Search limits.
 const (
 	// defaultLimit is the number of messages Search returns when
 	// Filter.Limit is 0.
 	defaultLimit = 100
-	// MaxLimit is the largest Filter.Limit Search accepts.
-	MaxLimit = 10000
+	// maxLimit is the largest Filter.Limit Search accepts.
+	maxLimit = auditconst.MaxSearchLimit
 )
 
-// DefaultPruneBatch is the number of rows Prune deletes per statement when
+// defaultPruneBatch is the number of rows Prune deletes per statement when
 // its batch argument is 0 or less.
-const DefaultPruneBatch = 5000
+const defaultPruneBatch = auditconst.PruneBatch
 
 // Config configures a Store. Exactly one of DSN and Pool is set.
 type Config struct {
@@ -98,7 +99,7 @@ type Config struct {
 	DSN string
 	// Pool is an existing pool to use instead of DSN; Close leaves it open.
 	Pool *pgxpool.Pool
-	// Schema holds the store's tables (default DefaultSchema); it is
+	// Schema holds the store's tables (default "rabbitretry_audit"); it is
 	// created if missing. Letters, digits and '_', not starting with a
 	// digit, at most 63 bytes.
 	Schema string
@@ -113,7 +114,7 @@ type Config struct {
 
 func (c *Config) setDefaults() {
 	if c.Schema == "" {
-		c.Schema = DefaultSchema
+		c.Schema = defaultSchema
 	}
 	if c.ConnectTimeout == 0 {
 		c.ConnectTimeout = 30 * time.Second

@@ -21,7 +21,7 @@ type PruneResult struct {
 }
 
 // Prune deletes the arrivals that arrived before olderThan and the attempts
-// that started before it, batch rows per DELETE (DefaultPruneBatch when
+// that started before it, batch rows per DELETE (5,000 when
 // batch <= 0), each statement its own transaction, looping until none is
 // left, so neither table is locked for long and writers keep going. It
 // returns the records deleted per table (their total is
@@ -34,7 +34,7 @@ type PruneResult struct {
 func (s *Store) Prune(ctx context.Context, olderThan time.Time, batch int) (PruneResult, error) {
 	var r PruneResult
 	if batch <= 0 {
-		batch = DefaultPruneBatch
+		batch = defaultPruneBatch
 	}
 	loop := func(what, sql string, n *int64) error {
 		for {

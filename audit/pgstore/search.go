@@ -18,8 +18,8 @@ import (
 )
 
 // Search returns the messages matching f (times in UTC, at microsecond
-// resolution; each message whole, bodies included, so a page of MaxLimit
-// messages holds up to MaxLimit arrival bodies in memory: listings use
+// resolution; each message whole, bodies included, so a page of 10,000
+// messages holds up to 10,000 arrival bodies in memory: listings use
 // SearchEach, which reads no body), newest first by
 // message time
 // (the first arrival's arrived_at, else the first attempt's started_at;
@@ -43,7 +43,7 @@ import (
 // cursor returns every message once.
 //
 // Errors wrapping audit.ErrInvalidFilter (each naming the field):
-// Filter.Limit negative or above MaxLimit, a Filter.Validate error (From
+// Filter.Limit negative or above 10,000, a Filter.Validate error (From
 // not before To, text that is not valid UTF-8 or holds a NUL byte), an
 // After that is not a cursor; Headers JSON cannot encode; the database's.
 func (s *Store) Search(ctx context.Context, f audit.Filter) ([]audit.Message, error) {
@@ -316,8 +316,8 @@ func arrivalConds(f audit.Filter, a *sqlArgs) ([]string, error) {
 func (s *Store) searchSQL(f audit.Filter) (string, []any, int, error) {
 	limit := f.Limit
 	switch {
-	case limit < 0 || limit > MaxLimit:
-		return "", nil, 0, fmt.Errorf("pgstore: %w: Filter.Limit %d: want 0 (default %d) to %d", audit.ErrInvalidFilter, f.Limit, defaultLimit, MaxLimit)
+	case limit < 0 || limit > maxLimit:
+		return "", nil, 0, fmt.Errorf("pgstore: %w: Filter.Limit %d: want 0 (default %d) to %d", audit.ErrInvalidFilter, f.Limit, defaultLimit, maxLimit)
 	case limit == 0:
 		limit = defaultLimit
 	}

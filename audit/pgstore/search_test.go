@@ -139,7 +139,7 @@ func TestSearchBadFilter(t *testing.T) {
 		want string
 	}{
 		{audit.Filter{Limit: -1}, "Filter.Limit"},
-		{audit.Filter{Limit: MaxLimit + 1}, "Filter.Limit"},
+		{audit.Filter{Limit: maxLimit + 1}, "Filter.Limit"},
 		{audit.Filter{After: "garbage"}, "Filter.After"},
 		{audit.Filter{After: cursorPrefix + "!!"}, "Filter.After"},
 		{audit.Filter{From: t0, To: t0}, "Filter.From"},
@@ -149,8 +149,8 @@ func TestSearchBadFilter(t *testing.T) {
 			t.Errorf("Search(%+v) = %v, want an error naming %s", c.f, err, c.want)
 		}
 	}
-	if _, err := s.Search(context.Background(), audit.Filter{Limit: MaxLimit}); err != nil {
-		t.Errorf("Limit=MaxLimit: %v", err)
+	if _, err := s.Search(context.Background(), audit.Filter{Limit: maxLimit}); err != nil {
+		t.Errorf("Limit=maxLimit: %v", err)
 	}
 }
 

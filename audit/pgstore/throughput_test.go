@@ -195,7 +195,9 @@ func TestDeliveryLogThroughput(t *testing.T) {
 			_, err := s.pool.Exec(ctx, `DELETE FROM `+s.q.unacked+` WHERE (session = $1 AND arrival_id = ANY($2)) OR since < now() - interval '1 day'`, session, ids)
 			return err
 		}},
-		{"acking-before-ack", func(s *Store, session string, ids []string) error { return s.DeliveriesAcking(ctx, session, ids) }},
+		{"acking-before-ack", func(s *Store, session string, ids []string) error {
+			return s.DeliveryLog().DeliveriesAcking(ctx, session, ids)
+		}},
 	}
 	for _, m := range methods {
 		s := newTestStore(t)
@@ -219,7 +221,7 @@ func TestDeliveryLogThroughput(t *testing.T) {
 		var ackTime time.Duration
 		start := time.Now()
 		for _, b := range bs {
-			if err := s.WriteDeliveries(ctx, b.arr, b.att, b.d); err != nil {
+			if err := s.DeliveryLog().WriteDeliveries(ctx, b.arr, b.att, b.d); err != nil {
 				t.Fatal(err)
 			}
 			st := time.Now()

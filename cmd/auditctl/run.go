@@ -14,8 +14,8 @@ import (
 	"time"
 
 	"github.com/rabbitretry/rabbitretry/audit"
-	"github.com/rabbitretry/rabbitretry/audit/httpapi"
 	"github.com/rabbitretry/rabbitretry/audit/pgstore"
+	"github.com/rabbitretry/rabbitretry/internal/auditconst"
 	"github.com/rabbitretry/rabbitretry/internal/auditparse"
 	"github.com/rabbitretry/rabbitretry/internal/cliflags"
 
@@ -55,13 +55,13 @@ const (
 	// serveReadTimeout bounds reading a whole request (bodies are <= 1 MiB).
 	serveReadTimeout = 30 * time.Second
 	// serveWriteTimeout bounds a response: a resend's own bound
-	// (httpapi.DefaultResendTimeout) plus a margin.
-	serveWriteTimeout = httpapi.DefaultResendTimeout + 30*time.Second
+	// (auditconst.ResendTimeout) plus a margin.
+	serveWriteTimeout = auditconst.ResendTimeout + 30*time.Second
 	// serveIdleTimeout closes idle keep-alive connections.
 	serveIdleTimeout = 2 * time.Minute
 	// serveShutdownTimeout is how long serve waits for requests in flight
 	// (a resend included) after SIGINT/SIGTERM.
-	serveShutdownTimeout = httpapi.DefaultResendTimeout
+	serveShutdownTimeout = auditconst.ResendTimeout
 )
 
 // run is the whole program minus os.Exit. SIGINT and SIGTERM cancel the
@@ -121,6 +121,11 @@ type command struct {
 	run     func(e *env) int
 }
 
+// sub is what the parser needs of c.
+func (c *command) sub() cliflags.Sub[*options] {
+	return cliflags.Sub[*options]{Summary: c.summary, Args: c.args, NArgs: c.nargs, Filter: c.filter, Flags: c.flags}
+}
+
 var commands map[string]*command
 
 var commandOrder = []string{"migrate", "search", "show", "resend", "prune", "stats", "serve"}
@@ -135,7 +140,7 @@ func init() {
 				fs.BoolVar(&o.toQueue, "to-queue", false, "send to the original queue only (through the loop-back exchange)")
 				fs.BoolVar(&o.toExchange, "to-exchange", false, "send to the original exchange and routing key: EVERY bound queue gets it again")
 				fs.StringVar(&o.targetQueue, "target-queue", "", "with --to-queue: send to this `queue` (default: --queue, else the queue the message's attempts were made in)")
-				fs.StringVar(&o.loopBack, "loop-back-exchange", audit.DefaultLoopBackExchange, "loop-back `exchange` of the retry topology")
+				fs.StringVar(&o.loopBack, "loop-back-exchange", auditconst.LoopBackExchange, "loop-back `exchange` of the retry topology")
 				fs.StringVar(&o.mgmtURL, "management-url", "", "management HTTP API `URL` a --to-exchange resend reads the exchange's bindings from (default $"+mgmtEnv+", else the --uri host and user on port 15672)")
 				fs.BoolVar(&o.dryRun, "dry-run", false, "report what would be sent; send nothing")
 				fs.BoolVar(&o.yes, "yes", false, "confirm a resend of more than one message")
@@ -147,15 +152,15 @@ func init() {
 					return "resend: exactly one of --to-queue and --to-exchange is required"
 				case o.targetQueue != "" && !o.toQueue:
 					return "resend: --target-queue is only for --to-queue"
-				case o.limit > audit.MaxResendLimit:
-					return fmt.Sprintf("resend: --limit at most %d", audit.MaxResendLimit)
+				case o.limit > auditconst.MaxResendLimit:
+					return fmt.Sprintf("resend: --limit at most %d", auditconst.MaxResendLimit)
 				}
 				return ""
 			},
 			run: cmdResend},
 		"prune": {summary: "delete audit records older than --older-than", flags: func(fs *flag.FlagSet, o *options) {
 			fs.DurationVar(&o.olderThan, "older-than", 0, "delete records older than this `duration` (e.g. 720h; required)")
-			fs.IntVar(&o.batch, "batch", pgstore.DefaultPruneBatch, "rows per DELETE `n` (each its own short transaction)")
+			fs.IntVar(&o.batch, "batch", auditconst.PruneBatch, "rows per DELETE `n` (each its own short transaction)")
 		}, check: func(o *options) string {
 			switch {
 			case o.olderThan <= 0:
@@ -169,7 +174,7 @@ func init() {
 		"serve": {summary: "serve the HTTP JSON API (read-only unless --enable-resend)", flags: func(fs *flag.FlagSet, o *options) {
 			fs.StringVar(&o.listen, "listen", defaultListen, "`address` to listen on")
 			fs.BoolVar(&o.enableResend, "enable-resend", false, "enable POST /v1/resend; needs the bearer token in $"+tokenEnv+" (16+ bytes)")
-			fs.StringVar(&o.loopBack, "loop-back-exchange", audit.DefaultLoopBackExchange, "loop-back `exchange` of the retry topology (resend)")
+			fs.StringVar(&o.loopBack, "loop-back-exchange", auditconst.LoopBackExchange, "loop-back `exchange` of the retry topology (resend)")
 			fs.StringVar(&o.mgmtURL, "management-url", "", "management HTTP API `URL` a to-exchange resend reads the exchange's bindings from (default $"+mgmtEnv+", else the --uri host and user on port 15672)")
 		}, check: func(o *options) string {
 			if o.enableResend && len(os.Getenv(tokenEnv)) < 16 {
@@ -188,7 +193,7 @@ func (o *options) globalFlags(fs *flag.FlagSet) {
 	// survive the command's flag set.
 	fs.StringVar(&o.dsn, "dsn", o.dsn, "PostgreSQL `DSN` (default $RABBITRETRY_PG_DSN, else "+defaultDSN+")")
 	fs.Lookup("dsn").DefValue = ""
-	fs.StringVar(&o.schema, "schema", o.schema, "audit `schema` (default "+pgstore.DefaultSchema+")")
+	fs.StringVar(&o.schema, "schema", o.schema, "audit `schema` (default "+auditconst.Schema+")")
 	fs.StringVar(&o.uri, "uri", o.uri, "AMQP `URI` for resend (default $AMQP_URI, else "+defaultURI+")")
 	fs.Lookup("uri").DefValue = "" // never print a password in the usage
 	fs.BoolVar(&o.json, "json", o.json, "print JSON on stdout")
@@ -244,20 +249,7 @@ func runContext(ctx context.Context, args []string, stdout, stderr io.Writer) in
 	o := &options{}
 	name, pos, code, ok := cliflags.Tool{
 		Name: "auditctl", Order: commandOrder, Global: o.globalFlags, PrintUsage: printUsage,
-		Lookup: func(name string) (cliflags.Command, bool) {
-			cmd, found := commands[name]
-			if !found {
-				return cliflags.Command{}, false
-			}
-			return cliflags.Command{Summary: cmd.summary, Args: cmd.args, NArgs: cmd.nargs, Flags: func(fs *flag.FlagSet) {
-				if cmd.filter {
-					o.filterFlags(fs)
-				}
-				if cmd.flags != nil {
-					cmd.flags(fs, o)
-				}
-			}}, true
-		},
+		Lookup: cliflags.Lookup(commands, (*command).sub, o, o.filterFlags),
 	}.Parse(args, stderr)
 	if !ok {
 		return code
@@ -283,7 +275,7 @@ func runContext(ctx context.Context, args []string, stdout, stderr io.Writer) in
 		o.dsn = defaultDSN
 	}
 	if o.schema == "" {
-		o.schema = pgstore.DefaultSchema
+		o.schema = auditconst.Schema
 	}
 	if o.uri == "" {
 		o.uri = os.Getenv("AMQP_URI")
@@ -335,8 +327,8 @@ func (o *options) filter(now time.Time, cmd string) (audit.Filter, error) {
 		return f, fmt.Errorf("--limit must be >= 0, got %d", o.limit)
 	}
 	if cmd == "search" {
-		if o.limit > pgstore.MaxLimit {
-			return f, fmt.Errorf("--limit at most %d", pgstore.MaxLimit)
+		if o.limit > auditconst.MaxSearchLimit {
+			return f, fmt.Errorf("--limit at most %d", auditconst.MaxSearchLimit)
 		}
 		f.Limit = o.limit
 	}

@@ -75,6 +75,11 @@ type command struct {
 	run     func(ctx context.Context, a *admin.Admin, o *options, f admin.Filter, pos []string, stdout, stderr io.Writer) int
 }
 
+// sub is what the parser needs of c.
+func (c *command) sub() cliflags.Sub[*options] {
+	return cliflags.Sub[*options]{Summary: c.summary, Args: c.args, NArgs: c.nargs, Filter: c.filter, Flags: c.flags}
+}
+
 var commands map[string]*command
 
 var commandOrder = []string{"list", "show", "replay", "move", "purge", "stats"}
@@ -162,20 +167,7 @@ func runContext(ctx context.Context, args []string, stdout, stderr io.Writer) in
 	o := &options{}
 	name, pos, code, ok := cliflags.Tool{
 		Name: "poisonctl", Order: commandOrder, Global: o.globalFlags, PrintUsage: printUsage,
-		Lookup: func(name string) (cliflags.Command, bool) {
-			cmd, found := commands[name]
-			if !found {
-				return cliflags.Command{}, false
-			}
-			return cliflags.Command{Summary: cmd.summary, Args: cmd.args, NArgs: cmd.nargs, Flags: func(fs *flag.FlagSet) {
-				if cmd.filter {
-					o.filterFlags(fs)
-				}
-				if cmd.flags != nil {
-					cmd.flags(fs, o)
-				}
-			}}, true
-		},
+		Lookup: cliflags.Lookup(commands, (*command).sub, o, o.filterFlags),
 	}.Parse(args, stderr)
 	if !ok {
 		return code

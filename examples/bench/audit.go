@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"net/url"
@@ -17,6 +18,7 @@ import (
 	"github.com/rabbitretry/rabbitretry/amqpretry"
 	"github.com/rabbitretry/rabbitretry/audit"
 	"github.com/rabbitretry/rabbitretry/audit/pgstore"
+	"github.com/rabbitretry/rabbitretry/internal/auditconst"
 	"github.com/rabbitretry/rabbitretry/router"
 )
 
@@ -25,9 +27,9 @@ import (
 const auditRuns = 3
 
 // auditBatch is the audit Consumer's BatchSize in the bench.
-var auditBatch = audit.DefaultBatchSize
+var auditBatch = auditconst.BatchSize
 
-var auditQueueType = audit.QueueTypeQuorum
+var auditQueueType = amqpretry.QueueTypeQuorum
 
 type auditRun struct {
 	Audit  bool    `json:"audit"`
@@ -202,8 +204,8 @@ func (b *bench) scenarioAudit() (err error) {
 		return err
 	}
 	recorderUser := u.Username
-	if _, err := fill(conn, naming.Exchange, audit.AttemptRoutingKey, n, func(i int) amqp.Publishing {
-		body, _ := audit.MarshalAttempt(audit.Attempt{ID: watermill.NewUUID(), MessageID: watermill.NewUUID(), Queue: q,
+	if _, err := fill(conn, naming.Exchange, auditconst.AttemptRoutingKey, n, func(i int) amqp.Publishing {
+		body, _ := json.Marshal(audit.Attempt{ID: watermill.NewUUID(), MessageID: watermill.NewUUID(), Queue: q,
 			Attempt: 1, StartedAt: now, Duration: 20 * time.Microsecond, Outcome: audit.OutcomeSuccess})
 		// The Recorder's validated user-id: the Consumer stores only its RecorderUsers' records.
 		return amqp.Publishing{DeliveryMode: amqp.Persistent, ContentType: "application/json", Body: body, UserId: recorderUser}
@@ -242,7 +244,7 @@ func (b *bench) scenarioAudit() (err error) {
 		fmt.Sprintf("%.0f / %.0f us", res.AuditP50Us, res.AuditP99Us), "", "")
 	b.row("8 audit", "p99 added by the audit", fmt.Sprintf("%+.0f us", res.AuditP99Delta), "< 100 us", passMiss(res.AuditP99Delta < 100))
 	b.row("8 audit", "drain rate without / with audit", fmt.Sprintf("%s / %s", fmtRate(res.BareRate), fmtRate(res.AuditRate)), "", "")
-	b.row("8 audit", fmt.Sprintf("audit consumer into PostgreSQL (%d arrivals + %d attempts, batches of %d)", n, n, audit.DefaultBatchSize),
+	b.row("8 audit", fmt.Sprintf("audit consumer into PostgreSQL (%d arrivals + %d attempts, batches of %d)", n, n, auditconst.BatchSize),
 		fmt.Sprintf("%.0f records/s = %.0f msg/s", res.StoreRecordsPerS, res.StoreMessagesPerS), ">= drain rate", passMiss(res.StoreMessagesPerS >= res.BareRate))
 	return nil
 }

@@ -1,0 +1,38 @@
+// Package auditconst holds the audit's defaults and limits that our own
+// binaries (cmd/auditctl, examples/bench) and tests share with the audit
+// packages. The public API states each of them in the doc of the field or
+// function it applies to; only the binaries need them as names (flag
+// defaults, the same checks before a call). It imports nothing, so every
+// audit package may import it.
+package auditconst
+
+import "time"
+
+// Package audit.
+const (
+	// LoopBackExchange is audit.ResenderConfig.LoopBackExchange's default,
+	// the same as amqpretry.Naming's loop-back exchange.
+	LoopBackExchange = "rabbitretry.loopback"
+	// MaxResendLimit is the largest audit.ResendOptions.Limit (and
+	// ExpectedCount, ResenderConfig.ConfirmAbove).
+	MaxResendLimit = 100000
+	// BatchSize is audit.ConsumerConfig.BatchSize's default.
+	BatchSize = 500
+	// AttemptRoutingKey is the routing key of attempt records on the audit
+	// exchange (the Recorder publishes with it).
+	AttemptRoutingKey = "attempt"
+)
+
+// Package audit/pgstore.
+const (
+	// Schema is pgstore.Config.Schema's default.
+	Schema = "rabbitretry_audit"
+	// MaxSearchLimit is the largest audit.Filter.Limit pgstore accepts.
+	MaxSearchLimit = 10000
+	// PruneBatch is the rows per DELETE of pgstore.Store.Prune's default.
+	PruneBatch = 5000
+)
+
+// ResendTimeout is audit/httpapi.Config.ResendTimeout's default: it bounds
+// one POST /v1/resend.
+const ResendTimeout = 5 * time.Minute
