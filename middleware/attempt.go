@@ -242,26 +242,34 @@ func XDeathSource(queue func(msg *message.Message) string) AttemptSource {
 		if msg.Metadata.Get(DeliveryRetryRouteKey) != "true" {
 			return 0, nil // not back through a retry route: a first delivery here
 		}
-		recs, err := ParseXDeath(msg.Metadata[XDeathKey])
-		if err != nil || len(recs) == 0 {
-			return 0, err // the common case: never dead-lettered
-		}
-		q := queue(msg)
-		var sum int64
-		for _, r := range recs {
-			if r.Queue != q || (r.Reason != "rejected" && r.Reason != "delivery_limit") {
-				continue
-			}
-			if r.Count < 0 {
-				return 0, fmt.Errorf("x-death count %d for queue %q is negative", r.Count, r.Queue)
-			}
-			sum += min(r.Count, MaxAttemptsCap)
-			if sum >= MaxAttemptsCap {
-				return MaxAttemptsCap, nil
-			}
-		}
-		return sum, nil
+		return xDeathRejections(msg, queue)
 	}}
+}
+
+// xDeathRejections is XDeathSource's count on a retry route; out of line
+// so that the common path stays small on the stack.
+//
+//go:noinline
+func xDeathRejections(msg *message.Message, queue func(msg *message.Message) string) (int64, error) {
+	recs, err := ParseXDeath(msg.Metadata[XDeathKey])
+	if err != nil || len(recs) == 0 {
+		return 0, err // the common case: never dead-lettered
+	}
+	q := queue(msg)
+	var sum int64
+	for _, r := range recs {
+		if r.Queue != q || (r.Reason != "rejected" && r.Reason != "delivery_limit") {
+			continue
+		}
+		if r.Count < 0 {
+			return 0, fmt.Errorf("x-death count %d for queue %q is negative", r.Count, r.Queue)
+		}
+		sum += min(r.Count, MaxAttemptsCap)
+		if sum >= MaxAttemptsCap {
+			return MaxAttemptsCap, nil
+		}
+	}
+	return sum, nil
 }
 
 // DeliveryCountSource reads the quorum-queue x-delivery-count header ("Quorum
@@ -344,10 +352,7 @@ func (c *AttemptCounter) count(msg *message.Message) (int, int, string) {
 	for _, s := range c.sources {
 		n, err := s.Previous(msg)
 		if err != nil {
-			if bad != "" {
-				bad += "; "
-			}
-			bad += s.Name + ": " + err.Error()
+			bad = appendBad(bad, s.Name, err)
 			continue
 		}
 		prev = min(prev+n, MaxAttemptsCap)
@@ -356,21 +361,59 @@ func (c *AttemptCounter) count(msg *message.Message) (int, int, string) {
 	return clampAttempt(1 + prev), clampAttempt(1 + proven), bad
 }
 
+// appendBad adds source name's error to the list bad. Out of line: count
+// stays small on the stack (it runs on a fresh goroutine per message).
+//
+//go:noinline
+func appendBad(bad, name string, err error) string {
+	if bad != "" {
+		bad += "; "
+	}
+	return bad + name + ": " + err.Error()
+}
+
 // Middleware stores the attempt number (AttemptKey, AttemptFromContext) and
 // the proven attempt number (ProvenAttemptKey, ProvenAttempt) and calls the
 // handler.
 func (c *AttemptCounter) Middleware(h message.HandlerFunc) message.HandlerFunc {
 	return func(msg *message.Message) ([]*message.Message, error) {
-		n, proven, bad := c.count(msg)
-		if bad != "" {
-			msg.Metadata.Set(HeaderErrorKey, bad)
-			c.logger.Info("Ignoring malformed attempt headers", watermill.LogFields{
-				"message_uuid": msg.UUID, "problem": bad, "attempt": n,
-			})
-		}
-		msg.Metadata.Set(AttemptKey, strconv.Itoa(n))
-		msg.Metadata.Set(ProvenAttemptKey, strconv.Itoa(proven))
-		msg.SetContext(context.WithValue(ContextWithAttempt(msg.Context(), n), provenCtxKey{}, proven))
+		c.store(msg)
 		return h(msg)
 	}
+}
+
+// store counts msg's attempt and stores both numbers. Out of line, so that
+// the frame that stays on the stack below the handler is small: the router
+// runs each message on a fresh goroutine, whose stack starts small and is
+// copied when it grows.
+//
+//go:noinline
+func (c *AttemptCounter) store(msg *message.Message) {
+	n, proven, bad := c.count(msg)
+	if bad != "" {
+		msg.Metadata.Set(HeaderErrorKey, bad)
+		c.logger.Info("Ignoring malformed attempt headers", watermill.LogFields{
+			"message_uuid": msg.UUID, "problem": bad, "attempt": n,
+		})
+	}
+	msg.Metadata.Set(AttemptKey, strconv.Itoa(n))
+	msg.Metadata.Set(ProvenAttemptKey, strconv.Itoa(proven))
+	msg.SetContext(&attemptCtx{Context: msg.Context(), attempt: n, proven: proven})
+}
+
+// attemptCtx is ContextWithAttempt(ctx, attempt) with proven under
+// provenCtxKey: one context (one allocation) for both.
+type attemptCtx struct {
+	context.Context
+	attempt, proven int
+}
+
+func (c *attemptCtx) Value(key any) any {
+	switch key.(type) {
+	case attemptCtxKey:
+		return c.attempt
+	case provenCtxKey:
+		return c.proven
+	}
+	return c.Context.Value(key)
 }
