@@ -112,8 +112,8 @@ type AttemptSource struct {
 
 // proven returns the proven part of s's count for msg, in [0, previous].
 func (s AttemptSource) proven(msg *message.Message, previous int64) int64 {
-	if s.Proven == nil {
-		return previous
+	if s.Proven == nil || previous == 0 {
+		return previous // nothing to prove (the common case: a first delivery)
 	}
 	n, err := s.Proven(msg)
 	if err != nil || n < 0 {
