@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"slices"
 	"time"
-	"weak"
 
 	"github.com/ThreeDotsLabs/watermill"
 	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v2/pkg/amqp"
@@ -411,43 +410,67 @@ func New(cfg Config) (*Retry, error) {
 func (r *Retry) Middleware(h message.HandlerFunc) message.HandlerFunc {
 	inner := r.chain.Middleware(recordVerdict(r.deadlines.wrap(r.queueName, h)))
 	return func(msg *message.Message) ([]*message.Message, error) {
-		defer forgetDelivery(msg)
-		if !deliveryAlive(msg) {
+		// The healthy path stays small (no logging fields, no key built, a
+		// small frame): it runs on a fresh goroutine per message.
+		st := beginRun(msg)
+		if !st.alive() {
 			return nil, errDeliveryGone
 		}
 		if r.deadlines != nil {
 			markStart(msg)
 		}
-		if msg.Metadata.Get(retrymeta.DeliveryQuarantineKey) != "" {
+		if msg.Metadata[retrymeta.DeliveryQuarantineKey] != "" {
 			// A quarantine delivery's retry is a published copy: a nack of
 			// it would not dead-letter into Q's wait path (the quarantine
 			// queue has no such route), and the quarantine subscriber hands
 			// a nacked delivery back unchanged (see Retry.NewSubscriber).
 			msg.SetContext(retrymeta.WithCopyRequired(msg.Context()))
 		}
-		if r.topology.deadLetterFirst && msg.Metadata.Get(middleware.XDeathKey) != "" {
-			if ctx := msg.Context(); foreignDeaths(msg, r.queueName(ctx)) {
-				msg.SetContext(context.WithValue(ctx, foreignDeathsKey{}, true))
-			}
-		}
-		key := lateKey(msg)
-		fields := watermill.LogFields{"message_uuid": msg.UUID, "attempt": msg.Metadata.Get(middleware.AttemptKey)}
-		if msg.Metadata.Get(retrymeta.DeliveryRedeliveredKey) != "" {
-			if err, ok := r.late.take(key); ok {
-				// Its redelivery is explained: the handler ran here and
-				// finished after the broker took the delivery back.
-				r.logger.Info("Redelivered message already ran here after its delivery was taken back (consumer timeout?); settling that result without running it again", fields)
-				delete(msg.Metadata, retrymeta.DeliveryRedeliveredKey)
-				replays.Store(weak.Make(msg), verdict{err: err})
-				defer replays.Delete(weak.Make(msg))
-			}
+		if r.topology.deadLetterFirst || msg.Metadata[retrymeta.DeliveryRedeliveredKey] != "" {
+			r.beforeRun(msg, st)
 		}
 		out, err := inner(msg)
-		if v, ran := takeVerdict(msg); ran && !deliveryAlive(msg) {
-			r.late.add(key, v.err)
-			r.logger.Info("Handler finished after the broker took its delivery back (consumer timeout?); its redelivery will settle this result without running again", fields)
+		if !st.alive() {
+			r.afterRun(msg, st)
 		}
 		return out, err
+	}
+}
+
+// beforeRun marks foreign x-death entries (DeadLetterFirstRetry) and, on a
+// redelivery, takes a result remembered by lateVerdicts for the run to
+// settle instead of running the handler.
+//
+//go:noinline
+func (r *Retry) beforeRun(msg *message.Message, st *runState) {
+	if r.topology.deadLetterFirst && msg.Metadata.Get(middleware.XDeathKey) != "" {
+		if ctx := msg.Context(); foreignDeaths(msg, r.queueName(ctx)) {
+			msg.SetContext(context.WithValue(ctx, foreignDeathsKey{}, true))
+		}
+	}
+	if msg.Metadata.Get(retrymeta.DeliveryRedeliveredKey) != "" {
+		if err, ok := r.late.take(st.key()); ok {
+			// Its redelivery is explained: the handler ran here and
+			// finished after the broker took the delivery back.
+			r.logger.Info("Redelivered message already ran here after its delivery was taken back (consumer timeout?); settling that result without running it again",
+				watermill.LogFields{"message_uuid": msg.UUID, "attempt": st.attempt})
+			delete(msg.Metadata, retrymeta.DeliveryRedeliveredKey)
+			st.mu.Lock()
+			st.replay, st.replayErr = true, err
+			st.mu.Unlock()
+		}
+	}
+}
+
+// afterRun remembers the result of a handler that finished after the
+// broker took its delivery back.
+//
+//go:noinline
+func (r *Retry) afterRun(msg *message.Message, st *runState) {
+	if v, ran := st.verdict(); ran {
+		r.late.add(st.key(), v.err)
+		r.logger.Info("Handler finished after the broker took its delivery back (consumer timeout?); its redelivery will settle this result without running again",
+			watermill.LogFields{"message_uuid": msg.UUID, "attempt": st.attempt})
 	}
 }
 

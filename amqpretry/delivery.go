@@ -1,12 +1,16 @@
 package amqpretry
 
 import (
+	"context"
 	"sync"
 	"sync/atomic"
 	"weak"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
+	"github.com/rabbitretry/rabbitretry/middleware"
 )
 
 // deliveries remembers, for each message the Marshaler unmarshaled and the
@@ -65,17 +69,96 @@ func watchChannel(dc *deliveryChannel) {
 
 // deliveryAlive reports whether msg's delivery can still be acked: false if
 // its channel closed or its consumer was cancelled. Messages not unmarshaled
-// by the Marshaler (gochannel, tests) count as alive.
+// by the Marshaler (gochannel, tests) count as alive. Inside
+// Retry.Middleware the delivery's channel is in the run's state (runOf).
 func deliveryAlive(msg *message.Message) bool {
+	if st := runOf(msg); st != nil {
+		return st.alive()
+	}
 	v, ok := deliveries.Load(weak.Make(msg))
 	if !ok {
 		return true
 	}
-	dc := v.(*deliveryChannel)
-	return !dc.ch.IsClosed() && !dc.cancelled.Load()
+	return v.(*deliveryChannel).alive()
 }
 
-func forgetDelivery(msg *message.Message) { deliveries.Delete(weak.Make(msg)) }
+func (dc *deliveryChannel) alive() bool { return !dc.ch.IsClosed() && !dc.cancelled.Load() }
+
+// takeDelivery returns the channel trackDelivery recorded for msg (nil if
+// none) and forgets it.
+func takeDelivery(msg *message.Message) *deliveryChannel {
+	v, ok := deliveries.LoadAndDelete(weak.Make(msg))
+	if !ok {
+		return nil
+	}
+	return v.(*deliveryChannel)
+}
+
+// runState is what Retry.Middleware knows about one run of the chain on a
+// message: its delivery's channel, the identity of the delivery as it
+// arrived (for lateVerdicts), and the handler's result. It travels in the
+// message's context (runCtx), so the chain's inner parts (recordVerdict,
+// the Classifier's DeliveryAlive) reach it without a lookup in a global
+// map.
+type runState struct {
+	dc *deliveryChannel // nil: not tracked (not from the Marshaler): alive
+
+	// uuid, attempt and redeliveries as delivered, before the chain set
+	// anything: lateKey's parts.
+	uuid, attempt, redeliveries string
+
+	mu        sync.Mutex
+	replay    bool  // return replayErr instead of running the handler (once)
+	replayErr error //
+	ran       bool  // the handler ran; err is its result
+	err       error
+}
+
+func (st *runState) alive() bool { return st.dc == nil || st.dc.alive() }
+
+// key is lateKey of the delivery.
+func (st *runState) key() string { return lateKeyOf(st.uuid, st.attempt, st.redeliveries) }
+
+// verdict returns the handler's result, if it ran.
+func (st *runState) verdict() (verdict, bool) {
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	return verdict{err: st.err}, st.ran
+}
+
+type runStateKey struct{}
+
+// runCtx carries a runState: one allocation for both the context and the
+// state.
+type runCtx struct {
+	context.Context
+	st runState
+}
+
+func (c *runCtx) Value(key any) any {
+	if key == (runStateKey{}) {
+		return &c.st
+	}
+	return c.Context.Value(key)
+}
+
+// beginRun starts a run of Retry.Middleware's chain on msg: it takes msg's
+// tracked delivery and puts a fresh runState in msg's context.
+func beginRun(msg *message.Message) *runState {
+	c := &runCtx{Context: msg.Context()}
+	c.st.dc = takeDelivery(msg)
+	c.st.uuid = msg.UUID
+	c.st.attempt = msg.Metadata[middleware.AttemptKey]
+	c.st.redeliveries = msg.Metadata[retrymeta.RedeliveriesKey]
+	msg.SetContext(c)
+	return &c.st
+}
+
+// runOf returns the runState of the Retry.Middleware run msg is in, or nil.
+func runOf(msg *message.Message) *runState {
+	st, _ := msg.Context().Value(runStateKey{}).(*runState)
+	return st
+}
 
 // trackingMarshaler is the Marshaler the subscriber gets from
 // Retry.SubscriberConfig: Marshaler plus trackDelivery.

@@ -4,7 +4,6 @@ import (
 	"container/list"
 	"errors"
 	"sync"
-	"weak"
 
 	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v2/pkg/amqp"
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -45,7 +44,11 @@ func newLateVerdicts() *lateVerdicts {
 // retry copy of the same message has another key; a redelivery of the same
 // delivery has the same).
 func lateKey(msg *message.Message) string {
-	return msg.UUID + "\x00" + msg.Metadata.Get(middleware.AttemptKey) + "\x00" + msg.Metadata.Get(retrymeta.RedeliveriesKey)
+	return lateKeyOf(msg.UUID, msg.Metadata.Get(middleware.AttemptKey), msg.Metadata.Get(retrymeta.RedeliveriesKey))
+}
+
+func lateKeyOf(uuid, attempt, redeliveries string) string {
+	return uuid + "\x00" + attempt + "\x00" + redeliveries
 }
 
 func (l *lateVerdicts) add(k string, err error) {
@@ -81,30 +84,36 @@ func (l *lateVerdicts) take(k string) (err error, ok bool) {
 // verdict is a handler's result.
 type verdict struct{ err error }
 
-// handlerRan holds, until the chain returns, the result of the messages
-// whose handler ran (not a middleware acting instead of it); replays holds
-// the remembered result to return instead of running the handler.
-var handlerRan, replays sync.Map // weak.Pointer[message.Message] -> verdict
-
 // recordVerdict wraps the user's handler: it returns a replayed result
-// without running h, or runs h and records its result.
+// without running h, or runs h and records its result, in the run's state
+// (runOf; without one it just runs h).
 func recordVerdict(h message.HandlerFunc) message.HandlerFunc {
 	return func(msg *message.Message) ([]*message.Message, error) {
-		if v, ok := replays.LoadAndDelete(weak.Make(msg)); ok {
-			return nil, v.(verdict).err
+		st := runOf(msg)
+		if st == nil {
+			return h(msg)
+		}
+		if err, ok := st.takeReplay(); ok {
+			return nil, err
 		}
 		out, err := h(msg)
-		handlerRan.Store(weak.Make(msg), verdict{err: err})
+		st.mu.Lock()
+		st.ran, st.err = true, err
+		st.mu.Unlock()
 		return out, err
 	}
 }
 
-func takeVerdict(msg *message.Message) (verdict, bool) {
-	v, ok := handlerRan.LoadAndDelete(weak.Make(msg))
-	if !ok {
-		return verdict{}, false
+// takeReplay returns the remembered result to settle instead of running the
+// handler, once.
+func (st *runState) takeReplay() (error, bool) {
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	if !st.replay {
+		return nil, false
 	}
-	return v.(verdict), true
+	st.replay = false
+	return st.replayErr, true
 }
 
 // classicTimeoutIgnored reports whether broker version v ignores consumer

@@ -103,8 +103,8 @@ func brokerSideConnection(t testing.TB, name string) (brokerConn, bool) {
 		t.Fatal(err)
 	}
 	var rows []struct {
-		PeerPort         int               `json:"peer_port"`
-		Timeout          int               `json:"timeout"`
+		PeerPort         int             `json:"peer_port"`
+		Timeout          int             `json:"timeout"`
 		ClientProperties json.RawMessage `json:"client_properties"`
 	}
 	if err := json.Unmarshal([]byte(out), &rows); err != nil {

@@ -45,26 +45,35 @@ func XDeathSource(queue func(msg *message.Message) string) middleware.AttemptSou
 		if msg.Metadata.Get(retrymeta.DeliveryRetryRouteKey) != "true" {
 			return 0, nil // not back through a retry route: a first delivery here
 		}
-		recs, err := ParseXDeath(msg.Metadata[middleware.XDeathKey])
-		if err != nil || len(recs) == 0 {
-			return 0, err // the common case: never dead-lettered
-		}
-		q := queue(msg)
-		var sum int64
-		for _, r := range recs {
-			if r.Queue != q || (r.Reason != "rejected" && r.Reason != "delivery_limit") {
-				continue
-			}
-			if r.Count < 0 {
-				return 0, fmt.Errorf("x-death count %d for queue %q is negative", r.Count, r.Queue)
-			}
-			sum += min(r.Count, middleware.MaxAttemptsCap)
-			if sum >= middleware.MaxAttemptsCap {
-				return middleware.MaxAttemptsCap, nil
-			}
-		}
-		return sum, nil
+		return xDeathRejections(msg, queue)
 	}}
+}
+
+// xDeathRejections is XDeathSource's count on a retry route; out of line
+// so that the common path stays small on the stack (the chain runs on a
+// fresh goroutine per message, whose stack starts at 2 KiB).
+//
+//go:noinline
+func xDeathRejections(msg *message.Message, queue func(msg *message.Message) string) (int64, error) {
+	recs, err := ParseXDeath(msg.Metadata[middleware.XDeathKey])
+	if err != nil || len(recs) == 0 {
+		return 0, err // the common case: never dead-lettered
+	}
+	q := queue(msg)
+	var sum int64
+	for _, r := range recs {
+		if r.Queue != q || (r.Reason != "rejected" && r.Reason != "delivery_limit") {
+			continue
+		}
+		if r.Count < 0 {
+			return 0, fmt.Errorf("x-death count %d for queue %q is negative", r.Count, r.Queue)
+		}
+		sum += min(r.Count, middleware.MaxAttemptsCap)
+		if sum >= middleware.MaxAttemptsCap {
+			return middleware.MaxAttemptsCap, nil
+		}
+	}
+	return sum, nil
 }
 
 // DeliveryCountSource reads the quorum-queue x-delivery-count header ("Quorum

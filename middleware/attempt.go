@@ -114,8 +114,8 @@ type AttemptSource struct {
 
 // proven returns the proven part of s's count for msg, in [0, previous].
 func (s AttemptSource) proven(msg *message.Message, previous int64) int64 {
-	if s.Proven == nil {
-		return previous
+	if s.Proven == nil || previous == 0 {
+		return previous // nothing to prove (the common case: a first delivery)
 	}
 	n, err := s.Proven(msg)
 	if err != nil || n < 0 {
@@ -274,10 +274,7 @@ func (c *AttemptCounter) count(msg *message.Message) (int, int, string) {
 	for _, s := range c.sources {
 		n, err := s.Previous(msg)
 		if err != nil {
-			if bad != "" {
-				bad += "; "
-			}
-			bad += s.Name + ": " + err.Error()
+			bad = appendBad(bad, s.Name, err)
 			continue
 		}
 		prev = min(prev+n, MaxAttemptsCap)
@@ -293,21 +290,59 @@ func (c *AttemptCounter) Count(msg *message.Message) (int, string) {
 	return n, bad
 }
 
+// appendBad adds source name's error to the list bad. Out of line: count
+// stays small on the stack (it runs on a fresh goroutine per message).
+//
+//go:noinline
+func appendBad(bad, name string, err error) string {
+	if bad != "" {
+		bad += "; "
+	}
+	return bad + name + ": " + err.Error()
+}
+
 // Middleware stores the attempt number (AttemptKey, and in the context for Attempt) and
 // the proven attempt number (ProvenAttemptKey, ProvenAttempt) and calls the
 // handler.
 func (c *AttemptCounter) Middleware(h message.HandlerFunc) message.HandlerFunc {
 	return func(msg *message.Message) ([]*message.Message, error) {
-		n, proven, bad := c.count(msg)
-		if bad != "" {
-			msg.Metadata.Set(retrymeta.HeaderErrorKey, bad)
-			c.logger.Info("Ignoring malformed attempt headers", watermill.LogFields{
-				"message_uuid": msg.UUID, "problem": bad, "attempt": n,
-			})
-		}
-		msg.Metadata.Set(AttemptKey, strconv.Itoa(n))
-		msg.Metadata.Set(retrymeta.ProvenAttemptKey, strconv.Itoa(proven))
-		msg.SetContext(context.WithValue(contextWithAttempt(msg.Context(), n), provenCtxKey{}, proven))
+		c.store(msg)
 		return h(msg)
 	}
+}
+
+// store counts msg's attempt and stores both numbers. Out of line, so that
+// the frame that stays on the stack below the handler is small: the router
+// runs each message on a fresh goroutine, whose stack starts small and is
+// copied when it grows.
+//
+//go:noinline
+func (c *AttemptCounter) store(msg *message.Message) {
+	n, proven, bad := c.count(msg)
+	if bad != "" {
+		msg.Metadata.Set(retrymeta.HeaderErrorKey, bad)
+		c.logger.Info("Ignoring malformed attempt headers", watermill.LogFields{
+			"message_uuid": msg.UUID, "problem": bad, "attempt": n,
+		})
+	}
+	msg.Metadata.Set(AttemptKey, strconv.Itoa(n))
+	msg.Metadata.Set(retrymeta.ProvenAttemptKey, strconv.Itoa(proven))
+	msg.SetContext(&attemptCtx{Context: msg.Context(), attempt: n, proven: proven})
+}
+
+// attemptCtx is ContextWithAttempt(ctx, attempt) with proven under
+// provenCtxKey: one context (one allocation) for both.
+type attemptCtx struct {
+	context.Context
+	attempt, proven int
+}
+
+func (c *attemptCtx) Value(key any) any {
+	switch key.(type) {
+	case attemptCtxKey:
+		return c.attempt
+	case provenCtxKey:
+		return c.proven
+	}
+	return c.Context.Value(key)
 }
