@@ -63,7 +63,7 @@ type Naming struct {
 
 func (n *Naming) setDefaults() {
 	if n.LoopBackExchange == "" {
-		n.LoopBackExchange = "rabbitretry.loopback"
+		n.LoopBackExchange = retrymeta.DefaultLoopBackExchange
 	}
 	if n.WaitExchange == "" {
 		n.WaitExchange = "rabbitretry.wait"
