@@ -142,19 +142,6 @@ func (c Config) BindDestination(ch *amqp.Channel, queue string) error {
 	return nil
 }
 
-// unbindDestination removes queue's binding (see BindDestination). It
-// returns Validate's error, ErrBadQueueName or the broker's error.
-func (c Config) unbindDestination(ch *amqp.Channel, queue string) error {
-	c, err := c.resolved()
-	if err != nil {
-		return err
-	}
-	if err := c.checkQueue(queue); err != nil {
-		return err
-	}
-	return ch.QueueUnbind(queue, c.destinationPattern(queue), c.DeliveryExchange(), nil)
-}
-
 // Delete deletes the level queues (with every message waiting in them),
 // the level exchanges, the delivery exchange and the settings marker
 // (unconditionally; missing

@@ -127,9 +127,6 @@ func (p *Publisher) Waiting(ctx context.Context) ([]LevelCount, error) {
 	return p.c.waiting(ctx)
 }
 
-// config returns the config in use, with its defaults.
-func (p *Publisher) config() Config { return p.c.cfg }
-
 // Close closes the publisher if NewPublisher dialled it (Config.URI); a
 // Config.Publisher is left open.
 func (p *Publisher) Close() error { return p.c.close() }

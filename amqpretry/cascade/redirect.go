@@ -14,7 +14,7 @@ var errSameQueue = errors.New("cascade: redirecting a queue to itself")
 // Redirect makes messages addressed to from arrive at to instead, without
 // touching them: it binds to to the delivery exchange with from's key
 // pattern ("*." × Levels + from) and then removes from's own binding
-// (unbindDestination). Messages keep waiting in their level queues and
+// (the reverse of BindDestination). Messages keep waiting in their level queues and
 // arrive at to on time; messages published for from later do too. The
 // binding is on the broker, so it holds for every publisher.
 //
