@@ -256,7 +256,7 @@ type Retry struct {
 	subscriber wamqp.Config
 	// delayer: the tiers Delayer every mode builds on; the quarantine's
 	// hand-back publishes through it.
-	delayer *Delayer
+	delayer *tiersDelayer
 	// noQuarantine: Config.DisableCrashQuarantine.
 	noQuarantine bool
 	queueName    func(ctx context.Context) string
@@ -335,7 +335,7 @@ func New(cfg Config) (*Retry, error) {
 	if dl != nil {
 		topo.onBuilt = func(q string) { dl.resolve(q) }
 	}
-	delayer := &Delayer{publisher: pub, topology: topo, marshaler: marshaler, queueName: cfg.QueueName, logger: cfg.Logger, routes: routes}
+	delayer := &tiersDelayer{publisher: pub, topology: topo, marshaler: marshaler, queueName: cfg.QueueName, logger: cfg.Logger, routes: routes}
 	chainDelayer, modeClose, err := mode.delayer(delayer, DelayerDeps{
 		Publisher: pub, Marshaler: marshaler, QueueName: cfg.QueueName, Logger: cfg.Logger})
 	if err != nil {
@@ -503,7 +503,7 @@ func (r *Retry) SubscriberConfig() wamqp.Config { return r.subscriber }
 // consumer held (see middleware.RedeliveryGuard). Quarantine messages are
 // fetched one at a time (basic.get), only while no message of the
 // originating queue is in flight, at once when this process moved one there
-// and otherwise every QuarantinePollInterval; so the client never holds one
+// and otherwise every second; so the client never holds one
 // it has not started. One that is fetched but not run (the router stopped
 // first) or that the router nacks is handed back: republished unchanged
 // (same attempt and redelivery count, confirmed), then acked, so that a
@@ -624,7 +624,7 @@ func (p *poisonPublisher) Publish(topic string, msgs ...*message.Message) error 
 	}
 	q := msgs[0].Metadata.Get(middleware.OriginalQueueKey)
 	p.logger.Error("Poison publish found no poison queue; redeclaring topology", err, watermill.LogFields{"queue": q, "poison_queue": topic})
-	if rerr := p.topology.Redeclare(p.publisher.Channel, q); rerr != nil {
+	if rerr := p.topology.redeclare(p.publisher.Channel, q); rerr != nil {
 		return errors.Join(err, fmt.Errorf("amqpretry: redeclaring topology of %q: %w", q, rerr))
 	}
 	return p.publisher.PublishRawBatch(context.Background(), ex, topic, ps)

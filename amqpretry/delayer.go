@@ -16,11 +16,11 @@ import (
 	"github.com/rabbitretry/rabbitretry/middleware"
 )
 
-// Delayer implements middleware.Delayer on RabbitMQ for the Tiers mode: it
+// tiersDelayer implements middleware.Delayer on RabbitMQ for the Tiers mode: it
 // publishes the copy to the wait queue of the tier TierFor(delay) of the
 // message's originating queue, with mandatory set, and returns once the
 // broker confirmed it. The other modes build on it (mode_*.go).
-type Delayer struct {
+type tiersDelayer struct {
 	publisher *confirm.Publisher
 	topology  *Topology
 	marshaler Marshaler
@@ -47,7 +47,7 @@ type Delayer struct {
 // stop when ctx is cancelled (router shutdown): the publish is bounded by the
 // publisher's ConfirmTimeout instead, so a retry in flight is not lost to a
 // shutdown.
-func (d *Delayer) Schedule(ctx context.Context, msg *message.Message, delay time.Duration) error {
+func (d *tiersDelayer) Schedule(ctx context.Context, msg *message.Message, delay time.Duration) error {
 	p, err := d.plan(ctx, msg, delay)
 	if err != nil {
 		return err
@@ -70,7 +70,7 @@ type retryPlan struct {
 
 // plan checks the queue's names and chooses msg's wait queue tier; for a
 // positive delay it sets msg's remaining delay (middleware.SetRemainingDelay).
-func (d *Delayer) plan(ctx context.Context, msg *message.Message, delay time.Duration) (retryPlan, error) {
+func (d *tiersDelayer) plan(ctx context.Context, msg *message.Message, delay time.Duration) (retryPlan, error) {
 	q := d.queueName(ctx)
 	if err := d.topology.CheckNames(q); err != nil {
 		return retryPlan{}, err
@@ -86,13 +86,13 @@ func (d *Delayer) plan(ctx context.Context, msg *message.Message, delay time.Dur
 		// A handler's RetryAfter is a floor: round up, never down.
 		p.minimum = minimum
 		asked = max(delay, minimum)
-		p.tier, _ = d.topology.TierAtLeast(asked)
+		p.tier, _ = d.topology.tierAtLeast(asked)
 	}
 	// Beyond the longest tier, the wait queue holds the copy for that tier
 	// and the copy carries the rest (retrymeta.RemainingDelayKey): the
 	// RedeliveryGuard sends it round again, so it never runs earlier than
 	// asked. Within the tiers a backoff delay is rounded to the nearest tier
-	// (TierFor), a RetryAfter up (TierAtLeast).
+	// (TierFor), a RetryAfter up (tierAtLeast).
 	if n := len(d.topology.tiers); n > 0 && asked > d.topology.tiers[n-1] {
 		p.remaining = asked - d.topology.tiers[n-1]
 		d.logger.Debug("Retry delay exceeds the longest tier; held in several hops", watermill.LogFields{
@@ -124,7 +124,7 @@ func (d *Delayer) PlannedDelay(ctx context.Context, delay time.Duration) time.Du
 }
 
 // publishPlan publishes msg where p says.
-func (d *Delayer) publishPlan(ctx context.Context, msg *message.Message, p retryPlan) error {
+func (d *tiersDelayer) publishPlan(ctx context.Context, msg *message.Message, p retryPlan) error {
 	if p.back {
 		return d.publish(ctx, msg, d.topology.naming.LoopBackExchange, p.queue, p.queue)
 	}
@@ -163,7 +163,7 @@ func foreignDeaths(msg *message.Message, q string) bool {
 // publish marshals msg and publishes it to exchange with key (mandatory,
 // confirmed); if the target is missing it redeclares q's topology and tries
 // once more.
-func (d *Delayer) publish(ctx context.Context, msg *message.Message, exchange, key, q string) error {
+func (d *tiersDelayer) publish(ctx context.Context, msg *message.Message, exchange, key, q string) error {
 	p, err := d.marshaler.Marshal(msg)
 	if err != nil {
 		return fmt.Errorf("amqpretry: marshaling retry copy: %w", err)
@@ -178,7 +178,7 @@ func (d *Delayer) publish(ctx context.Context, msg *message.Message, exchange, k
 		return err
 	}
 	d.logger.Error("Retry publish found no route; redeclaring topology", err, watermill.LogFields{"queue": q, "exchange": exchange, "routing_key": key})
-	if rerr := d.topology.Redeclare(d.publisher.Channel, q); rerr != nil {
+	if rerr := d.topology.redeclare(d.publisher.Channel, q); rerr != nil {
 		return errors.Join(err, fmt.Errorf("amqpretry: redeclaring topology of %q: %w", q, rerr))
 	}
 	return d.publisher.PublishRaw(pctx, exchange, key, p)

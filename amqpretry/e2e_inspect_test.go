@@ -138,13 +138,13 @@ func TestE2E_InspectAndTidyOrphans(t *testing.T) {
 			tier       time.Duration
 			expected   bool
 		}{
-			{q, amqpretry.RoleOrigin, 0, true},
-			{q + ".wait.500ms", amqpretry.RoleWait, 500 * time.Millisecond, true},
-			{q + ".wait.2s", amqpretry.RoleWait, 2 * time.Second, true},
-			{q + ".poison", amqpretry.RolePoison, 0, true},
-			{q + ".wait.1s", amqpretry.RoleOrphanWait, time.Second, false},
-			{q + ".wait.30s", amqpretry.RoleOrphanWait, 30 * time.Second, false},
-			{legacy, amqpretry.RoleOrphanWait, time.Minute, false},
+			{q, "origin", 0, true},
+			{q + ".wait.500ms", "wait", 500 * time.Millisecond, true},
+			{q + ".wait.2s", "wait", 2 * time.Second, true},
+			{q + ".poison", "poison", 0, true},
+			{q + ".wait.1s", "orphan-wait", time.Second, false},
+			{q + ".wait.30s", "orphan-wait", 30 * time.Second, false},
+			{legacy, "orphan-wait", time.Minute, false},
 		} {
 			s, ok := queueState(rep, c.name)
 			if !ok || !s.Exists || s.Role != c.role || s.Tier != c.tier || s.Expected != c.expected {

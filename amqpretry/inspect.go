@@ -21,18 +21,18 @@ import (
 
 // Roles of a queue in a TopologyReport (QueueState.Role).
 const (
-	// RoleOrigin is the originating queue Q.
-	RoleOrigin = "origin"
-	// RoleWait is one of Q's wait queues for a configured tier.
-	RoleWait = "wait"
-	// RolePoison is Q's poison queue.
-	RolePoison = "poison"
-	// RoleOrphanWait is a wait queue of Q for a tier that is no longer
+	// roleOrigin is the originating queue Q.
+	roleOrigin = "origin"
+	// roleWait is one of Q's wait queues for a configured tier.
+	roleWait = "wait"
+	// rolePoison is Q's poison queue.
+	rolePoison = "poison"
+	// roleOrphanWait is a wait queue of Q for a tier that is no longer
 	// configured (an earlier deploy's tier): its messages still come back
 	// to Q when its TTL expires, but nothing publishes into it any more.
-	RoleOrphanWait = "orphan-wait"
-	// RoleQuarantine is Q's quarantine queue (Naming.QuarantineQueue).
-	RoleQuarantine = "quarantine"
+	roleOrphanWait = "orphan-wait"
+	// roleQuarantine is Q's quarantine queue (Naming.QuarantineQueue).
+	roleQuarantine = "quarantine"
 )
 
 // QueueState is one queue of an originating queue's retry topology as the
@@ -40,8 +40,10 @@ const (
 type QueueState struct {
 	// Name is the queue name.
 	Name string
-	// Role is RoleOrigin, RoleWait, RolePoison, RoleQuarantine or
-	// RoleOrphanWait.
+	// Role is "origin" (Q itself), "wait" (a wait queue of a configured
+	// tier), "poison", "quarantine" or "orphan-wait" (a wait queue of a tier
+	// no longer configured: its messages still come back to Q when their
+	// TTL expires, but nothing publishes into it any more).
 	Role string
 	// Tier is a wait queue's delay: its x-message-ttl argument (ms) when
 	// it exists, else the configured tier; 0 for the other roles.
@@ -227,7 +229,7 @@ func (t *Topology) Inspect(ctx context.Context, managementURL, vhost, queue stri
 				s.Policy = *lq.Policy
 			}
 			s.Type = lq.Type
-			if role == RoleWait || role == RoleOrphanWait {
+			if role == roleWait || role == roleOrphanWait {
 				if ttl, ok := argMillis(lq.Arguments, "x-message-ttl"); ok {
 					s.Tier = ttl
 				}
@@ -240,13 +242,13 @@ func (t *Topology) Inspect(ctx context.Context, managementURL, vhost, queue stri
 	}
 
 	known := map[string]bool{queue: true, t.PoisonQueue(queue): true, t.QuarantineQueue(queue): true}
-	rep.Queues = append(rep.Queues, state(queue, RoleOrigin, 0, true))
+	rep.Queues = append(rep.Queues, state(queue, roleOrigin, 0, true))
 	for i, wq := range t.WaitQueues(queue) {
 		known[wq] = true
-		rep.Queues = append(rep.Queues, state(wq, RoleWait, t.tiers[i], true))
+		rep.Queues = append(rep.Queues, state(wq, roleWait, t.tiers[i], true))
 	}
-	rep.Queues = append(rep.Queues, state(t.PoisonQueue(queue), RolePoison, 0, true))
-	rep.Queues = append(rep.Queues, state(t.QuarantineQueue(queue), RoleQuarantine, 0, true))
+	rep.Queues = append(rep.Queues, state(t.PoisonQueue(queue), rolePoison, 0, true))
+	rep.Queues = append(rep.Queues, state(t.QuarantineQueue(queue), roleQuarantine, 0, true))
 
 	prefix := queue + ".wait."
 	for _, lq := range listed {
@@ -268,7 +270,7 @@ func (t *Topology) Inspect(ctx context.Context, managementURL, vhost, queue stri
 		default:
 			continue
 		}
-		rep.Orphans = append(rep.Orphans, state(lq.Name, RoleOrphanWait, tier, false))
+		rep.Orphans = append(rep.Orphans, state(lq.Name, roleOrphanWait, tier, false))
 	}
 	slices.SortFunc(rep.Orphans, func(a, b QueueState) int {
 		if c := cmp.Compare(a.Tier, b.Tier); c != 0 {

@@ -20,23 +20,23 @@ import (
 	"github.com/rabbitretry/rabbitretry/middleware"
 )
 
-// ErrEmptyDelivery is returned by Marshaler.Unmarshal for a zero
+// errEmptyDelivery is returned by Marshaler.Unmarshal for a zero
 // amqp.Delivery (no acknowledger, tag, headers or body), which watermill-amqp
 // v2.1.3 can read from a consumer channel closed under it.
-var ErrEmptyDelivery = errors.New("amqpretry: empty delivery from a closed channel")
+var errEmptyDelivery = errors.New("amqpretry: empty delivery from a closed channel")
 
-// DefaultMaxHeaderBytes is the default of Marshaler.MaxHeaderBytes: 16 KiB.
+// defaultMaxHeaderBytes is the default of Marshaler.MaxHeaderBytes: 16 KiB.
 //
 // All headers of a message travel in one AMQP content header frame, which
 // must fit in the connection's negotiated frame_max (RabbitMQ "Configuration",
 // frame_max, default 131072 bytes); RabbitMQ closes the connection on a
 // larger frame. 16 KiB leaves ample room for properties and for headers the
 // library does not control.
-const DefaultMaxHeaderBytes = 16 * 1024
+const defaultMaxHeaderBytes = 16 * 1024
 
-// TruncatedSuffix marks a header value that Marshal shortened to respect
+// truncatedSuffix marks a header value that Marshal shortened to respect
 // Marshaler.MaxHeaderBytes.
-const TruncatedSuffix = "…(truncated)"
+const truncatedSuffix = "…(truncated)"
 
 // poisonReasonKey is the metadata key under which watermill's Poison
 // middleware stores the handler error (middleware.ReasonForPoisonedKey in
@@ -72,9 +72,9 @@ type Marshaler struct {
 	// fieldSize) of a publishing produced by Marshal. When the total
 	// is larger, Marshal shortens the longest values among the library's own
 	// keys (prefix "rabbitretry-") and watermill's "reason_poisoned" until it
-	// fits, ending each shortened value with TruncatedSuffix; other headers
+	// fits, ending each shortened value with "…(truncated)"; other headers
 	// are never touched, so the total may still exceed the bound if they
-	// alone are too large. 0 means DefaultMaxHeaderBytes; a negative value
+	// alone are too large. 0 means 16 KiB; a negative value
 	// disables truncation.
 	MaxHeaderBytes int
 
@@ -179,7 +179,7 @@ func (m Marshaler) Unmarshal(d amqp.Delivery) (*message.Message, error) {
 		// deliveries channel: nobody published it. Refusing it makes the
 		// subscriber's nack fail and reconnect, instead of handing the handler a
 		// phantom message that a failure would republish for real.
-		return nil, ErrEmptyDelivery
+		return nil, errEmptyDelivery
 	}
 	if onlyPlainStringHeaders(d.Headers) {
 		// Fast path (the common case: no broker header, nothing to convert):
@@ -405,7 +405,7 @@ func (m Marshaler) Marshal(msg *message.Message) (amqp.Publishing, error) {
 	amqpwire.MetadataToProperties(msg.Metadata, &p)
 	maxBytes := m.MaxHeaderBytes
 	if maxBytes == 0 {
-		maxBytes = DefaultMaxHeaderBytes
+		maxBytes = defaultMaxHeaderBytes
 	}
 	if maxBytes > 0 {
 		truncateHeaders(h, maxBytes)
@@ -449,8 +449,8 @@ func truncatable(k string) bool {
 // counting as fieldSize(value)) is at most maxTotal. Only values of keys with
 // prefix "rabbitretry-" and of "reason_poisoned" are shortened, longest
 // first: it finds the largest length L such that cutting every such value
-// longer than L+len(TruncatedSuffix) to its first L bytes (at a UTF-8
-// boundary) plus TruncatedSuffix fits. If even L = 0 does not fit, every
+// longer than L+len(truncatedSuffix) to its first L bytes (at a UTF-8
+// boundary) plus truncatedSuffix fits. If even L = 0 does not fit, every
 // candidate is cut that far and the total stays above maxTotal. A
 // maxTotal <= 0 disables truncation.
 func truncateHeaders(h amqp.Table, maxTotal int) {
@@ -467,7 +467,7 @@ func truncateHeaders(h amqp.Table, maxTotal int) {
 			continue
 		}
 		total += len(k) + len(s)
-		if truncatable(k) && len(s) > len(TruncatedSuffix) {
+		if truncatable(k) && len(s) > len(truncatedSuffix) {
 			cand = append(cand, k)
 			longest = max(longest, len(s))
 		}
@@ -475,7 +475,7 @@ func truncateHeaders(h amqp.Table, maxTotal int) {
 	if total <= maxTotal || len(cand) == 0 {
 		return
 	}
-	ms := len(TruncatedSuffix)
+	ms := len(truncatedSuffix)
 	// sizeAt is the total after cutting candidates to level l; it is
 	// non-decreasing in l.
 	sizeAt := func(l int) int {
@@ -503,7 +503,7 @@ func truncateHeaders(h amqp.Table, maxTotal int) {
 	for _, k := range cand {
 		s := h[k].(string)
 		if len(s) > lo+ms {
-			h[k] = cutUTF8(s, lo) + TruncatedSuffix
+			h[k] = cutUTF8(s, lo) + truncatedSuffix
 		}
 	}
 }

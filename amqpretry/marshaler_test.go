@@ -372,7 +372,7 @@ func TestTruncateHeaders(t *testing.T) {
 		t.Fatalf("non-candidate headers changed: %v", lens(h))
 	}
 	a, b := h[middleware.LastErrorKey].(string), h[poisonReasonKey].(string)
-	if !strings.HasSuffix(a, TruncatedSuffix) || !strings.HasSuffix(b, TruncatedSuffix) {
+	if !strings.HasSuffix(a, truncatedSuffix) || !strings.HasSuffix(b, truncatedSuffix) {
 		t.Fatalf("truncated values lack the marker: %q... %q...", a[:20], b[:20])
 	}
 	// Both are cut to the same level (the longest is not left intact).
@@ -395,7 +395,7 @@ func TestTruncateHeaders(t *testing.T) {
 	// marker, total stays above the budget, no panic.
 	h3 := amqp.Table{"user": strings.Repeat("u", 500), middleware.LastErrorKey: strings.Repeat("e", 100)}
 	truncateHeaders(h3, 100)
-	if h3[middleware.LastErrorKey] != TruncatedSuffix || len(h3["user"].(string)) != 500 {
+	if h3[middleware.LastErrorKey] != truncatedSuffix || len(h3["user"].(string)) != 500 {
 		t.Fatalf("h3 = %v", lens(h3))
 	}
 
@@ -417,7 +417,7 @@ func TestTruncateHeaders(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if got := headerBytes(p.Headers); got > DefaultMaxHeaderBytes {
+	if got := headerBytes(p.Headers); got > defaultMaxHeaderBytes {
 		t.Fatalf("default limit: total %d", got)
 	}
 	if msg.Metadata.Get(middleware.LastErrorKey) != strings.Repeat("e", 20000) {

@@ -38,7 +38,7 @@ type Mode interface {
 	// delayer returns the Delayer the chain schedules retries with, built
 	// on base (the wait-queue and loop-back publisher), and a close func
 	// (nil: none) that Retry.Close calls.
-	delayer(base *Delayer, deps DelayerDeps) (middleware.Delayer, func() error, error)
+	delayer(base *tiersDelayer, deps DelayerDeps) (middleware.Delayer, func() error, error)
 }
 
 // mode returns Config.Mode, or the default Tiers().

@@ -40,7 +40,7 @@ func (m customMode) validate(*Config) error {
 
 func (customMode) configure(*Config, *Topology) {} // no wait queue
 
-func (m customMode) delayer(base *Delayer, deps DelayerDeps) (middleware.Delayer, func() error, error) {
+func (m customMode) delayer(base *tiersDelayer, deps DelayerDeps) (middleware.Delayer, func() error, error) {
 	custom, err := buildCustomDelayer(m.factory, deps, base.topology)
 	if err != nil {
 		return nil, nil, fmt.Errorf("amqpretry: Config.Mode Custom: %w", err)
@@ -113,7 +113,7 @@ type DelayerFactory func(DelayerDeps) (CustomDelayer, error)
 // splitDelayer sends copies with no delay through amqpretry's loop-back
 // path and everything else to the custom Delayer.
 type splitDelayer struct {
-	loopBack *Delayer
+	loopBack *tiersDelayer
 	custom   middleware.Delayer
 }
 

@@ -46,7 +46,7 @@ func TestRetryPathDeliveryCustom(t *testing.T) {
 	if tier := topo.TierFor(1); tier != 0 {
 		t.Errorf("TierFor without tiers = %v, want 0", tier)
 	}
-	if tier, ok := topo.TierAtLeast(1); tier != 0 || ok {
+	if tier, ok := topo.tierAtLeast(1); tier != 0 || ok {
 		t.Errorf("TierAtLeast without tiers = %v, %v; want 0, false", tier, ok)
 	}
 }

@@ -60,7 +60,7 @@ func (m deadLetterFirstMode) configure(c *Config, t *Topology) {
 	t.deadLetterFirst = true // Q dead-letters into the first wait queue
 }
 
-func (deadLetterFirstMode) delayer(base *Delayer, _ DelayerDeps) (middleware.Delayer, func() error, error) {
+func (deadLetterFirstMode) delayer(base *tiersDelayer, _ DelayerDeps) (middleware.Delayer, func() error, error) {
 	return deadLetterFirstDelayer{base}, nil, nil
 }
 
@@ -70,7 +70,7 @@ func (deadLetterFirstMode) delayer(base *Delayer, _ DelayerDeps) (middleware.Del
 // entries for Q (foreignDeaths, marked by Retry.Middleware: the dead-letter
 // path would keep them), or the route does not check out; everything else
 // is published as in the Tiers mode.
-type deadLetterFirstDelayer struct{ *Delayer }
+type deadLetterFirstDelayer struct{ *tiersDelayer }
 
 // Schedule implements middleware.Delayer.
 func (d deadLetterFirstDelayer) Schedule(ctx context.Context, msg *message.Message, delay time.Duration) error {

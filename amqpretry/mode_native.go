@@ -77,7 +77,7 @@ func (m nativeMode) configure(c *Config, t *Topology) {
 }
 
 // delayer refuses a broker older than 4.3 (checkNativeSupport).
-func (m nativeMode) delayer(base *Delayer, _ DelayerDeps) (middleware.Delayer, func() error, error) {
+func (m nativeMode) delayer(base *tiersDelayer, _ DelayerDeps) (middleware.Delayer, func() error, error) {
 	props, err := serverProperties(base.publisher)
 	if err == nil {
 		err = checkNativeSupport(props)
@@ -85,7 +85,7 @@ func (m nativeMode) delayer(base *Delayer, _ DelayerDeps) (middleware.Delayer, f
 	if err != nil {
 		return nil, nil, err
 	}
-	return nativeDelayer{Delayer: base, n: base.topology.native}, nil, nil
+	return nativeDelayer{tiersDelayer: base, n: base.topology.native}, nil, nil
 }
 
 // nativeDelayer returns middleware.ErrNativeRetry, without publishing, for
@@ -93,7 +93,7 @@ func (m nativeMode) delayer(base *Delayer, _ DelayerDeps) (middleware.Delayer, f
 // retrymeta.WithCopyRequired or the route does not check out (adopted
 // queues); everything else is published as in the Tiers mode.
 type nativeDelayer struct {
-	*Delayer
+	*tiersDelayer
 	n *NativeDelayedRetry
 }
 

@@ -15,7 +15,7 @@ import (
 // [1 ms, MaxTTL], at most MaxTiers; order and duplicates do not matter. A
 // computed backoff delay goes to the nearest tier on a logarithmic scale
 // (Topology.TierFor), a handler's RetryAfter to the smallest tier at or
-// above it (Topology.TierAtLeast); a delay beyond the longest tier is held
+// above it; a delay beyond the longest tier is held
 // in several hops. None given: DefaultTiers(Config.Backoff,
 // Config.MaxAttempts), the delays of attempts 1..MaxAttempts-1 without
 // jitter.
@@ -29,6 +29,6 @@ func (m tiersMode) validate(*Config) error { return validateTiers(m.String(), m.
 
 func (m tiersMode) configure(c *Config, t *Topology) { t.tiers = waitTiers(c, m.tiers) }
 
-func (tiersMode) delayer(base *Delayer, _ DelayerDeps) (middleware.Delayer, func() error, error) {
+func (tiersMode) delayer(base *tiersDelayer, _ DelayerDeps) (middleware.Delayer, func() error, error) {
 	return base, nil, nil
 }

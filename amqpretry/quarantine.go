@@ -75,7 +75,7 @@ func (q *quarantines) wake(queue string) {
 // once the broker confirmed it. It returns an error wrapping
 // retrymeta.ErrNoQuarantine when no subscriber of this process consumes
 // that quarantine (the subscriber did not come from Retry.NewSubscriber).
-func (d *Delayer) Quarantine(ctx context.Context, msg *message.Message) error {
+func (d *tiersDelayer) Quarantine(ctx context.Context, msg *message.Message) error {
 	q := d.queueName(ctx)
 	if err := d.topology.CheckNames(q); err != nil {
 		return err
@@ -96,11 +96,11 @@ func (s splitDelayer) Quarantine(ctx context.Context, msg *message.Message) erro
 	return s.loopBack.Quarantine(ctx, msg)
 }
 
-// QuarantinePollInterval is how often a quarantine subscription
+// quarantinePollInterval is how often a quarantine subscription
 // (Retry.NewSubscriber) looks for messages in its quarantine queue that it
 // was not told about: left there by an earlier run or by another process.
 // A message this process moves there is fetched at once.
-const QuarantinePollInterval = time.Second
+const quarantinePollInterval = time.Second
 
 // quarantineSubscriber consumes, for each subscribed topic, the originating
 // queue (the user's subscriber configuration, watermill-amqp) and its
@@ -153,7 +153,7 @@ func newQuarantineSubscriber(cfg wamqp.Config, topo *Topology, handBack func(con
 		conn.AmqpConfig = &ac
 	}
 	return &quarantineSubscriber{origin: origin, conn: conn, marshaler: cfg.Marshaler, topo: topo, queueName: cfg.Queue.GenerateName,
-		handBack: handBack, logger: logger, poll: QuarantinePollInterval, done: make(chan struct{})}, nil
+		handBack: handBack, logger: logger, poll: quarantinePollInterval, done: make(chan struct{})}, nil
 }
 
 // Subscribe consumes topic's originating queue and its quarantine.

@@ -56,7 +56,7 @@ func (m Marshaler) retryRoute(d *amqp.Delivery, deaths []amqpwire.DeathRecord) (
 	if q == "" {
 		return false, false
 	}
-	loopBack := "rabbitretry.loopback"
+	loopBack := retrymeta.DefaultLoopBackExchange
 	if m.Topology != nil {
 		loopBack = m.Topology.Naming().LoopBackExchange
 	}

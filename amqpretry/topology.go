@@ -63,7 +63,7 @@ type Naming struct {
 
 func (n *Naming) setDefaults() {
 	if n.LoopBackExchange == "" {
-		n.LoopBackExchange = "rabbitretry.loopback"
+		n.LoopBackExchange = retrymeta.DefaultLoopBackExchange
 	}
 	if n.WaitExchange == "" {
 		n.WaitExchange = "rabbitretry.wait"
@@ -223,13 +223,13 @@ func (t *Topology) TierFor(d time.Duration) time.Duration {
 	return t.tiers[i]
 }
 
-// TierAtLeast returns the smallest tier >= d, for delays that are a minimum
+// tierAtLeast returns the smallest tier >= d, for delays that are a minimum
 // (a handler's RetryAfter): the message never comes back earlier than asked.
 // ok is false when d exceeds the longest tier; the longest tier is returned
 // then (the Delayer holds the copy for it and the copy carries the rest,
 // retrymeta.RemainingDelayKey, so it is held again when it comes back).
 // With no tiers (a Custom mode) it returns 0, false.
-func (t *Topology) TierAtLeast(d time.Duration) (tier time.Duration, ok bool) {
+func (t *Topology) tierAtLeast(d time.Duration) (tier time.Duration, ok bool) {
 	if len(t.tiers) == 0 {
 		return 0, false
 	}
@@ -519,10 +519,10 @@ func (t *Topology) DeclareRetry(ch *amqp.Channel, queue string) error {
 	return nil
 }
 
-// Redeclare declares again the whole topology of an originating queue that
+// redeclare declares again the whole topology of an originating queue that
 // BuildTopology declared before (e.g. after a wait queue was deleted), on a
 // channel from open. It returns an error for a queue never declared here.
-func (t *Topology) Redeclare(open func() (*amqp.Channel, error), queue string) error {
+func (t *Topology) redeclare(open func() (*amqp.Channel, error), queue string) error {
 	t.mu.Lock()
 	dq, ok := t.declared[queue]
 	t.mu.Unlock()

@@ -49,7 +49,7 @@ func TestTierAtLeast(t *testing.T) {
 		ok      bool
 	}{{0, 100 * ms, true}, {100 * ms, 100 * ms, true}, {101 * ms, 200 * ms, true}, {399 * ms, 400 * ms, true}, {401 * ms, 400 * ms, false}}
 	for _, c := range cases {
-		if got, ok := topo.TierAtLeast(c.d); got != c.want || ok != c.ok {
+		if got, ok := topo.tierAtLeast(c.d); got != c.want || ok != c.ok {
 			t.Errorf("TierAtLeast(%v) = %v, %v; want %v, %v", c.d, got, ok, c.want, c.ok)
 		}
 	}

@@ -79,7 +79,7 @@ func TestSubscriberConnectionDrop(t *testing.T) {
 //
 // Also covered: the zero amqp.Delivery that watermill-amqp v2.1.3 can read
 // from a closed deliveries channel (pkg/amqp/subscriber.go:317) is refused by
-// amqpretry.Marshaler (ErrEmptyDelivery) instead of reaching the handler as a
+// amqpretry.Marshaler (an empty-delivery error) instead of reaching the handler as a
 // phantom message.
 func TestRetryCopyExceedsFrameMax(t *testing.T) {
 	e := newEnv(t, "classic", func(_ *env, c *amqpretry.Config) { c.MaxAttempts = 3 })

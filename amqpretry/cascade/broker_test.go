@@ -225,7 +225,7 @@ func TestArrivalTimes(t *testing.T) {
 				if a.d.Exchange != wantEx {
 					t.Errorf("%v delivered through %q, want %q", want, a.d.Exchange, wantEx)
 				}
-				if gotQ, gotD, ok := f.cfg.DeliveredQueue(a.d.Exchange, a.d.RoutingKey); !ok || gotQ != q || gotD != want {
+				if gotQ, gotD, ok := f.cfg.deliveredQueue(a.d.Exchange, a.d.RoutingKey); !ok || gotQ != q || gotD != want {
 					t.Errorf("DeliveredQueue(%q, %q) = %q %v %v", a.d.Exchange, a.d.RoutingKey, gotQ, gotD, ok)
 				}
 			}
@@ -453,7 +453,7 @@ func TestDeclareAndWaiting(t *testing.T) {
 	classic := f.cfg
 	classic.QueueType = amqpretry.QueueTypeClassic
 	ch2 := f.channel()
-	// The settings marker refuses it first (SettingsExchange), naming
+	// The settings marker refuses it first (settingsExchange), naming
 	// both settings.
 	if err := classic.Declare(ch2); !errors.Is(err, ErrSettingsMismatch) || !strings.Contains(err.Error(), "levels=26 grain=100ms quorum") ||
 		!strings.Contains(err.Error(), "levels=26 grain=100ms classic") {

@@ -42,11 +42,11 @@ type CensusEntry struct {
 	Queue string `json:"queue"`
 	// Messages is how many there were.
 	Messages int `json:"messages"`
-	// EarliestDue and LatestDue bound their due times (DueHeader, or the
+	// EarliestDue and LatestDue bound their due times (header rabbitretry-cascade-due, or the
 	// estimate Census used for messages without one).
 	EarliestDue time.Time `json:"earliest_due"`
 	LatestDue   time.Time `json:"latest_due"`
-	// NoDueHeader counts those without DueHeader (published by an older
+	// NoDueHeader counts those without header rabbitretry-cascade-due (published by an older
 	// version): their due time is an upper bound, see Census.
 	NoDueHeader int `json:"no_due_header,omitempty"`
 	// MovedTo is Move[Queue] when Queue was in CensusOptions.Move.
@@ -69,7 +69,7 @@ type CensusReport struct {
 	// Moved is the number of counted messages addressed to a destination of
 	// CensusOptions.Move (put back to the new destination, unless DryRun).
 	Moved int
-	// Clamped is the number of counted messages whose DueHeader lay outside
+	// Clamped is the number of counted messages whose header rabbitretry-cascade-due lay outside
 	// what their level and routing key allow (a sender's clock off, or a
 	// header set by hand): put back with the nearest delay they can have
 	// left (see Census), not the header's.
@@ -93,11 +93,11 @@ type CensusReport struct {
 // their earliest and latest due time), and puts each back into the cascade
 // with its remaining delay, to the same destination or to the one
 // opts.Move names. It is the only way to see destinations and due times:
-// both are in each message's routing key and DueHeader, readable only by
+// both are in each message's routing key and header rabbitretry-cascade-due, readable only by
 // taking the message. Use Waiting for per-level counts without
 // disturbing anything.
 //
-// How a message is put back: its remaining delay is due − now (DueHeader),
+// How a message is put back: its remaining delay is due − now (header rabbitretry-cascade-due),
 // clamped to what its level and routing key allow: at least the key's
 // lower bits (what it must still wait after this level), at most those
 // plus this level's whole TTL (2^n grains); a header outside that range (a
@@ -141,7 +141,7 @@ type CensusReport struct {
 // mostly its own copies: CensusReport.Returned) go back to the queue
 // untouched when it cancels its consumer or its channel ends. On RabbitMQ
 // 4.x that counts a delivery attempt each; the level queues' delivery limit
-// (LevelDeliveryLimit, 2^31-1) is never reached, so no number of
+// (levelDeliveryLimit, 2^31-1) is never reached, so no number of
 // interrupted censuses moves a message on early. (Level queues declared by
 // an earlier version without x-delivery-limit have the broker's default,
 // 20 on 4.x: recreate them, see the README.) While a message is held it
@@ -150,16 +150,16 @@ type CensusReport struct {
 // the cascade when the alarm clears, with the delay computed before it.
 //
 // Timing: a message is exact to the grain plus the time it was held
-// (milliseconds) when it carries DueHeader (the Delayer and Publisher stamp
-// it). One without it (published by a version before DueHeader) is put
+// (milliseconds) when it carries header rabbitretry-cascade-due (the Delayer and Publisher stamp
+// it). One without it (published by a version before header rabbitretry-cascade-due) is put
 // back with the largest delay it can have left: the lower levels' bits of
 // its key plus the whole TTL of the level it was found in; it arrives up
 // to that level's TTL (2^n grains) late, never early. The put-back copy
-// carries DueHeader from then on.
+// carries header rabbitretry-cascade-due from then on.
 //
 // Which messages are counted: Census reads, per level, the number of
 // messages the level held when its turn came (passive queue.declare), and
-// stops at the first message it put back itself (CensusHeader = this run's
+// stops at the first message it put back itself (header rabbitretry-cascade-census = this run's
 // id; it leaves that one in the queue): the queue is FIFO, so it has then
 // gone round. On a quiescent cascade the counts are exact. On a
 // live one they are not a snapshot: a message that moves to a lower level

@@ -197,7 +197,7 @@ func (r *censusRun) collect(ctx context.Context, ch *amqp.Channel, call func(fun
 			if !open {
 				return batch, true, fmt.Errorf("cascade: the census consumer on %q ended (channel closed): the messages it held go back to the level queue", q.Name)
 			}
-			if d.Headers[CensusHeader] == r.id {
+			if d.Headers[censusHeader] == r.id {
 				r.rep.Returned++ // gone round: left to the cancel, which returns it
 				return batch, true, nil
 			}
@@ -320,7 +320,7 @@ func (r *censusRun) reroute(ret amqp.Return) error {
 }
 
 // prepare builds d's put-back copy (found in level n, at now): its
-// remaining delay is DueHeader − now, clamped to what level n and the key's
+// remaining delay is dueHeader − now, clamped to what level n and the key's
 // lower bits allow: at least the lower bits (still to wait after level n),
 // at most those plus level n's whole TTL. A copy due now goes to level 0
 // with one grain (never straight to the destination: an unbound
@@ -336,7 +336,7 @@ func (r *censusRun) prepare(n int, d amqp.Delivery, now time.Time) putBackCopy {
 	if c.p.Headers == nil {
 		c.p.Headers = amqp.Table{}
 	}
-	c.p.Headers[CensusHeader] = r.id
+	c.p.Headers[censusHeader] = r.id
 	bits, queue, perr := cfg.parseKey(d.RoutingKey)
 	if perr != nil {
 		// Not a cascade key: back into the same level queue, unchanged.
@@ -346,7 +346,7 @@ func (r *censusRun) prepare(n int, d amqp.Delivery, now time.Time) putBackCopy {
 	c.ok, c.dest = true, queue
 	low := time.Duration(bits&(uint64(1)<<uint(n)-1)) * cfg.Grain
 	earliest, latest := now.Add(low), now.Add(low+levelTTL(cfg.Grain, n))
-	due, ok := parseDue(c.p.Headers[DueHeader])
+	due, ok := parseDue(c.p.Headers[dueHeader])
 	switch {
 	case !ok:
 		c.noDue, due = true, latest
@@ -356,7 +356,7 @@ func (r *censusRun) prepare(n int, d amqp.Delivery, now time.Time) putBackCopy {
 		c.clamped, due = true, earliest
 	}
 	c.due = due
-	c.p.Headers[DueHeader] = formatDue(due)
+	c.p.Headers[dueHeader] = formatDue(due)
 	target := queue
 	if to, ok := r.opts.Move[queue]; ok {
 		c.movedTo = to
@@ -441,10 +441,10 @@ func (r *censusRun) finish() {
 	sort.Slice(r.rep.Destinations, func(i, j int) bool { return r.rep.Destinations[i].Queue < r.rep.Destinations[j].Queue })
 }
 
-// formatDue writes a DueHeader value: Unix milliseconds, decimal.
+// formatDue writes a dueHeader value: Unix milliseconds, decimal.
 func formatDue(t time.Time) string { return strconv.FormatInt(t.UnixMilli(), 10) }
 
-// parseDue reads a DueHeader value (a decimal string, or an integer if a
+// parseDue reads a dueHeader value (a decimal string, or an integer if a
 // client wrote one).
 func parseDue(v any) (time.Time, bool) {
 	var ms int64

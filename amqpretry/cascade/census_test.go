@@ -240,8 +240,8 @@ func TestRedirect(t *testing.T) {
 	t.Parallel()
 	s := scheduleCensusPlan(t)
 	ch := s.f.channel()
-	if err := s.f.cfg.Redirect(ch, s.queues["A"], s.queues["A"]); !errors.Is(err, ErrSameQueue) {
-		t.Errorf("Redirect to itself: %v, want ErrSameQueue", err)
+	if err := s.f.cfg.Redirect(ch, s.queues["A"], s.queues["A"]); !errors.Is(err, errSameQueue) {
+		t.Errorf("Redirect to itself: %v, want errSameQueue", err)
 	}
 	if err := s.f.cfg.Redirect(ch, s.queues["A"], s.queues["B"]); err != nil {
 		t.Fatalf("Redirect: %v", err)
@@ -259,7 +259,7 @@ func TestRedirect(t *testing.T) {
 	}
 }
 
-// TestCensusWithoutDueHeader: a message published without DueHeader (an
+// TestCensusWithoutDueHeader: a message published without dueHeader (an
 // older publisher) is counted as such and put back with the bound the doc
 // promises: never early, at most the level's TTL late. A message with a
 // foreign key is put back into its level queue unchanged.
@@ -299,14 +299,14 @@ func TestCensusWithoutDueHeader(t *testing.T) {
 	a := testkit.Recv(t, in, 15*time.Second)
 	late := a.at.Sub(sent) - 3200*time.Millisecond
 	bound := censusAt.Sub(sent) + lateTolerance
-	t.Logf("without DueHeader: %v late (census %v after the publish; bound %v)", late.Round(time.Millisecond), censusAt.Sub(sent).Round(time.Millisecond), bound.Round(time.Millisecond))
+	t.Logf("without dueHeader: %v late (census %v after the publish; bound %v)", late.Round(time.Millisecond), censusAt.Sub(sent).Round(time.Millisecond), bound.Round(time.Millisecond))
 	if string(a.msg.Payload) != "old" || late < 0 || late > bound {
 		t.Errorf("got %q %v late; want \"old\", in [0, %v]", a.msg.Payload, late, bound)
 	}
-	if v, ok := a.d.Headers[DueHeader].(string); !ok {
-		t.Errorf("put-back copy has no DueHeader: %v", a.d.Headers)
+	if v, ok := a.d.Headers[dueHeader].(string); !ok {
+		t.Errorf("put-back copy has no dueHeader: %v", a.d.Headers)
 	} else if ms, _ := strconv.ParseInt(v, 10, 64); time.UnixMilli(ms).After(a.at.Add(time.Millisecond)) {
-		t.Errorf("DueHeader %v after the arrival %v", time.UnixMilli(ms), a.at)
+		t.Errorf("dueHeader %v after the arrival %v", time.UnixMilli(ms), a.at)
 	}
 }
 

@@ -25,10 +25,10 @@ const (
 	DefaultPrefix = "rabbitretry.delay"
 	// DefaultGrain is the default time unit of the cascade: 100 ms.
 	DefaultGrain = 100 * time.Millisecond
-	// MaxLevels bounds Config.Levels: with the smallest grain (1 ms), level
+	// maxLevels bounds Config.Levels: with the smallest grain (1 ms), level
 	// 31's TTL is 2^31 ms, and 2^32 ms would exceed amqpretry.MaxTTL.
-	MaxLevels = 32
-	// LevelDeliveryLimit is the x-delivery-limit argument quorum level
+	maxLevels = 32
+	// levelDeliveryLimit is the x-delivery-limit argument quorum level
 	// queues are declared with: 2^31-1 returns, i.e. never reached. A level
 	// queue has no consumer except Census, and an interrupted census (its
 	// connection dropped, a deadline, Ctrl-C) returns every delivery it
@@ -39,9 +39,9 @@ const (
 	// means "unlimited" on 4.x but acts as 0 (drop after one delivery) on
 	// 3.x, and an argument at declaration is the proven-safe way to set it
 	// (a policy is not needed).
-	LevelDeliveryLimit = 1<<31 - 1
-	// DefaultTopologyCheck is the default of Config.TopologyCheck: 5 s.
-	DefaultTopologyCheck = 5 * time.Second
+	levelDeliveryLimit = 1<<31 - 1
+	// defaultTopologyCheck is the default of Config.TopologyCheck: 5 s.
+	defaultTopologyCheck = 5 * time.Second
 )
 
 // ErrSettingsMismatch is returned (wrapped) by Declare when the cascade's
@@ -73,7 +73,7 @@ type Config struct {
 	// (2^Levels - 1) × Grain. Default: the fewest levels whose MaxDelay
 	// covers amqpretry.MaxTTL (2^32-1 ms, about 49.7 days) while level
 	// Levels-1's TTL stays within it: 26 for 100 ms (MaxDelay about 77.7
-	// days), 23 for 1 s, 32 for 1 ms. Range [1, MaxLevels], with
+	// days), 23 for 1 s, 32 for 1 ms. Range [1, 32], with
 	// 2^(Levels-1) × Grain <= amqpretry.MaxTTL (RabbitMQ refuses a larger
 	// x-message-ttl).
 	Levels int
@@ -124,7 +124,7 @@ type Config struct {
 	// dead_letter_worker_publisher_confirm_timeout, 3 min by default;
 	// classic levels drop them), unless ManagementURL is set: then the
 	// repair has the workers resend at once (see ManagementURL). Default
-	// DefaultTopologyCheck (5 s);
+	// 5 s;
 	// negative disables the check. A bare binding removed on its own is
 	// not seen (AMQP cannot read bindings); Declare restores it.
 	TopologyCheck time.Duration
@@ -200,7 +200,7 @@ func (c *Config) setDefaults() {
 		c.Logger = watermill.NopLogger{}
 	}
 	if c.TopologyCheck == 0 {
-		c.TopologyCheck = DefaultTopologyCheck
+		c.TopologyCheck = defaultTopologyCheck
 	}
 	if c.FullWait == 0 {
 		c.FullWait = defaultFullWait
@@ -211,7 +211,7 @@ func (c *Config) setDefaults() {
 // one fewer if the top level's TTL would then exceed MaxTTL.
 func defaultLevels(grain time.Duration) int {
 	n := 1
-	for n < MaxLevels && time.Duration(uint64(1)<<uint(n)-1)*grain < amqpretry.MaxTTL {
+	for n < maxLevels && time.Duration(uint64(1)<<uint(n)-1)*grain < amqpretry.MaxTTL {
 		n++
 	}
 	if levelTTL(grain, n-1) > amqpretry.MaxTTL && n > 1 {
@@ -227,7 +227,7 @@ func levelTTL(grain time.Duration, n int) time.Duration {
 
 // Validate reports the first invalid field, by name: Prefix reserved or too
 // long, Grain not a positive whole number of milliseconds, Levels outside
-// [1, MaxLevels] or with a top-level TTL above amqpretry.MaxTTL, QueueType
+// [1, 32] or with a top-level TTL above amqpretry.MaxTTL, QueueType
 // neither quorum nor classic, both Publisher and URI set, or a
 // ManagementURL that is not an http(s) URL (shown without its password).
 // Zero fields are valid (defaults); NewDelayer and NewPublisher apply them
@@ -243,8 +243,8 @@ func (c Config) Validate() error {
 	if c.Grain < time.Millisecond || c.Grain%time.Millisecond != 0 {
 		return fmt.Errorf("cascade.Config.Grain %v is not a positive whole number of milliseconds (x-message-ttl is in ms)", c.Grain)
 	}
-	if c.Levels < 1 || c.Levels > MaxLevels {
-		return fmt.Errorf("cascade.Config.Levels %d is outside [1, %d]", c.Levels, MaxLevels)
+	if c.Levels < 1 || c.Levels > maxLevels {
+		return fmt.Errorf("cascade.Config.Levels %d is outside [1, %d]", c.Levels, maxLevels)
 	}
 	if top := levelTTL(c.Grain, c.Levels-1); top > amqpretry.MaxTTL {
 		return fmt.Errorf("cascade.Config.Levels %d with Grain %v makes the top level's TTL %v, above RabbitMQ's maximum %v",
@@ -342,7 +342,7 @@ func (c *Config) levelArgs(n int) amqp.Table {
 		args["x-dead-letter-strategy"] = "at-least-once"
 		args["x-overflow"] = "reject-publish"
 		if !c.legacyLevels {
-			args["x-delivery-limit"] = int64(LevelDeliveryLimit)
+			args["x-delivery-limit"] = int64(levelDeliveryLimit)
 		}
 	}
 	return args

@@ -11,7 +11,7 @@ import (
 	"github.com/rabbitretry/rabbitretry/internal/amqperr"
 )
 
-// SettingsExchange is the name of the cascade's settings marker:
+// settingsExchange is the name of the cascade's settings marker:
 // "<Prefix>.settings", an internal fanout exchange that routes nothing.
 // Declare declares it first, with the settings (Levels, Grain, QueueType)
 // written in its alternate-exchange argument, the one exchange argument
@@ -21,7 +21,7 @@ import (
 // ErrSettingsMismatch naming both. The alternate exchange it names does
 // not exist and is never used (nothing is published to an internal
 // exchange).
-func (c Config) SettingsExchange() string {
+func (c Config) settingsExchange() string {
 	c.setDefaults()
 	return c.Prefix + ".settings"
 }
@@ -34,9 +34,9 @@ func (c *Config) settings() string {
 
 var aeValues = regexp.MustCompile(`received '([^']*)' but current is '([^']*)'`)
 
-// declareSettings declares the settings marker (see SettingsExchange).
+// declareSettings declares the settings marker (see settingsExchange).
 func (c *Config) declareSettings(ch *amqp.Channel) error {
-	err := ch.ExchangeDeclare(c.SettingsExchange(), amqp.ExchangeFanout, true, false, true, false,
+	err := ch.ExchangeDeclare(c.settingsExchange(), amqp.ExchangeFanout, true, false, true, false,
 		amqp.Table{"alternate-exchange": c.settings()})
 	if err == nil {
 		return nil
@@ -50,13 +50,13 @@ func (c *Config) declareSettings(ch *amqp.Channel) error {
 		return fmt.Errorf("%w: prefix %q is declared with %s, this Config has %s (every process sharing a cascade must use the same Levels, Grain and QueueType; use another Prefix, or Delete the cascade once it is empty): %w",
 			ErrSettingsMismatch, c.Prefix, found, c.settings(), err)
 	}
-	return declareError("exchange", c.SettingsExchange(), err)
+	return declareError("exchange", c.settingsExchange(), err)
 }
 
 // Declare declares the whole fixed topology on ch, idempotently (RabbitMQ
 // declares are no-ops when the object exists with the same arguments):
 //
-//   - first the settings marker (SettingsExchange): if the prefix is
+//   - first the settings marker (settingsExchange): if the prefix is
 //     already declared with other Levels, Grain or QueueType, Declare
 //     stops there with ErrSettingsMismatch (wrapped, naming both), having
 //     bound nothing (the broker closes ch);
@@ -67,7 +67,7 @@ func (c *Config) declareSettings(ch *amqp.Channel) error {
 //     exchange or, for level 0, the delivery exchange, no
 //     x-dead-letter-routing-key so the message keeps its key; quorum:
 //     x-dead-letter-strategy at-least-once, x-overflow reject-publish,
-//     x-delivery-limit LevelDeliveryLimit);
+//     x-delivery-limit levelDeliveryLimit);
 //   - level n's exchange bound to its queue with "*." × (Levels-1-n) + "1.#"
 //     and to the next exchange (exchange-to-exchange binding, RabbitMQ
 //     "Exchange to Exchange Bindings") with "*." × (Levels-1-n) + "0.#".
@@ -142,19 +142,6 @@ func (c Config) BindDestination(ch *amqp.Channel, queue string) error {
 	return nil
 }
 
-// UnbindDestination removes queue's binding (see BindDestination). It
-// returns Validate's error, ErrBadQueueName or the broker's error.
-func (c Config) UnbindDestination(ch *amqp.Channel, queue string) error {
-	c, err := c.resolved()
-	if err != nil {
-		return err
-	}
-	if err := c.checkQueue(queue); err != nil {
-		return err
-	}
-	return ch.QueueUnbind(queue, c.destinationPattern(queue), c.DeliveryExchange(), nil)
-}
-
 // Delete deletes the level queues (with every message waiting in them),
 // the level exchanges, the delivery exchange and the settings marker
 // (unconditionally; missing
@@ -179,8 +166,8 @@ func (c Config) Delete(ch *amqp.Channel) error {
 	if err := ch.ExchangeDelete(c.DeliveryExchange(), false, false); err != nil {
 		return fmt.Errorf("cascade: deleting exchange %q: %w", c.DeliveryExchange(), err)
 	}
-	if err := ch.ExchangeDelete(c.SettingsExchange(), false, false); err != nil {
-		return fmt.Errorf("cascade: deleting exchange %q: %w", c.SettingsExchange(), err)
+	if err := ch.ExchangeDelete(c.settingsExchange(), false, false); err != nil {
+		return fmt.Errorf("cascade: deleting exchange %q: %w", c.settingsExchange(), err)
 	}
 	return nil
 }

@@ -217,8 +217,8 @@ func (c *core) checkTopology() (missing string, err error) {
 		return "", err
 	}
 	cfg := &c.cfg
-	if err := ch.ExchangeDeclarePassive(cfg.SettingsExchange(), amqp.ExchangeFanout, true, false, true, false, nil); err != nil {
-		return check("exchange "+cfg.SettingsExchange(), err)
+	if err := ch.ExchangeDeclarePassive(cfg.settingsExchange(), amqp.ExchangeFanout, true, false, true, false, nil); err != nil {
+		return check("exchange "+cfg.settingsExchange(), err)
 	}
 	if err := ch.ExchangeDeclarePassive(cfg.DeliveryExchange(), amqp.ExchangeTopic, true, false, false, false, nil); err != nil {
 		return check("exchange "+cfg.DeliveryExchange(), err)
@@ -313,8 +313,8 @@ func (c *core) send(ctx context.Context, msg *message.Message, n uint64, queue s
 		p.Headers = amqp.Table{}
 	}
 	due := time.Now().Add(time.Duration(n) * c.cfg.Grain)
-	p.Headers[DueHeader] = formatDue(due)
-	delete(p.Headers, CensusHeader)
+	p.Headers[dueHeader] = formatDue(due)
+	delete(p.Headers, censusHeader)
 	if size, limit := headerBytes(p.Headers), c.headerLimit(queue); size > limit {
 		return fmt.Errorf("%w: the delayed copy's headers take about %d bytes, more than the %d that stay deliverable once the broker adds an x-death entry per level",
 			middleware.ErrCannotDelay, size, limit)
@@ -394,8 +394,8 @@ func NewDelayer(cfg Config) (*Delayer, error) {
 	return &Delayer{c: c}, nil
 }
 
-// Config returns the Config in use, with its defaults.
-func (d *Delayer) Config() Config { return d.c.cfg }
+// config returns the config in use, with its defaults.
+func (d *Delayer) config() Config { return d.c.cfg }
 
 // Schedule publishes msg to the cascade so that it reaches its originating
 // queue (Config.QueueName(ctx)) after delay, and returns nil once the

@@ -85,7 +85,7 @@
 // the next level's queue (or the destination) confirmed it, so the cascade
 // is at-least-once across node restarts (a duplicate is possible, a loss
 // is not). Quorum level queues also carry x-delivery-limit
-// LevelDeliveryLimit (2^31-1): returns by interrupted censuses count
+// levelDeliveryLimit (2^31-1): returns by interrupted censuses count
 // against a quorum queue's delivery limit on RabbitMQ 4.x (default 20), and
 // a message over it would be dead-lettered to the next level, early.
 // Classic queues dead-letter at-most-once ("Dead Letter Exchanges": a
@@ -93,7 +93,7 @@
 // choose them only where that is acceptable.
 //
 // Every process sharing a prefix must use the same Levels, Grain and
-// QueueType: Declare first declares a settings marker (SettingsExchange)
+// QueueType: Declare first declares a settings marker (settingsExchange)
 // that the broker refuses to redeclare with other settings, and returns
 // ErrSettingsMismatch naming both before binding anything.
 //
@@ -167,7 +167,7 @@
 // message. Counts per destination, with the earliest and latest due time,
 // come from Census: it takes the waiting messages out of the level queues
 // and puts each back with its remaining delay (every message the Delayer
-// and Publisher send carries its due time in DueHeader, clamped to what
+// and Publisher send carries its due time in header rabbitretry-cascade-due, clamped to what
 // its level and key allow), the copy's publish and the original's ack in
 // one transaction, so an interrupted census (Ctrl-C, deadline, dropped
 // connection, resource alarm) leaves each message put back or untouched,

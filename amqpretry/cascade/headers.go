@@ -6,7 +6,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 )
 
-// DueHeader is the header the Delayer and the Publisher stamp on every
+// dueHeader is the header the Delayer and the Publisher stamp on every
 // message they publish to the cascade: the absolute time the message is
 // due at its destination, in Unix milliseconds (a decimal string, so it
 // travels as plain Watermill metadata): publish time + the delay rounded up
@@ -15,14 +15,14 @@ import (
 // metadata (like the x-death headers the levels add); a new Schedule
 // overwrites it. Messages published by versions without it are still
 // delivered; Census then bounds their remaining delay (see Census).
-const DueHeader = "rabbitretry-cascade-due"
+const dueHeader = "rabbitretry-cascade-due"
 
-// CensusHeader marks a message Census put back into the cascade, with the
+// censusHeader marks a message Census put back into the cascade, with the
 // census run's id, so that the same run, reaching it again at the tail of a
 // level queue, knows it has gone round the whole queue and stops there
 // (it does not count it twice). Later runs ignore other runs' ids; a new
 // Schedule removes it.
-const CensusHeader = "rabbitretry-cascade-census"
+const censusHeader = "rabbitretry-cascade-census"
 
 // headerBytes estimates the size of h encoded as an AMQP field table (a
 // 4-byte length, then per entry a 1-byte name length, the name and the

@@ -139,7 +139,7 @@ func TestDeclareRefusesOtherLevels(t *testing.T) {
 	}
 }
 
-// TestCensusClampsDueHeader is issue #18.9 (d): a DueHeader an hour ahead
+// TestCensusClampsDueHeader is issue #18.9 (d): a dueHeader an hour ahead
 // (a sender's clock off) must not make a 2 s delay wait an hour: Census
 // puts it back with at most what its level and routing key allow.
 func TestCensusClampsDueHeader(t *testing.T) {
@@ -154,7 +154,7 @@ func TestCensusClampsDueHeader(t *testing.T) {
 	}
 	sent := time.Now()
 	future := sent.Add(time.Hour + 2*time.Second)
-	p := amqp.Publishing{Body: []byte("skewed"), Headers: amqp.Table{DueHeader: formatDue(future)}}
+	p := amqp.Publishing{Body: []byte("skewed"), Headers: amqp.Table{dueHeader: formatDue(future)}}
 	if err := f.pub.PublishRaw(context.Background(), f.cfg.EntryExchange(20), key, p); err != nil {
 		t.Fatal(err)
 	}
@@ -200,8 +200,8 @@ func TestUnredirectRoundTrip(t *testing.T) {
 	if err := f.cfg.Unredirect(ch, a, b); err != nil {
 		t.Fatal(err)
 	}
-	if err := f.cfg.Unredirect(ch, a, a); !errors.Is(err, ErrSameQueue) {
-		t.Errorf("Unredirect to itself: %v, want ErrSameQueue", err)
+	if err := f.cfg.Unredirect(ch, a, a); !errors.Is(err, errSameQueue) {
+		t.Errorf("Unredirect to itself: %v, want errSameQueue", err)
 	}
 	const n = 10
 	sent := map[string]time.Time{}

@@ -45,7 +45,7 @@ func NewPublisher(cfg Config) (*Publisher, error) {
 }
 
 // Publish publishes each message, in order, to the cascade with its delay
-// (see MessageDelay) and topic as the destination queue, and returns once
+// (see messageDelay) and topic as the destination queue, and returns once
 // the broker confirmed it (mandatory, publisher confirms, under the
 // message's context). The first publish to a topic binds its queue
 // (BindDestination), which must exist. The delay metadata stays on the
@@ -62,7 +62,7 @@ func (p *Publisher) Publish(topic string, msgs ...*message.Message) error {
 		return err
 	}
 	for _, msg := range msgs {
-		d, _, err := MessageDelay(msg, p.now())
+		d, _, err := messageDelay(msg, p.now())
 		if err != nil {
 			return fmt.Errorf("cascade: message %s: %w", msg.UUID, err)
 		}
@@ -81,7 +81,7 @@ func (p *Publisher) Publish(topic string, msgs ...*message.Message) error {
 	return nil
 }
 
-// MessageDelay returns how long from now msg should still wait, from the
+// messageDelay returns how long from now msg should still wait, from the
 // metadata of Watermill's delay component (delay.DelayedUntilKey, an RFC
 // 3339 time, and delay.DelayedForKey, a Go duration): ok is false, and the
 // delay 0, for a message with neither. delay.Message writes the time to the
@@ -91,7 +91,7 @@ func (p *Publisher) Publish(topic string, msgs ...*message.Message) error {
 // marked and never early. With only a time (or one with fractional
 // seconds): until-now. With only a duration: for. Never negative. An
 // unparseable value is an error.
-func MessageDelay(msg *message.Message, now time.Time) (d time.Duration, ok bool, err error) {
+func messageDelay(msg *message.Message, now time.Time) (d time.Duration, ok bool, err error) {
 	untilStr, forStr := msg.Metadata.Get(delay.DelayedUntilKey), msg.Metadata.Get(delay.DelayedForKey)
 	if untilStr == "" && forStr == "" {
 		return 0, false, nil
@@ -126,9 +126,6 @@ func (p *Publisher) Bind(queue string) error { return p.c.bind(queue) }
 func (p *Publisher) Waiting(ctx context.Context) ([]LevelCount, error) {
 	return p.c.waiting(ctx)
 }
-
-// Config returns the Config in use, with its defaults.
-func (p *Publisher) Config() Config { return p.c.cfg }
 
 // Close closes the publisher if NewPublisher dialled it (Config.URI); a
 // Config.Publisher is left open.

@@ -46,16 +46,16 @@ func TestMessageDelay(t *testing.T) {
 		{"bad until", md("tomorrow", "1s"), 0, false, true},
 		{"bad for", md("2025-03-01T12:00:05Z", "soon"), 0, false, true},
 	} {
-		got, ok, err := MessageDelay(c.msg, now)
+		got, ok, err := messageDelay(c.msg, now)
 		if got != c.want || ok != c.ok || (err != nil) != c.wantErr {
-			t.Errorf("%s: MessageDelay = %v, %v, %v; want %v, %v, error %v", c.name, got, ok, err, c.want, c.ok, c.wantErr)
+			t.Errorf("%s: messageDelay = %v, %v, %v; want %v, %v, error %v", c.name, got, ok, err, c.want, c.ok, c.wantErr)
 		}
 	}
 	// What delay.For writes, read back at once, gives the duration back
 	// (within the time between the two calls).
 	m := message.NewMessage("x", nil)
 	delay.Message(m, delay.For(2300*time.Millisecond))
-	got, ok, err := MessageDelay(m, time.Now())
+	got, ok, err := messageDelay(m, time.Now())
 	if !ok || err != nil || got > 2300*time.Millisecond || got < 2200*time.Millisecond {
 		t.Errorf("delay.For(2.3s) read back as %v, %v, %v", got, ok, err)
 	}

@@ -7,14 +7,14 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 )
 
-// ErrSameQueue is returned by Redirect and Unredirect when from and to are
+// errSameQueue is returned by Redirect and Unredirect when from and to are
 // the same queue.
-var ErrSameQueue = errors.New("cascade: redirecting a queue to itself")
+var errSameQueue = errors.New("cascade: redirecting a queue to itself")
 
 // Redirect makes messages addressed to from arrive at to instead, without
 // touching them: it binds to to the delivery exchange with from's key
 // pattern ("*." × Levels + from) and then removes from's own binding
-// (UnbindDestination). Messages keep waiting in their level queues and
+// (the reverse of BindDestination). Messages keep waiting in their level queues and
 // arrive at to on time; messages published for from later do too. The
 // binding is on the broker, so it holds for every publisher.
 //
@@ -35,7 +35,7 @@ var ErrSameQueue = errors.New("cascade: redirecting a queue to itself")
 //     published for from afterwards still go to from.
 //
 // Both queues must exist. It returns Validate's error, ErrBadQueueName
-// (wrapped), ErrSameQueue, or an *amqpretry.DeclareError (Kind "binding";
+// (wrapped), errSameQueue, or an *amqpretry.DeclareError (Kind "binding";
 // 404 NOT_FOUND for a missing queue, which closes ch). If the unbind
 // fails, to is already bound: messages then reach both queues.
 func (c Config) Redirect(ch *amqp.Channel, from, to string) error {
@@ -52,7 +52,7 @@ func (c Config) Redirect(ch *amqp.Channel, from, to string) error {
 // (minutes late; see the package doc). to's own binding (its own key
 // pattern) is untouched. Both queues must exist.
 //
-// It returns Validate's error, ErrBadQueueName (wrapped), ErrSameQueue, or
+// It returns Validate's error, ErrBadQueueName (wrapped), errSameQueue, or
 // an *amqpretry.DeclareError (Kind "binding"; 404 NOT_FOUND for a missing
 // queue, which closes ch). If the unbind fails, from is already bound
 // again: messages then reach both queues until it is retried.
@@ -75,7 +75,7 @@ func (c Config) moveBinding(ch *amqp.Channel, from, to, bind, unbind string) err
 		return err
 	}
 	if from == to {
-		return fmt.Errorf("%w: %q", ErrSameQueue, from)
+		return fmt.Errorf("%w: %q", errSameQueue, from)
 	}
 	if err := ch.QueueBind(bind, c.destinationPattern(from), c.DeliveryExchange(), false, nil); err != nil {
 		return declareError("binding", bind, err)

@@ -7,20 +7,20 @@ import (
 	"time"
 )
 
-// MaxRoutingKeyBytes is the longest routing key AMQP 0-9-1 carries (a
+// maxRoutingKeyBytes is the longest routing key AMQP 0-9-1 carries (a
 // short string). A cascade key takes 2 bytes per level ("0." or "1.") plus
 // the destination queue name, so with Levels levels a destination name may
-// have at most MaxRoutingKeyBytes - 2×Levels bytes (203 with the default 26).
-const MaxRoutingKeyBytes = 255
+// have at most maxRoutingKeyBytes - 2×Levels bytes (203 with the default 26).
+const maxRoutingKeyBytes = 255
 
-// ErrBadRoutingKey is wrapped by ParseRoutingKey for a key that is not a
+// errBadRoutingKey is wrapped by parseRoutingKey for a key that is not a
 // cascade key of this Config (wrong number of bit words, a word other than
 // "0" or "1", or no queue name).
-var ErrBadRoutingKey = errors.New("cascade: not a delay cascade routing key")
+var errBadRoutingKey = errors.New("cascade: not a delay cascade routing key")
 
 // ErrBadQueueName is wrapped by RoutingKey, BindDestination, the Delayer and
 // the Publisher for a destination queue name the cascade cannot route to:
-// empty, too long for the routing key (see MaxRoutingKeyBytes), or with a
+// empty, too long for the routing key (see maxRoutingKeyBytes), or with a
 // dot-separated word that is exactly "*" or "#" (a topic-exchange wildcard,
 // RabbitMQ "Exchanges" / topic exchange: the binding would match other
 // queues' keys).
@@ -101,7 +101,7 @@ func (c *Config) checkQueue(queue string) error {
 	if queue == "" {
 		return fmt.Errorf("%w: empty queue name", ErrBadQueueName)
 	}
-	if limit := MaxRoutingKeyBytes - 2*c.Levels; len(queue) > limit {
+	if limit := maxRoutingKeyBytes - 2*c.Levels; len(queue) > limit {
 		return fmt.Errorf("%w: %q has %d bytes, more than the %d left in a routing key by %d levels",
 			ErrBadQueueName, queue, len(queue), limit, c.Levels)
 	}
@@ -113,13 +113,13 @@ func (c *Config) checkQueue(queue string) error {
 	return nil
 }
 
-// ParseRoutingKey inverts RoutingKey, for operators reading a message's
+// parseRoutingKey inverts RoutingKey, for operators reading a message's
 // routing key (or its x-death routing-keys) in a level queue: it returns
 // the delay the key encodes (a whole number of grains) and the destination
 // queue. It does not say how much of the delay is left: that depends on
 // which level queue the message is in (the bits of the lower levels). It
-// returns Validate's error, or ErrBadRoutingKey (wrapped).
-func (c Config) ParseRoutingKey(key string) (delay time.Duration, queue string, err error) {
+// returns Validate's error, or errBadRoutingKey (wrapped).
+func (c Config) parseRoutingKey(key string) (delay time.Duration, queue string, err error) {
 	c.setDefaults()
 	if err := c.Validate(); err != nil {
 		return 0, "", err
@@ -136,18 +136,18 @@ func (c *Config) parseKey(key string) (n uint64, queue string, err error) {
 	rest := key
 	for i := 0; i < c.Levels; i++ {
 		if len(rest) < 2 || rest[1] != '.' || (rest[0] != '0' && rest[0] != '1') {
-			return 0, "", fmt.Errorf("%w: %q: word %d is not \"0\" or \"1\" followed by \".\" (%d levels)", ErrBadRoutingKey, key, i+1, c.Levels)
+			return 0, "", fmt.Errorf("%w: %q: word %d is not \"0\" or \"1\" followed by \".\" (%d levels)", errBadRoutingKey, key, i+1, c.Levels)
 		}
 		n = n<<1 | uint64(rest[0]-'0')
 		rest = rest[2:]
 	}
 	if rest == "" {
-		return 0, "", fmt.Errorf("%w: %q has no queue name after its %d bits", ErrBadRoutingKey, key, c.Levels)
+		return 0, "", fmt.Errorf("%w: %q has no queue name after its %d bits", errBadRoutingKey, key, c.Levels)
 	}
 	return n, rest, nil
 }
 
-// DeliveredQueue reports whether a delivery with this exchange and routing
+// deliveredQueue reports whether a delivery with this exchange and routing
 // key (basic.deliver's) came out of the cascade and, if so, which queue it
 // was addressed to and the delay its key encoded. A marshaler can use it to
 // recognise delayed copies, whose routing key is not the queue name.
@@ -158,9 +158,9 @@ func (c *Config) parseKey(key string) (n uint64, queue string, err error) {
 // is published to its queue's dead-letter exchange ("Dead Letter
 // Exchanges"). So it is level n-1's exchange when the lowest set bit of the
 // key is n (the delivery exchange for n = 0, or for a zero delay).
-// DeliveredQueue accepts any level exchange or the delivery exchange with
+// deliveredQueue accepts any level exchange or the delivery exchange with
 // a well-formed key. It returns ok false for an invalid Config.
-func (c Config) DeliveredQueue(exchange, routingKey string) (queue string, delay time.Duration, ok bool) {
+func (c Config) deliveredQueue(exchange, routingKey string) (queue string, delay time.Duration, ok bool) {
 	c.setDefaults()
 	if c.Validate() != nil || !c.isCascadeExchange(exchange) {
 		return "", 0, false

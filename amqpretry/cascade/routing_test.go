@@ -174,9 +174,9 @@ func checkDelay(t *testing.T, s *sim, d time.Duration, queue string) {
 	if len(path) != popcount(uint64(want/s.cfg.Grain)) {
 		t.Fatalf("delay %v passes %d levels, want one per set bit", d, len(path))
 	}
-	pd, pq, err := s.cfg.ParseRoutingKey(key)
+	pd, pq, err := s.cfg.parseRoutingKey(key)
 	if err != nil || pd != want || pq != queue {
-		t.Fatalf("ParseRoutingKey(%q) = %v, %q, %v; want %v, %q", key, pd, pq, err, want, queue)
+		t.Fatalf("parseRoutingKey(%q) = %v, %q, %v; want %v, %q", key, pd, pq, err, want, queue)
 	}
 }
 
@@ -296,8 +296,8 @@ func TestValidate(t *testing.T) {
 		if _, err2 := NewDelayer(c.cfg); err2 == nil {
 			t.Errorf("%+v: NewDelayer succeeded", c.cfg)
 		}
-		if _, _, err2 := c.cfg.ParseRoutingKey("0.q"); err2 == nil {
-			t.Errorf("%+v: ParseRoutingKey succeeded", c.cfg)
+		if _, _, err2 := c.cfg.parseRoutingKey("0.q"); err2 == nil {
+			t.Errorf("%+v: parseRoutingKey succeeded", c.cfg)
 		}
 	}
 	for _, ok := range []Config{{}, {Grain: time.Second, Levels: 1}, {QueueType: amqpretry.QueueTypeClassic}, {Levels: 26}} {
@@ -327,18 +327,18 @@ func TestQueueNames(t *testing.T) {
 func TestParseRoutingKey(t *testing.T) {
 	cfg := Config{Grain: time.Second, Levels: 3}
 	for _, bad := range []string{"", "0.1.q", "0.1.2.q", "0.1.1.", "0.1.1", "01.1.q", "a.b.c.q"} {
-		if _, _, err := cfg.ParseRoutingKey(bad); !errors.Is(err, ErrBadRoutingKey) {
-			t.Errorf("ParseRoutingKey(%q): %v, want ErrBadRoutingKey", bad, err)
+		if _, _, err := cfg.parseRoutingKey(bad); !errors.Is(err, errBadRoutingKey) {
+			t.Errorf("parseRoutingKey(%q): %v, want errBadRoutingKey", bad, err)
 		}
 	}
-	d, q, err := cfg.ParseRoutingKey("1.0.1.my.queue")
+	d, q, err := cfg.parseRoutingKey("1.0.1.my.queue")
 	if err != nil || d != 5*time.Second || q != "my.queue" {
-		t.Errorf("ParseRoutingKey = %v %q %v", d, q, err)
+		t.Errorf("parseRoutingKey = %v %q %v", d, q, err)
 	}
-	if q, d, ok := cfg.DeliveredQueue(cfg.DeliveryExchange(), "1.0.1.my.queue"); !ok || q != "my.queue" || d != 5*time.Second {
+	if q, d, ok := cfg.deliveredQueue(cfg.DeliveryExchange(), "1.0.1.my.queue"); !ok || q != "my.queue" || d != 5*time.Second {
 		t.Errorf("DeliveredQueue = %q %v %v", q, d, ok)
 	}
-	if _, _, ok := cfg.DeliveredQueue("other", "1.0.1.my.queue"); ok {
+	if _, _, ok := cfg.deliveredQueue("other", "1.0.1.my.queue"); ok {
 		t.Errorf("DeliveredQueue accepted another exchange")
 	}
 }

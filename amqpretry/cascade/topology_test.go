@@ -59,7 +59,7 @@ func TestTopologyDeletedWhileWaiting(t *testing.T) {
 
 			seen := map[string]int{}
 			var early, late, duplicates int
-			levels := popcount(uint64(delay / d.Config().Grain))
+			levels := popcount(uint64(delay / d.config().Grain))
 			deadline := time.After(delay + 6*time.Second)
 		wait:
 			for len(seen) < published {

@@ -68,7 +68,7 @@ type LevelCount struct {
 // Waiting reports, per level (level 0 first), how many messages wait in
 // the level queue, with a passive queue.declare each. A message is counted
 // in the level it is in now; how long it still waits, and for which
-// destination, is in its routing key and DueHeader, which can only be read
+// destination, is in its routing key and dueHeader, which can only be read
 // by consuming it: Census does, and gives per-destination counts. A ready
 // count does not include the level's dead-letter backlog (messages that
 // expired and are not yet in the next level): with Config.ManagementURL

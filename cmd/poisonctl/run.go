@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/rabbitretry/rabbitretry/internal/cliflags"
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 	"github.com/rabbitretry/rabbitretry/poison/admin"
 
 	"github.com/rabbitretry/rabbitretry/internal/redact"
@@ -92,7 +93,7 @@ func init() {
 			flags: func(fs *flag.FlagSet, o *options) {
 				fs.BoolVar(&o.dryRun, "dry-run", false, "report what would be replayed; change nothing")
 				fs.StringVar(&o.defaultQueue, "default-queue", "", "queue for messages without a rabbitretry-original-queue header (default: skip them)")
-				fs.StringVar(&o.loopBack, "loop-back-exchange", admin.DefaultLoopBackExchange, "loop-back exchange of the retry topology")
+				fs.StringVar(&o.loopBack, "loop-back-exchange", retrymeta.DefaultLoopBackExchange, "loop-back exchange of the retry topology")
 			}, run: cmdReplay},
 		"move": {summary: "move matching messages unchanged to another queue", filter: true,
 			flags: func(fs *flag.FlagSet, o *options) {

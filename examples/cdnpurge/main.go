@@ -113,7 +113,7 @@ func backoffPolicy() backoff.BackOff {
 // picks the nearest tier on a log scale, so a jittered delay lands within a
 // factor 1.41 of itself). 1 s is there for the 429s: without it a 1 s
 // Retry-After would wait 1.6 s, since a RetryAfter delay is rounded up to a
-// tier, never down (amqpretry Topology.TierAtLeast).
+// tier, never down (amqpretry rounds a RetryAfter up to the next tier).
 var tiers = []time.Duration{
 	200 * time.Millisecond, 400 * time.Millisecond, 800 * time.Millisecond,
 	time.Second, 1600 * time.Millisecond, 3200 * time.Millisecond,

@@ -27,6 +27,7 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"net/url"
 	"os"
 	"os/signal"
 	"sort"
@@ -280,7 +281,7 @@ func run(ctx context.Context, cfg config) (sum summary, err error) {
 		URI: cfg.URI, Subscriber: subCfg, Policy: router.Policy{MaxAttempts: 3, Backoff: backoffPolicy, Observer: m}, Logger: logger,
 	})
 	if err != nil {
-		return sum, fmt.Errorf("connecting to RabbitMQ at %s: %w (start it with `make broker`)", admin.RedactURI(cfg.URI), err)
+		return sum, fmt.Errorf("connecting to RabbitMQ at %s: %w (start it with `make broker`)", redactURI(cfg.URI), err)
 	}
 	defer retry.Close()
 	poisonQueue := retry.Topology().PoisonQueue(queue)
@@ -602,4 +603,14 @@ func containsLine(text, line string) bool {
 		}
 	}
 	return false
+}
+
+// redactURI returns uri with its password hidden (net/url's URL.Redacted),
+// for error messages; a URI that does not parse is not shown.
+func redactURI(uri string) string {
+	u, err := url.Parse(uri)
+	if err != nil {
+		return "(unparsable URI)"
+	}
+	return u.Redacted()
 }

@@ -316,3 +316,8 @@ func StripDeliveryMetadata(md message.Metadata) {
 		}
 	}
 }
+
+// DefaultLoopBackExchange is the default loop-back exchange name:
+// amqpretry.Naming.LoopBackExchange and poison/admin's
+// Config.LoopBackExchange default to it.
+const DefaultLoopBackExchange = "rabbitretry.loopback"

@@ -74,16 +74,9 @@ func newAdmin(cfg Config, name string) (*Admin, error) {
 		Logger:   cfg.Logger,
 	})
 	if err != nil {
-		return nil, fmt.Errorf("poison/admin: connecting to the broker at %s: %w", RedactURI(uri), err)
+		return nil, fmt.Errorf("poison/admin: connecting to the broker at %s: %w", redact.URI(uri), err)
 	}
 	return &Admin{cfg: cfg, logger: cfg.Logger, pub: pub}, nil
-}
-
-// RedactURI returns uri with its password replaced by "xxxxx", for
-// messages and logs: net/url's URL.Redacted for a URI that parses, else
-// the text with the password (found as net/url would) masked.
-func RedactURI(uri string) string {
-	return redact.URI(uri)
 }
 
 // Close closes the connection, waiting (at most the publisher confirm
@@ -286,7 +279,7 @@ func (a *Admin) scanQueue(ctx context.Context, queue string, f Filter, visit fun
 	if ctx == nil {
 		ctx = context.Background()
 	}
-	if err := f.Validate(); err != nil {
+	if err := f.validate(); err != nil {
 		return nil, err
 	}
 	if err := checkName("queue", queue); err != nil {
@@ -332,7 +325,7 @@ func (a *Admin) scanQueue(ctx context.Context, queue string, f Filter, visit fun
 			visit(m)
 			continue
 		}
-		if f.Match(m) {
+		if f.match(m) {
 			s.matched = append(s.matched, item{msg: m, d: d})
 		}
 	}
@@ -407,7 +400,7 @@ func (s *scan) release() error {
 // "Queues").
 //
 // Errors: a *notFoundError matching ErrQueueNotFound if queue does not
-// exist; a Filter.Validate error; ErrClosed; ctx.Err() (wrapped) if ctx ends
+// exist; an invalid Filter (negative Limit, Since after Until); ErrClosed; ctx.Err() (wrapped) if ctx ends
 // during the scan; channel or connection errors.
 func (a *Admin) List(ctx context.Context, queue string, f Filter) ([]Message, error) {
 	s, err := a.scanQueue(ctx, queue, f, nil)

@@ -128,14 +128,14 @@ func TestFilterMatch(t *testing.T) {
 		{admin.Filter{Limit: 1}, true},
 	}
 	for i, c := range cases {
-		if got := c.f.Match(m); got != c.want {
+		if got := admin.FilterMatch(c.f, m); got != c.want {
 			t.Errorf("case %d %+v: Match = %v, want %v", i, c.f, got, c.want)
 		}
 	}
-	if (admin.Filter{Since: at}).Match(admin.Message{}) {
+	if admin.FilterMatch(admin.Filter{Since: at}, admin.Message{}) {
 		t.Error("a message without PoisonedAt matched a time filter")
 	}
-	if (admin.Filter{Limit: -1}).Validate() == nil {
+	if admin.FilterValidate(admin.Filter{Limit: -1}) == nil {
 		t.Error("negative Limit accepted")
 	}
 }

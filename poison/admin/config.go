@@ -8,12 +8,9 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitretry/rabbitretry/internal/redact"
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 	"github.com/rabbitretry/rabbitretry/middleware"
 )
-
-// DefaultLoopBackExchange is the default Config.LoopBackExchange, the name
-// amqpretry.Naming uses by default.
-const DefaultLoopBackExchange = "rabbitretry.loopback"
 
 // Config configures an Admin. Zero fields take the defaults documented on
 // each field; New applies them and then calls Validate.
@@ -43,7 +40,7 @@ type Config struct {
 
 func (c *Config) setDefaults() {
 	if c.LoopBackExchange == "" {
-		c.LoopBackExchange = DefaultLoopBackExchange
+		c.LoopBackExchange = retrymeta.DefaultLoopBackExchange
 	}
 	if c.Logger == nil {
 		c.Logger = watermill.NopLogger{}

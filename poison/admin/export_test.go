@@ -14,3 +14,9 @@ func SetHook(a *Admin, f func(step string, done int)) { a.hook = f }
 
 // MessageFromDelivery is messageFromDelivery, for the tests.
 func MessageFromDelivery(d amqp.Delivery) Message { return messageFromDelivery(d) }
+
+// FilterMatch is Filter.match, for the tests.
+func FilterMatch(f Filter, m Message) bool { return f.match(m) }
+
+// FilterValidate is Filter.validate, for the tests.
+func FilterValidate(f Filter) error { return f.validate() }

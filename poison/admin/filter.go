@@ -31,13 +31,13 @@ type Filter struct {
 	// UUIDs matches messages whose UUID is one of these.
 	UUIDs []string
 	// Limit is the maximum number of matching messages an operation acts on
-	// (the first ones in queue order); 0 means all. Match ignores it.
-	// Negative values are rejected by Validate.
+	// (the first ones in queue order); 0 means all; the other conditions ignore it.
+	// Negative values are refused by every Admin method.
 	Limit int
 }
 
-// Validate reports a negative Limit or Since after Until.
-func (f Filter) Validate() error {
+// validate reports a negative Limit or Since after Until.
+func (f Filter) validate() error {
 	if f.Limit < 0 {
 		return errors.New("poison/admin: Filter.Limit must be >= 0 (0 = no limit)")
 	}
@@ -47,9 +47,9 @@ func (f Filter) Validate() error {
 	return nil
 }
 
-// Match reports whether m satisfies every set condition of f (Limit
+// match reports whether m satisfies every set condition of f (Limit
 // excepted).
-func (f Filter) Match(m Message) bool {
+func (f Filter) match(m Message) bool {
 	if f.ReasonContains != "" && !strings.Contains(m.Reason, f.ReasonContains) {
 		return false
 	}

@@ -394,7 +394,7 @@ func (a *Admin) Purge(ctx context.Context, queue string, f Filter, dryRun bool) 
 // ErrMaybeDuplicated.
 //
 // Errors: a *notFoundError matching ErrQueueNotFound naming from or to; an
-// error if from == to; a Filter.Validate error; ErrClosed; ctx.Err()
+// error if from == to; an invalid Filter (negative Limit, Since after Until); ErrClosed; ctx.Err()
 // (Move stops before the next message; messages not moved stay in from);
 // publish errors from confirm.Publisher (the first one stops
 // Move); channel or connection errors. The count returned with an error is
