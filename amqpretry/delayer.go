@@ -108,14 +108,14 @@ func (d *tiersDelayer) plan(ctx context.Context, msg *message.Message, delay tim
 // or above it), or the whole delay when it is longer than the longest tier
 // (held again for the rest). It has no side effects; the retry chain logs
 // it as scheduled_delay beside the delay asked.
-func (d *Delayer) PlannedDelay(ctx context.Context, delay time.Duration) time.Duration {
+func (d *tiersDelayer) PlannedDelay(ctx context.Context, delay time.Duration) time.Duration {
 	if delay <= 0 || len(d.topology.tiers) == 0 {
 		return delay
 	}
 	asked, tier := delay, d.topology.TierFor(delay)
 	if minimum, ok := middleware.MinimumDelay(ctx); ok {
 		asked = max(delay, minimum)
-		tier, _ = d.topology.TierAtLeast(asked)
+		tier, _ = d.topology.tierAtLeast(asked)
 	}
 	if asked > d.topology.tiers[len(d.topology.tiers)-1] {
 		return asked

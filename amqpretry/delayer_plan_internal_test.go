@@ -14,7 +14,7 @@ import (
 // longest tier.
 func TestPlannedDelay(t *testing.T) {
 	topo := newTopology(Naming{}, []time.Duration{time.Second, 4 * time.Second, 16 * time.Second}, QueueTypeClassic, false, watermill.NopLogger{})
-	d := &Delayer{topology: topo}
+	d := &tiersDelayer{topology: topo}
 	ctx := context.Background()
 	for _, c := range []struct {
 		ctx   context.Context
