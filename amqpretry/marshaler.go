@@ -321,7 +321,7 @@ func (m Marshaler) finishUnmarshal(msg *message.Message, d amqp.Delivery, proble
 		if err != nil { // wireTyped accepted every value: cannot happen
 			problems = append(problems, "header types not kept: "+err.Error())
 		} else {
-			msg.Metadata.Set(middleware.TypedHeadersKey, enc)
+			msg.Metadata.Set(retrymeta.TypedHeadersKey, enc)
 		}
 	}
 	amqpwire.PropertiesToMetadata(&d, msg.Metadata)
@@ -343,7 +343,7 @@ func isBrokerOwnedOrDeliveryOnly(k string) bool {
 // publishOnly reports whether k belongs to one publish or one Unmarshal of
 // this package: PublishIDHeader (confirm.Publisher's) and TypedHeadersKey.
 func publishOnly(k string) bool {
-	return k == confirm.PublishIDHeader || k == middleware.TypedHeadersKey
+	return k == confirm.PublishIDHeader || k == retrymeta.TypedHeadersKey
 }
 
 // droppedOnUnmarshal reports whether Unmarshal drops an incoming header k
@@ -419,7 +419,7 @@ func (m Marshaler) Marshal(msg *message.Message) (amqp.Publishing, error) {
 // still is the string Unmarshal produced for it (the handler did not change
 // it) and is md[k] (Inner wrote the metadata value).
 func (m Marshaler) restoreTypedHeaders(md message.Metadata, h amqp.Table) {
-	enc := md[middleware.TypedHeadersKey]
+	enc := md[retrymeta.TypedHeadersKey]
 	if enc == "" {
 		return
 	}

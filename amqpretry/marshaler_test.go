@@ -330,7 +330,7 @@ func TestMarshalerRoundTrip(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, k := range []string{"user-key", "num", "flag", "ts", middleware.TypedHeadersKey} {
+	for _, k := range []string{"user-key", "num", "flag", "ts", retrymeta.TypedHeadersKey} {
 		if back.Metadata[k] != msg.Metadata[k] {
 			t.Errorf("metadata %q: %q on the copy, %q on the original", k, back.Metadata[k], msg.Metadata[k])
 		}

@@ -6,7 +6,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	amqp "github.com/rabbitmq/amqp091-go"
-	"github.com/rabbitretry/rabbitretry/middleware"
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 )
 
 type stringProp struct {
@@ -16,13 +16,13 @@ type stringProp struct {
 }
 
 var stringProps = []stringProp{
-	{middleware.PropContentTypeKey, func(d *amqp.Delivery) string { return d.ContentType }, func(p *amqp.Publishing, v string) { p.ContentType = v }},
-	{middleware.PropContentEncodingKey, func(d *amqp.Delivery) string { return d.ContentEncoding }, func(p *amqp.Publishing, v string) { p.ContentEncoding = v }},
-	{middleware.PropCorrelationIDKey, func(d *amqp.Delivery) string { return d.CorrelationId }, func(p *amqp.Publishing, v string) { p.CorrelationId = v }},
-	{middleware.PropReplyToKey, func(d *amqp.Delivery) string { return d.ReplyTo }, func(p *amqp.Publishing, v string) { p.ReplyTo = v }},
-	{middleware.PropMessageIDKey, func(d *amqp.Delivery) string { return d.MessageId }, func(p *amqp.Publishing, v string) { p.MessageId = v }},
-	{middleware.PropTypeKey, func(d *amqp.Delivery) string { return d.Type }, func(p *amqp.Publishing, v string) { p.Type = v }},
-	{middleware.PropAppIDKey, func(d *amqp.Delivery) string { return d.AppId }, func(p *amqp.Publishing, v string) { p.AppId = v }},
+	{retrymeta.PropContentTypeKey, func(d *amqp.Delivery) string { return d.ContentType }, func(p *amqp.Publishing, v string) { p.ContentType = v }},
+	{retrymeta.PropContentEncodingKey, func(d *amqp.Delivery) string { return d.ContentEncoding }, func(p *amqp.Publishing, v string) { p.ContentEncoding = v }},
+	{retrymeta.PropCorrelationIDKey, func(d *amqp.Delivery) string { return d.CorrelationId }, func(p *amqp.Publishing, v string) { p.CorrelationId = v }},
+	{retrymeta.PropReplyToKey, func(d *amqp.Delivery) string { return d.ReplyTo }, func(p *amqp.Publishing, v string) { p.ReplyTo = v }},
+	{retrymeta.PropMessageIDKey, func(d *amqp.Delivery) string { return d.MessageId }, func(p *amqp.Publishing, v string) { p.MessageId = v }},
+	{retrymeta.PropTypeKey, func(d *amqp.Delivery) string { return d.Type }, func(p *amqp.Publishing, v string) { p.Type = v }},
+	{retrymeta.PropAppIDKey, func(d *amqp.Delivery) string { return d.AppId }, func(p *amqp.Publishing, v string) { p.AppId = v }},
 }
 
 // PropertiesToMetadata records d's properties in md (only those set).
@@ -33,13 +33,13 @@ func PropertiesToMetadata(d *amqp.Delivery, md message.Metadata) {
 		}
 	}
 	if d.Priority != 0 {
-		md[middleware.PropPriorityKey] = strconv.Itoa(int(d.Priority))
+		md[retrymeta.PropPriorityKey] = strconv.Itoa(int(d.Priority))
 	}
 	if !d.Timestamp.IsZero() {
-		md[middleware.PropTimestampKey] = d.Timestamp.UTC().Format(time.RFC3339)
+		md[retrymeta.PropTimestampKey] = d.Timestamp.UTC().Format(time.RFC3339)
 	}
 	if d.DeliveryMode != 0 {
-		md[middleware.PropDeliveryModeKey] = strconv.Itoa(int(d.DeliveryMode))
+		md[retrymeta.PropDeliveryModeKey] = strconv.Itoa(int(d.DeliveryMode))
 	}
 }
 
@@ -53,22 +53,22 @@ func MetadataToProperties(md message.Metadata, p *amqp.Publishing) {
 			delete(p.Headers, sp.key)
 		}
 	}
-	if v, ok := md[middleware.PropPriorityKey]; ok {
+	if v, ok := md[retrymeta.PropPriorityKey]; ok {
 		if n, err := strconv.ParseUint(v, 10, 8); err == nil {
 			p.Priority = uint8(n)
 		}
-		delete(p.Headers, middleware.PropPriorityKey)
+		delete(p.Headers, retrymeta.PropPriorityKey)
 	}
-	if v, ok := md[middleware.PropTimestampKey]; ok {
+	if v, ok := md[retrymeta.PropTimestampKey]; ok {
 		if ts, err := time.Parse(time.RFC3339, v); err == nil {
 			p.Timestamp = ts
 		}
-		delete(p.Headers, middleware.PropTimestampKey)
+		delete(p.Headers, retrymeta.PropTimestampKey)
 	}
-	if v, ok := md[middleware.PropDeliveryModeKey]; ok {
+	if v, ok := md[retrymeta.PropDeliveryModeKey]; ok {
 		if n, err := strconv.ParseUint(v, 10, 8); err == nil && n != 0 {
 			p.DeliveryMode = uint8(n)
 		}
-		delete(p.Headers, middleware.PropDeliveryModeKey)
+		delete(p.Headers, retrymeta.PropDeliveryModeKey)
 	}
 }

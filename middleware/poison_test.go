@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/rabbitretry/rabbitretry/amqpwire"
+	"github.com/rabbitretry/rabbitretry/internal/chainerr"
 	"github.com/rabbitretry/rabbitretry/internal/testkit"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -236,7 +237,7 @@ func TestForwarderWithCounterInRouter(t *testing.T) {
 	msg.Metadata.Set(middleware.OriginalQueueKey, "orders")
 	msg.Metadata.Set(retrymeta.DeliveryRetryRouteKey, "true")
 	mw := func(h message.HandlerFunc) message.HandlerFunc { return counter.Middleware(f.Middleware(h)) }
-	res := pfRunInRouter(t, msg, mw, pfFailWith(&middleware.ExhaustedError{Err: errors.New("down"), Attempts: 4}))
+	res := pfRunInRouter(t, msg, mw, pfFailWith(&chainerr.ExhaustedError{Err: errors.New("down"), Attempts: 4}))
 	if res.err != nil {
 		t.Fatal(res.err)
 	}
@@ -264,8 +265,8 @@ func TestForwarderClasses(t *testing.T) {
 	}{
 		{"permanent", middleware.Permanent(errors.New("x")), middleware.ClassPermanent},
 		{"malformed json", fmt.Errorf("decode: %w", typeErr), middleware.ClassMalformed},
-		{"exhausted", &middleware.ExhaustedError{Err: errors.New("x"), Attempts: 5}, middleware.ClassExhausted},
-		{"exhausted wins over inner class", &middleware.ExhaustedError{Err: &middleware.ClassifiedError{Err: errors.New("x"), Classification: middleware.Classification{Class: "transient"}}, Attempts: 5}, middleware.ClassExhausted},
+		{"exhausted", &chainerr.ExhaustedError{Err: errors.New("x"), Attempts: 5}, middleware.ClassExhausted},
+		{"exhausted wins over inner class", &chainerr.ExhaustedError{Err: &middleware.ClassifiedError{Err: errors.New("x"), Classification: middleware.Classification{Class: "transient"}}, Attempts: 5}, middleware.ClassExhausted},
 		{"classified", custom, "custom"},
 		{"classified by the Classifier", nil, "custom-rule"},
 	}
@@ -325,9 +326,9 @@ func TestForwarderPassesNonPoisonErrors(t *testing.T) {
 		middleware.RetryAfter(errors.New("429"), time.Second),
 		&middleware.ClassifiedError{Err: middleware.Permanent(errors.New("x")), Classification: middleware.Classification{Action: middleware.ActionRetry, Class: "transient"}},
 		// A failed retry schedule is never poisoned, whatever it wraps.
-		&middleware.ScheduleError{Err: errors.New("no confirm"), HandlerErr: middleware.Permanent(errors.New("x")), Attempt: 5},
-		&middleware.ScheduleError{Err: &middleware.ExhaustedError{Err: errors.New("x"), Attempts: 9}, HandlerErr: errors.New("x"), Attempt: 9},
-		fmt.Errorf("wrapped: %w", &middleware.ScheduleError{Err: middleware.Permanent(errors.New("x")), Attempt: 1}),
+		&chainerr.ScheduleError{Err: errors.New("no confirm"), HandlerErr: middleware.Permanent(errors.New("x")), Attempt: 5},
+		&chainerr.ScheduleError{Err: &chainerr.ExhaustedError{Err: errors.New("x"), Attempts: 9}, HandlerErr: errors.New("x"), Attempt: 9},
+		fmt.Errorf("wrapped: %w", &chainerr.ScheduleError{Err: middleware.Permanent(errors.New("x")), Attempt: 1}),
 	}
 	for _, herr := range tests {
 		out, err := f.Middleware(pfFailWith(herr))(pfNewMsg())
@@ -369,7 +370,7 @@ func TestForwarderPublishFailureNacks(t *testing.T) {
 	if out != nil {
 		t.Errorf("output %v", out)
 	}
-	var pe *middleware.PoisonError
+	var pe *chainerr.PoisonError
 	if !errors.As(err, &pe) || !errors.Is(err, pubErr) || pe.HandlerErr != handlerErr {
 		t.Fatalf("got %T %v, want *PoisonError", err, err)
 	}

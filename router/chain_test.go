@@ -21,6 +21,7 @@ import (
 	"github.com/cenkalti/backoff/v4"
 
 	"github.com/rabbitretry/rabbitretry/amqpwire"
+	"github.com/rabbitretry/rabbitretry/internal/chainerr"
 	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 	"github.com/rabbitretry/rabbitretry/middleware"
 	"github.com/rabbitretry/rabbitretry/router"
@@ -541,7 +542,7 @@ func TestChainDirect(t *testing.T) {
 	// A Delayer failure nacks and never poisons.
 	d.err = errors.New("no confirm")
 	_, err = chain.Middleware(fail)(message.NewMessage("c", nil))
-	var se *middleware.ScheduleError
+	var se *chainerr.ScheduleError
 	if !errors.As(err, &se) || se.Attempt != 1 {
 		t.Fatalf("got %v, want *ScheduleError", err)
 	}
@@ -558,7 +559,7 @@ func TestChainDirect(t *testing.T) {
 	_, err = chain2.Middleware(func(*message.Message) ([]*message.Message, error) {
 		return nil, middleware.Permanent(errors.New("x"))
 	})(message.NewMessage("d", nil))
-	var pe *middleware.PoisonError
+	var pe *chainerr.PoisonError
 	if !errors.As(err, &pe) {
 		t.Fatalf("got %v, want *PoisonError", err)
 	}

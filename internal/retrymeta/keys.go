@@ -316,3 +316,18 @@ func StripDeliveryMetadata(md message.Metadata) {
 		}
 	}
 }
+
+// Redeliveries returns the redelivery count a message carries
+// (rabbitretry-redeliveries): 0 when absent or malformed, at most 1000
+// (middleware.MaxAttemptsCap).
+func Redeliveries(msg *message.Message) int {
+	v := msg.Metadata.Get(RedeliveriesKey)
+	if v == "" {
+		return 0
+	}
+	n, err := strconv.ParseInt(v, 10, 64)
+	if err != nil || n <= 0 {
+		return 0
+	}
+	return int(min(n, 1000))
+}
