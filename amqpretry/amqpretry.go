@@ -17,6 +17,7 @@ import (
 	"github.com/rabbitretry/rabbitretry/amqpwire"
 	"github.com/rabbitretry/rabbitretry/confirm"
 	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
+	"github.com/rabbitretry/rabbitretry/internal/wire"
 	"github.com/rabbitretry/rabbitretry/middleware"
 	"github.com/rabbitretry/rabbitretry/router"
 )
@@ -591,7 +592,7 @@ func (p *poisonPublisher) Publish(topic string, msgs ...*message.Message) error 
 		if err != nil {
 			return fmt.Errorf("amqpretry: marshaling poison copy: %w", err)
 		}
-		amqpwire.FitHeaders(&pub)
+		wire.FitHeaders(&pub)
 		ps = append(ps, pub)
 	}
 	ex := p.topology.naming.PoisonExchange

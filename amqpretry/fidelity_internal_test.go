@@ -11,14 +11,15 @@ import (
 
 	"github.com/rabbitretry/rabbitretry/amqpwire"
 	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
+	"github.com/rabbitretry/rabbitretry/internal/wire"
 	"github.com/rabbitretry/rabbitretry/middleware"
 )
 
 // sameWireValue reports whether a and b encode to the same AMQP field value
 // (same type tag and bytes; a timestamp's time zone does not matter).
 func sameWireValue(a, b interface{}) bool {
-	ea, errA := amqpwire.EncodeHeaderTable(amqp.Table{"v": a})
-	eb, errB := amqpwire.EncodeHeaderTable(amqp.Table{"v": b})
+	ea, errA := wire.EncodeHeaderTable(amqp.Table{"v": a})
+	eb, errB := wire.EncodeHeaderTable(amqp.Table{"v": b})
 	return errA == nil && errB == nil && ea == eb
 }
 

@@ -19,8 +19,9 @@ var layers = map[string][]string{
 	// The broker-agnostic base: middlewares, the Delayer seam, the one
 	// metadata vocabulary. Nothing of ours, no AMQP client.
 	"middleware": {"internal/retrymeta", "internal/chainerr"},
-	// AMQP wire details on top of the vocabulary.
-	"amqpwire": {"middleware", "internal/retrymeta"},
+	// The broker's attempt counts and x-death, on top of the vocabulary; the
+	// wire codecs themselves are in internal/wire.
+	"amqpwire": {"middleware", "internal/retrymeta", "internal/wire"},
 	// The confirm publisher: the wire at most.
 	"confirm": {"amqpwire"},
 	// The chain: the middlewares, in their one order.
@@ -40,6 +41,9 @@ var layers = map[string][]string{
 	// The errors the chain's middlewares return to one another and to the
 	// router's fallback: nothing of ours.
 	"internal/chainerr": {},
+	// AMQP 0-9-1 wire details (field tables, x-death, properties, frame
+	// size, the broker's count headers): the vocabulary only.
+	"internal/wire": {"internal/retrymeta"},
 	// Parsing of auditctl's and the HTTP API's filter syntax, on audit's types.
 	"internal/auditparse": {"audit"},
 }

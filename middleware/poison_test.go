@@ -13,6 +13,7 @@ import (
 	"github.com/rabbitretry/rabbitretry/amqpwire"
 	"github.com/rabbitretry/rabbitretry/internal/chainerr"
 	"github.com/rabbitretry/rabbitretry/internal/testkit"
+	"github.com/rabbitretry/rabbitretry/internal/wire"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -231,7 +232,7 @@ func TestForwarderWithCounterInRouter(t *testing.T) {
 	}
 	msg := pfNewMsg()
 	msg.Metadata.Set(middleware.AttemptKey, "1")
-	msg.Metadata.Set(middleware.XDeathKey, amqpwire.EncodeXDeath([]amqpwire.DeathRecord{{Queue: "orders", Reason: "rejected", Count: 3}}))
+	msg.Metadata.Set(middleware.XDeathKey, wire.EncodeXDeath([]amqpwire.DeathRecord{{Queue: "orders", Reason: "rejected", Count: 3}}))
 	// This queue's own evidence: a copy of its chain (gochannel: the origin
 	// queue is this one), back through a retry route.
 	msg.Metadata.Set(middleware.OriginalQueueKey, "orders")

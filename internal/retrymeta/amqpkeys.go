@@ -4,7 +4,7 @@ package retrymeta
 // package amqpwire reads and writes (moved here from package middleware:
 // only the library's own AMQP code reads them).
 
-// Metadata keys under which the amqpretry Marshaler (amqpwire.PropertiesToMetadata) keeps the AMQP message
+// Metadata keys under which the amqpretry Marshaler (wire.PropertiesToMetadata) keeps the AMQP message
 // properties of a delivery ("AMQP 0-9-1 Model Explained", message
 // attributes), and from which it restores them, so that a retry or
 // poison copy keeps them. watermill-amqp's DefaultMarshaler alone drops every
@@ -41,7 +41,7 @@ const (
 // headers have on the wire, "AMQP 0-9-1 Reference", field tables), in
 // standard base64. Watermill metadata holds strings only, so
 // the amqpretry Marshaler gives the handler each such header as a readable
-// string under its own name (see amqpwire.HeaderString) and records its typed value
+// string under its own name (see wire.HeaderString) and records its typed value
 // here; its Marshal publishes the typed value again, unless the handler changed
 // or deleted the string (then its string wins, or the header is gone).
 //
