@@ -113,8 +113,9 @@ func NewPoisonForwarder(cfg PoisonForwarderConfig) (*PoisonForwarder, error) {
 
 // Middleware forwards messages whose handler error passes ShouldPoison to the
 // poison topic, with failure metadata, and acks the original only after the
-// publish returned nil. If the publish fails, it returns a *chainerr.PoisonError and
-// the message is nacked.
+// publish returned nil. If the publish fails, it returns an error wrapping the
+// publisher's and the message is nacked (the router's fallback then sends it
+// back to its queue).
 func (f *PoisonForwarder) Middleware(h message.HandlerFunc) message.HandlerFunc {
 	return func(msg *message.Message) ([]*message.Message, error) {
 		out, err := h(msg)

@@ -119,7 +119,7 @@ func (c RedeliveryGuardConfig) Validate() error {
 //
 // ErrCannotDelay from the Delayer poisons it as ClassUndelayable. If the
 // copy cannot be held for any other reason (publisher closed, broker alarm),
-// it returns a *chainerr.ScheduleError whose HandlerErr wraps chainerr.ErrHandlerNotRun: the
+// it returns a schedule error saying the handler did not run: the
 // message goes back to the broker unprocessed and waits there until a copy
 // can be held.
 type RedeliveryGuard struct {

@@ -113,16 +113,17 @@ func (r *Republisher) delayFor(n int, requested time.Duration) (time.Duration, b
 // already above MaxAttempts is not handed to the handler when its proven
 // attempt number (ProvenAttempt: runs recorded by the chain, not returns
 // that may not have run it) is above MaxAttempts too: it returns an
-// *chainerr.ExhaustedError at once (the poison forwarder poisons it). Past
+// exhausted error at once (the poison forwarder poisons it). Past
 // MaxAttempts only by unproven evidence (AttemptSource.Proven), it runs
 // once more as attempt MaxAttempts, and a failure exhausts it. For each
 // handler error:
 //   - not ActionRetry (see Classifier): returned unchanged;
-//   - attempt >= MaxAttempts, or the backoff stops: *chainerr.ExhaustedError;
+//   - attempt >= MaxAttempts, or the backoff stops: an exhausted error (poisoned);
 //   - else a copy (same UUID, payload and metadata; AttemptKey = attempt+1;
 //     failure metadata updated) is handed to the Delayer. On success the
 //     handler returns nil and the original is acked; on failure a
-//     *chainerr.ScheduleError is returned and the original is nacked.
+//     schedule error is returned and the original is nacked (the router's
+//     fallback then sends it back to its queue).
 //
 // Messages the handler produced on a failed attempt are discarded.
 func (r *Republisher) Middleware(h message.HandlerFunc) message.HandlerFunc {

@@ -15,9 +15,9 @@ import (
 // poison copy's marks included; the others of Watermill's PoisonQueue are
 // Watermill's own), with the predicates that say which are retry state
 // (IsRetryState) and which describe one delivery (IsDeliveryOnly); the
-// AMQP-specific ones (message properties, typed headers, dropped headers,
-// publish id) are in package amqpretry (properties.go, framesize.go,
-// publisher.go), the delay cascade's in amqpretry/cascade. None of the
+// AMQP-specific ones (message properties, typed headers, dropped headers)
+// are in amqpkeys.go, the publish id in package confirm, the delay
+// cascade's in amqpretry/cascade. None of the
 // library's starts with "x-":
 // RabbitMQ treats "x-" headers as its own, and RabbitMQ 4.x no longer
 // interprets x-death on messages a client republishes ("Dead Letter
