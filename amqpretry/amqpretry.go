@@ -16,6 +16,7 @@ import (
 	"github.com/rabbitretry/rabbitretry/amqpwire"
 	"github.com/rabbitretry/rabbitretry/confirm"
 	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
+	"github.com/rabbitretry/rabbitretry/internal/wire"
 	"github.com/rabbitretry/rabbitretry/middleware"
 	"github.com/rabbitretry/rabbitretry/router"
 )
@@ -33,7 +34,7 @@ type Config struct {
 	// Subscriber.Connection.TLSConfig: TLS, heartbeat, Dial and so the dial
 	// timeout, vhost, SASL, client properties; see confirm.Config.AmqpConfig),
 	// under its own connection_name (the subscriber's connection_name +
-	// ".retry-publisher", else confirm.DefaultConnectionName). Setting
+	// ".retry-publisher", else confirm's default, "rabbitretry-confirm-publisher"). Setting
 	// both TLSConfig and AmqpConfig.TLSClientConfig is an error.
 	URI string
 	// Subscriber is the watermill-amqp config of the subscriber(s) whose
@@ -575,15 +576,15 @@ func (r *Retry) Close() error {
 
 // publisherConnectionName is the retry publisher's connection_name: the
 // subscriber's own name with ".retry-publisher" appended when it sets one
-// (so an operator sees which service a publisher belongs to), else
-// confirm.DefaultConnectionName.
+// (so an operator sees which service a publisher belongs to), else "",
+// which confirm.Config defaults to "rabbitretry-confirm-publisher".
 func publisherConnectionName(c wamqp.ConnectionConfig) string {
 	if c.AmqpConfig != nil {
 		if name, ok := c.AmqpConfig.Properties["connection_name"].(string); ok && name != "" {
 			return name + ".retry-publisher"
 		}
 	}
-	return confirm.DefaultConnectionName
+	return ""
 }
 
 // classifierWithAlive adds deliveryAlive to c.DeliveryAlive.
@@ -614,7 +615,7 @@ func (p *poisonPublisher) Publish(topic string, msgs ...*message.Message) error 
 		if err != nil {
 			return fmt.Errorf("amqpretry: marshaling poison copy: %w", err)
 		}
-		amqpwire.FitHeaders(&pub)
+		wire.FitHeaders(&pub)
 		ps = append(ps, pub)
 	}
 	ex := p.topology.naming.PoisonExchange

@@ -13,6 +13,7 @@ import (
 	"github.com/rabbitretry/rabbitretry/amqpwire"
 	"github.com/rabbitretry/rabbitretry/confirm"
 	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
+	"github.com/rabbitretry/rabbitretry/internal/wire"
 	"github.com/rabbitretry/rabbitretry/middleware"
 )
 
@@ -168,7 +169,7 @@ func (d *tiersDelayer) publish(ctx context.Context, msg *message.Message, exchan
 	if err != nil {
 		return fmt.Errorf("amqpretry: marshaling retry copy: %w", err)
 	}
-	if n := amqpwire.HeaderBytes(p.Headers); n > amqpwire.MaxCopyHeaderBytes {
+	if n := wire.HeaderBytes(p.Headers); n > amqpwire.MaxCopyHeaderBytes {
 		return fmt.Errorf("%w: the retry copy's headers take about %d bytes, more than the %d that stay deliverable once the broker adds x-death",
 			middleware.ErrCannotDelay, n, amqpwire.MaxCopyHeaderBytes)
 	}

@@ -14,7 +14,6 @@ import (
 	"github.com/rabbitretry/rabbitretry/amqpretry"
 	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 	"github.com/rabbitretry/rabbitretry/internal/testkit"
-	"github.com/rabbitretry/rabbitretry/middleware"
 	"github.com/rabbitretry/rabbitretry/router"
 )
 
@@ -57,7 +56,7 @@ func TestE2E_QuarantineGracefulStop(t *testing.T) {
 		mu.Lock()
 		defer mu.Unlock()
 		runs[msg.UUID]++
-		redeliv[msg.UUID] = max(redeliv[msg.UUID], middleware.Redeliveries(msg))
+		redeliv[msg.UUID] = max(redeliv[msg.UUID], retrymeta.Redeliveries(msg))
 		handled[msg.UUID] = true
 		return nil
 	}

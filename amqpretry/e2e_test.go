@@ -603,7 +603,7 @@ func TestE2E_PropertiesKeptAcrossRetries(t *testing.T) {
 	rec.mu.Lock()
 	second := rec.meta[msg.UUID][1]
 	rec.mu.Unlock()
-	if second.Get(middleware.PropContentTypeKey) != "application/json" || second.Get(middleware.PropCorrelationIDKey) != "corr-1" {
+	if second.Get(retrymeta.PropContentTypeKey) != "application/json" || second.Get(retrymeta.PropCorrelationIDKey) != "corr-1" {
 		t.Errorf("second attempt lost properties: %v", second)
 	}
 	d := e.poisoned(q)[0]
@@ -612,7 +612,7 @@ func TestE2E_PropertiesKeptAcrossRetries(t *testing.T) {
 		t.Errorf("poison copy properties: type %q corr %q id %q prio %d ts %v app %q",
 			d.ContentType, d.CorrelationId, d.MessageId, d.Priority, d.Timestamp, d.AppId)
 	}
-	if _, ok := d.Headers[middleware.PropContentTypeKey]; ok {
+	if _, ok := d.Headers[retrymeta.PropContentTypeKey]; ok {
 		t.Error("a property was also sent as a header")
 	}
 }

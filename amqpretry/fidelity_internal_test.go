@@ -11,14 +11,15 @@ import (
 
 	"github.com/rabbitretry/rabbitretry/amqpwire"
 	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
+	"github.com/rabbitretry/rabbitretry/internal/wire"
 	"github.com/rabbitretry/rabbitretry/middleware"
 )
 
 // sameWireValue reports whether a and b encode to the same AMQP field value
 // (same type tag and bytes; a timestamp's time zone does not matter).
 func sameWireValue(a, b interface{}) bool {
-	ea, errA := amqpwire.EncodeHeaderTable(amqp.Table{"v": a})
-	eb, errB := amqpwire.EncodeHeaderTable(amqp.Table{"v": b})
+	ea, errA := wire.EncodeHeaderTable(amqp.Table{"v": a})
+	eb, errB := wire.EncodeHeaderTable(amqp.Table{"v": b})
 	return errA == nil && errB == nil && ea == eb
 }
 
@@ -41,10 +42,10 @@ func TestMarshalerTypedHeaders(t *testing.T) {
 	m := Marshaler{}
 	h := allWireTypes()
 	h[wamqp.DefaultMessageUUIDHeaderKey] = "u"
-	h[middleware.AttemptKey] = int32(2)      // a library key sent typed by a producer
-	h["reason_poisoned"] = []byte("why")     // Watermill's poison key
-	h[middleware.TypedHeadersKey] = "forged" // never taken from a header
-	h["x-first-death-queue"] = []byte("")    // broker header: never carried
+	h[middleware.AttemptKey] = int32(2)     // a library key sent typed by a producer
+	h["reason_poisoned"] = []byte("why")    // Watermill's poison key
+	h[retrymeta.TypedHeadersKey] = "forged" // never taken from a header
+	h["x-first-death-queue"] = []byte("")   // broker header: never carried
 	msg, err := m.Unmarshal(amqp.Delivery{Headers: h, Body: []byte("b"), DeliveryTag: 1})
 	if err != nil {
 		t.Fatal(err)
@@ -52,8 +53,8 @@ func TestMarshalerTypedHeaders(t *testing.T) {
 	if msg.Metadata["I"] != "-2147483648" || msg.Metadata["x"] != "\x00\x01\xff" || msg.Metadata[middleware.AttemptKey] != "2" {
 		t.Errorf("metadata not readable strings: %q %q %q", msg.Metadata["I"], msg.Metadata["x"], msg.Metadata[middleware.AttemptKey])
 	}
-	if msg.Metadata[middleware.TypedHeadersKey] == "forged" || msg.Metadata[retrymeta.HeaderErrorKey] != "" {
-		t.Errorf("typed key %q, header error %q", msg.Metadata[middleware.TypedHeadersKey], msg.Metadata[retrymeta.HeaderErrorKey])
+	if msg.Metadata[retrymeta.TypedHeadersKey] == "forged" || msg.Metadata[retrymeta.HeaderErrorKey] != "" {
+		t.Errorf("typed key %q, header error %q", msg.Metadata[retrymeta.TypedHeadersKey], msg.Metadata[retrymeta.HeaderErrorKey])
 	}
 	msg.Metadata["i"] = "changed"
 	delete(msg.Metadata, "F")
@@ -82,13 +83,13 @@ func TestMarshalerTypedHeaders(t *testing.T) {
 			t.Errorf("library key %q goes out as %T, want string", k, p.Headers[k])
 		}
 	}
-	for _, k := range []string{middleware.TypedHeadersKey, "x-first-death-queue"} {
+	for _, k := range []string{retrymeta.TypedHeadersKey, "x-first-death-queue"} {
 		if _, ok := p.Headers[k]; ok {
 			t.Errorf("publishing carries %q", k)
 		}
 	}
 	// An unreadable TypedHeadersKey (a handler wrote it): everything as strings.
-	msg.Metadata[middleware.TypedHeadersKey] = "%%%"
+	msg.Metadata[retrymeta.TypedHeadersKey] = "%%%"
 	p, err = m.Marshal(msg)
 	if err != nil {
 		t.Fatal(err)
@@ -114,7 +115,7 @@ func TestMarshalerDeliveryMode(t *testing.T) {
 		if p.DeliveryMode != tc.want {
 			t.Errorf("delivery mode %d: copy has %d, want %d", tc.in, p.DeliveryMode, tc.want)
 		}
-		if _, ok := p.Headers[middleware.PropDeliveryModeKey]; ok {
+		if _, ok := p.Headers[retrymeta.PropDeliveryModeKey]; ok {
 			t.Errorf("delivery mode travels as a header too")
 		}
 	}

@@ -17,6 +17,7 @@ import (
 	"github.com/rabbitretry/rabbitretry/amqpwire"
 	"github.com/rabbitretry/rabbitretry/confirm"
 	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
+	"github.com/rabbitretry/rabbitretry/internal/wire"
 	"github.com/rabbitretry/rabbitretry/middleware"
 )
 
@@ -123,7 +124,7 @@ func (m Marshaler) uuidHeaderKey() string {
 // modifies d (in particular not d.Headers). Before calling Inner, it
 // replaces every header by a string:
 //   - x-death (RabbitMQ "Dead Letter Exchanges") becomes the JSON written by
-//     amqpwire.EncodeXDeath under middleware.XDeathKey (see
+//     wire.EncodeXDeath under middleware.XDeathKey (see
 //     DeathRecordsFromTable);
 //   - x-delivery-count (RabbitMQ "Quorum Queues") becomes a decimal string
 //     under retrymeta.XDeliveryCountKey (see DeliveryCount);
@@ -202,7 +203,7 @@ func (m Marshaler) Unmarshal(d amqp.Delivery) (*message.Message, error) {
 			if v == nil {
 				continue
 			}
-			recs, err := amqpwire.DeathRecordsFromTable(v)
+			recs, err := wire.DeathRecordsFromTable(v)
 			if err != nil {
 				problems = append(problems, middleware.XDeathKey+": "+err.Error())
 				continue
@@ -211,9 +212,9 @@ func (m Marshaler) Unmarshal(d amqp.Delivery) (*message.Message, error) {
 				recs = []amqpwire.DeathRecord{}
 			}
 			deaths = recs
-			headers[middleware.XDeathKey] = amqpwire.EncodeXDeath(recs)
+			headers[middleware.XDeathKey] = wire.EncodeXDeath(recs)
 		case retrymeta.XDeliveryCountKey:
-			n, err := amqpwire.Count(retrymeta.XDeliveryCountKey, v)
+			n, err := wire.Count(retrymeta.XDeliveryCountKey, v)
 			if err != nil {
 				problems = append(problems, err.Error())
 				continue
@@ -230,13 +231,13 @@ func (m Marshaler) Unmarshal(d amqp.Delivery) (*message.Message, error) {
 			if droppedOnUnmarshal(k) {
 				continue
 			}
-			s, err := amqpwire.HeaderString(v)
+			s, err := wire.HeaderString(v)
 			if err != nil {
 				problems = append(problems, fmt.Sprintf("header %q: %v", truncateForError(k), err))
 				continue
 			}
 			headers[k] = s
-			if _, isString := v.(string); !isString && len(k) <= 255 && keepsType(k, uuidKey) && amqpwire.Encodable(v) {
+			if _, isString := v.(string); !isString && len(k) <= 255 && keepsType(k, uuidKey) && wire.Encodable(v) {
 				if typed == nil {
 					typed = amqp.Table{}
 				}
@@ -317,14 +318,14 @@ func (m Marshaler) finishUnmarshal(msg *message.Message, d amqp.Delivery, proble
 		msg.Metadata.Set(middleware.OriginalRoutingKeyKey, d.RoutingKey)
 	}
 	if len(typed) > 0 {
-		enc, err := amqpwire.EncodeHeaderTable(typed)
+		enc, err := wire.EncodeHeaderTable(typed)
 		if err != nil { // wireTyped accepted every value: cannot happen
 			problems = append(problems, "header types not kept: "+err.Error())
 		} else {
-			msg.Metadata.Set(middleware.TypedHeadersKey, enc)
+			msg.Metadata.Set(retrymeta.TypedHeadersKey, enc)
 		}
 	}
-	amqpwire.PropertiesToMetadata(&d, msg.Metadata)
+	wire.PropertiesToMetadata(&d, msg.Metadata)
 	if len(problems) > 0 {
 		sort.Strings(problems) // map order is random; keep the text stable
 		msg.Metadata.Set(retrymeta.HeaderErrorKey, strings.Join(problems, "; "))
@@ -343,7 +344,7 @@ func isBrokerOwnedOrDeliveryOnly(k string) bool {
 // publishOnly reports whether k belongs to one publish or one Unmarshal of
 // this package: PublishIDHeader (confirm.Publisher's) and TypedHeadersKey.
 func publishOnly(k string) bool {
-	return k == confirm.PublishIDHeader || k == middleware.TypedHeadersKey
+	return k == confirm.PublishIDHeader || k == retrymeta.TypedHeadersKey
 }
 
 // droppedOnUnmarshal reports whether Unmarshal drops an incoming header k
@@ -402,7 +403,7 @@ func (m Marshaler) Marshal(msg *message.Message) (amqp.Publishing, error) {
 	}
 	p.Headers = h
 	m.restoreTypedHeaders(msg.Metadata, h)
-	amqpwire.MetadataToProperties(msg.Metadata, &p)
+	wire.MetadataToProperties(msg.Metadata, &p)
 	maxBytes := m.MaxHeaderBytes
 	if maxBytes == 0 {
 		maxBytes = defaultMaxHeaderBytes
@@ -419,11 +420,11 @@ func (m Marshaler) Marshal(msg *message.Message) (amqp.Publishing, error) {
 // still is the string Unmarshal produced for it (the handler did not change
 // it) and is md[k] (Inner wrote the metadata value).
 func (m Marshaler) restoreTypedHeaders(md message.Metadata, h amqp.Table) {
-	enc := md[middleware.TypedHeadersKey]
+	enc := md[retrymeta.TypedHeadersKey]
 	if enc == "" {
 		return
 	}
-	typed, err := amqpwire.DecodeHeaderTable(enc)
+	typed, err := wire.DecodeHeaderTable(enc)
 	if err != nil {
 		return
 	}
@@ -433,7 +434,7 @@ func (m Marshaler) restoreTypedHeaders(md message.Metadata, h amqp.Table) {
 		if !ok || cur != md[k] || !keepsType(k, uuidKey) || isBrokerOwnedOrDeliveryOnly(k) {
 			continue
 		}
-		if s, err := amqpwire.HeaderString(v); err == nil && s == cur {
+		if s, err := wire.HeaderString(v); err == nil && s == cur {
 			h[k] = v
 		}
 	}
@@ -463,7 +464,7 @@ func truncateHeaders(h amqp.Table, maxTotal int) {
 	for k, v := range h {
 		s, ok := v.(string)
 		if !ok {
-			total += len(k) + amqpwire.FieldSize(v)
+			total += len(k) + wire.FieldSize(v)
 			continue
 		}
 		total += len(k) + len(s)

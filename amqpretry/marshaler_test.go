@@ -17,6 +17,7 @@ import (
 	"github.com/rabbitretry/rabbitretry/amqpwire"
 	"github.com/rabbitretry/rabbitretry/confirm"
 	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
+	"github.com/rabbitretry/rabbitretry/internal/wire"
 	"github.com/rabbitretry/rabbitretry/middleware"
 )
 
@@ -330,7 +331,7 @@ func TestMarshalerRoundTrip(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, k := range []string{"user-key", "num", "flag", "ts", middleware.TypedHeadersKey} {
+	for _, k := range []string{"user-key", "num", "flag", "ts", retrymeta.TypedHeadersKey} {
 		if back.Metadata[k] != msg.Metadata[k] {
 			t.Errorf("metadata %q: %q on the copy, %q on the original", k, back.Metadata[k], msg.Metadata[k])
 		}
@@ -439,7 +440,7 @@ func headerBytes(h amqp.Table) int {
 		if s, ok := v.(string); ok {
 			n += len(k) + len(s)
 		} else {
-			n += len(k) + amqpwire.FieldSize(v)
+			n += len(k) + wire.FieldSize(v)
 		}
 	}
 	return n

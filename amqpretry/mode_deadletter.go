@@ -8,6 +8,8 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 
+	"github.com/rabbitretry/rabbitretry/internal/chainerr"
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 	"github.com/rabbitretry/rabbitretry/middleware"
 )
 
@@ -64,7 +66,7 @@ func (deadLetterFirstMode) delayer(base *tiersDelayer, _ DelayerDeps) (middlewar
 	return deadLetterFirstDelayer{base}, nil, nil
 }
 
-// deadLetterFirstDelayer returns middleware.ErrDeadLetter, without
+// deadLetterFirstDelayer returns chainerr.ErrDeadLetter, without
 // publishing, for a retry the first tier holds in full, unless ctx is
 // retrymeta.WithCopyRequired, the delivery carries foreign x-death
 // entries for Q (foreignDeaths, marked by Retry.Middleware: the dead-letter
@@ -80,9 +82,9 @@ func (d deadLetterFirstDelayer) Schedule(ctx context.Context, msg *message.Messa
 	}
 	// The dead-lettered original carries no header: only a delay the first
 	// tier holds in full takes this path.
-	if !p.back && p.remaining == 0 && p.tier == d.topology.tiers[0] && !middleware.CopyRequired(ctx) &&
+	if !p.back && p.remaining == 0 && p.tier == d.topology.tiers[0] && !retrymeta.CopyRequired(ctx) &&
 		ctx.Value(foreignDeathsKey{}) == nil && d.routes.usable(p.queue) {
-		return middleware.ErrDeadLetter // Q's DLX routes to the first wait queue
+		return chainerr.ErrDeadLetter // Q's DLX routes to the first wait queue
 	}
 	return d.publishPlan(ctx, msg, p)
 }

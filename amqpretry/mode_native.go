@@ -10,6 +10,8 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	amqp "github.com/rabbitmq/amqp091-go"
 
+	"github.com/rabbitretry/rabbitretry/internal/chainerr"
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 	"github.com/rabbitretry/rabbitretry/middleware"
 )
 
@@ -88,7 +90,7 @@ func (m nativeMode) delayer(base *tiersDelayer, _ DelayerDeps) (middleware.Delay
 	return nativeDelayer{tiersDelayer: base, n: base.topology.native}, nil, nil
 }
 
-// nativeDelayer returns middleware.ErrNativeRetry, without publishing, for
+// nativeDelayer returns chainerr.ErrNativeRetry, without publishing, for
 // a retry in the native range (NativeDelayedRetry.fits) unless ctx is
 // retrymeta.WithCopyRequired or the route does not check out (adopted
 // queues); everything else is published as in the Tiers mode.
@@ -103,8 +105,8 @@ func (d nativeDelayer) Schedule(ctx context.Context, msg *message.Message, delay
 	if err != nil {
 		return err
 	}
-	if !p.back && !middleware.CopyRequired(ctx) && d.n.fits(delay, p.minimum) && d.routes.usable(p.queue) {
-		return middleware.ErrNativeRetry // the nack with requeue puts it into Q's delayed state
+	if !p.back && !retrymeta.CopyRequired(ctx) && d.n.fits(delay, p.minimum) && d.routes.usable(p.queue) {
+		return chainerr.ErrNativeRetry // the nack with requeue puts it into Q's delayed state
 	}
 	return d.publishPlan(ctx, msg, p)
 }

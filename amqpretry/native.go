@@ -6,9 +6,9 @@ import (
 	"strings"
 
 	amqp "github.com/rabbitmq/amqp091-go"
-	"github.com/rabbitretry/rabbitretry/amqpwire"
 	"github.com/rabbitretry/rabbitretry/confirm"
 	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
+	"github.com/rabbitretry/rabbitretry/internal/wire"
 )
 
 // checkNativeSupport refuses the native mode on a broker older than 4.3,
@@ -58,5 +58,5 @@ func serverProperties(p *confirm.Publisher) (amqp.Table, error) {
 
 // acquiredCount converts an x-acquired-count value like x-delivery-count.
 func acquiredCount(v interface{}) (int64, error) {
-	return amqpwire.Count(retrymeta.XAcquiredCountKey, v)
+	return wire.Count(retrymeta.XAcquiredCountKey, v)
 }

@@ -136,7 +136,7 @@ func AcquiredCountSource() middleware.AttemptSource {
 // quorum queue docs ("When is delivery count incremented?"): basic.nack
 // raises x-acquired-count only; basic.reject, a client crash or a connection
 // loss raise both. So the difference is the library's native delayed
-// retries (each a nack with requeue, see middleware.ErrNativeRetry), plus the fallback's
+// retries (each a nack with requeue, amqpretry.NativeDelayed), plus the fallback's
 // requeue of a failure it could not settle and a consumer timeout, also
 // counted as attempts; crashes and connection losses are not (the
 // RedeliveryGuard counts those, as redeliveries).

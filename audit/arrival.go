@@ -13,8 +13,8 @@ import (
 
 	amqp "github.com/rabbitmq/amqp091-go"
 
-	"github.com/rabbitretry/rabbitretry/amqpwire"
 	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
+	"github.com/rabbitretry/rabbitretry/internal/wire"
 )
 
 func truncate(s string, n int) string {
@@ -69,7 +69,7 @@ const timestampErrorProperty = "rabbitretry-timestamp-error"
 // the message-id property); PublishedAt the timestamp property, unless it
 // is outside years 1-9999 (then zero, and timestampErrorProperty says
 // why); headers become JSON values
-// (amqpwire.HeadersToJSON; a header that cannot be converted is recorded
+// (wire.HeadersToJSON; a header that cannot be converted is recorded
 // under retrymeta.HeaderErrorKey, "rabbitretry-header-error"), without the queue's x-delivery-count
 // and x-acquired-count; HeaderTable keeps them with their AMQP types; the
 // body is cut to bodyLimit bytes. contentID (and ID) is the hex SHA-256
@@ -105,7 +105,7 @@ func arrivalFromDelivery(d amqp.Delivery, uuidHeader string, bodyLimit int, now 
 			}
 		}
 	}
-	h, err := amqpwire.HeadersToJSON(hdrs)
+	h, err := wire.HeadersToJSON(hdrs)
 	if err != nil {
 		h = map[string]any{retrymeta.HeaderErrorKey: err.Error()}
 	}

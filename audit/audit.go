@@ -70,7 +70,7 @@ type Arrival struct {
 	// HeaderTable are the same headers exactly as they arrived, each value
 	// with its AMQP field type (int32, int64, decimal, timestamp, byte
 	// array, ...), which the JSON form cannot keep; Resend publishes these.
-	// Stored by pgstore (migration 0004) as amqpwire.EncodeHeaderTable's
+	// Stored by pgstore (migration 0004) as wire.EncodeHeaderTable's
 	// text; nil for arrivals recorded before, whose resend falls back to
 	// the JSON form.
 	HeaderTable amqp.Table `json:"-"`

@@ -221,7 +221,7 @@ func (r *Recorder) attemptFrom(msg *message.Message, st *attemptState, chainErr 
 	ctx := msg.Context()
 	a := Attempt{
 		MessageID:     msg.UUID,
-		CorrelationID: msg.Metadata.Get(middleware.PropCorrelationIDKey),
+		CorrelationID: msg.Metadata.Get(retrymeta.PropCorrelationIDKey),
 		Queue:         r.cfg.QueueName(ctx),
 		Attempt:       middleware.Attempt(msg),
 		StartedAt:     st.start,

@@ -94,7 +94,7 @@ type pager interface {
 // int32, int64 stays exact, decimals, timestamps and byte arrays keep
 // their type). Only for an arrival recorded before that was stored (no
 // HeaderTable) do they come back from their JSON form
-// (amqpwire.HeadersToJSON): strings, booleans, integers (as int64,
+// (wire.HeadersToJSON): strings, booleans, integers (as int64,
 // whatever their AMQP width), other numbers and AMQP decimals (float64),
 // nested tables and arrays; timestamps (RFC 3339) and byte arrays
 // (base64) recorded as strings stay strings.

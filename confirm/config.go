@@ -29,12 +29,12 @@ import (
 // logical messages; use amqp.Publishing.MessageId for that.
 const PublishIDHeader = "rabbitretry-publish-id"
 
-// DefaultConnectionName is the client-provided connection name
+// defaultConnectionName is the client-provided connection name
 // (client property connection_name; RabbitMQ "Connections" guide,
 // "Client-Provided Connection Name": shown by rabbitmqctl list_connections
 // and the management UI) of the publisher's connections unless
 // Config.ConnectionName sets another.
-const DefaultConnectionName = "rabbitretry-confirm-publisher"
+const defaultConnectionName = "rabbitretry-confirm-publisher"
 
 // Sentinel errors returned (wrapped) by Publisher. Test with errors.Is.
 var (
@@ -165,7 +165,7 @@ type Config struct {
 
 	// ConnectionName is the client-provided connection name of the
 	// publisher's connections (RabbitMQ "Connections", client-provided
-	// connection name). Default DefaultConnectionName. Not used with
+	// connection name). Default "rabbitretry-confirm-publisher". Not used with
 	// Dial.
 	ConnectionName string
 
@@ -204,7 +204,7 @@ type Config struct {
 }
 
 // setDefaults fills zero fields with their defaults: Channels=2,
-// ConfirmTimeout=30s, ConnectionName=DefaultConnectionName,
+// ConfirmTimeout=30s, ConnectionName=defaultConnectionName,
 // Logger=watermill.NopLogger{}.
 func (c *Config) setDefaults() {
 	if c.Channels == 0 {
@@ -214,7 +214,7 @@ func (c *Config) setDefaults() {
 		c.ConfirmTimeout = defaultPublisherConfirmTimeout
 	}
 	if c.ConnectionName == "" {
-		c.ConnectionName = DefaultConnectionName
+		c.ConnectionName = defaultConnectionName
 	}
 	if c.maxInFlight == 0 {
 		c.maxInFlight = maxInFlightPerChannel

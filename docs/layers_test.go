@@ -18,13 +18,14 @@ const module = "github.com/rabbitretry/rabbitretry"
 var layers = map[string][]string{
 	// The broker-agnostic base: middlewares, the Delayer seam, the one
 	// metadata vocabulary. Nothing of ours, no AMQP client.
-	"middleware": {"internal/retrymeta"},
-	// AMQP wire details on top of the vocabulary.
-	"amqpwire": {"middleware", "internal/retrymeta"},
+	"middleware": {"internal/retrymeta", "internal/chainerr"},
+	// The broker's attempt counts and x-death, on top of the vocabulary; the
+	// wire codecs themselves are in internal/wire.
+	"amqpwire": {"middleware", "internal/retrymeta", "internal/wire"},
 	// The confirm publisher: the wire at most.
 	"confirm": {"amqpwire"},
 	// The chain: the middlewares, in their one order.
-	"router": {"middleware", "internal/retrymeta"},
+	"router": {"middleware", "internal/retrymeta", "internal/chainerr"},
 	// RabbitMQ retry: the chain over AMQP. Never the audit, poison
 	// operations or metrics.
 	"amqpretry":         {"middleware", "amqpwire", "confirm", "router"},
@@ -39,6 +40,12 @@ var layers = map[string][]string{
 	"metrics":                 {"middleware", "audit"},
 	// The one metadata vocabulary, under everything: Watermill only.
 	"internal/retrymeta": {},
+	// The errors the chain's middlewares return to one another and to the
+	// router's fallback: nothing of ours.
+	"internal/chainerr": {},
+	// AMQP 0-9-1 wire details (field tables, x-death, properties, frame
+	// size, the broker's count headers): the vocabulary only.
+	"internal/wire": {"internal/retrymeta"},
 	// Parsing of auditctl's and the HTTP API's filter syntax, on audit's types.
 	"internal/auditparse": {"audit"},
 }

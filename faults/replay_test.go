@@ -102,7 +102,7 @@ func testReplayStartsFreshAttempts(t *testing.T, bin, queueType string) {
 		a := middleware.Attempt(msg)
 		mu.Lock()
 		after[msg.UUID] = append(after[msg.UUID], a)
-		redeliv[msg.UUID] = max(redeliv[msg.UUID], middleware.Redeliveries(msg))
+		redeliv[msg.UUID] = max(redeliv[msg.UUID], retrymeta.Redeliveries(msg))
 		mu.Unlock()
 		if a < maxAttempts {
 			return errTransient

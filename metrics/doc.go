@@ -53,7 +53,7 @@
 //   - tier: Config.Tier of the requested delay, rendered compactly ("250ms",
 //     "1s", "5m", "2h"). The default Tier only rounds the delay to a
 //     millisecond: with a constant backoff that is one value per delay, but
-//     with a jittered backoff (middleware.DefaultBackoff) nearly every retry
+//     with a jittered backoff (retrymeta.DefaultBackoff) nearly every retry
 //     gets its own value. With amqpretry set Tier to the topology's TierFor,
 //     which maps each delay to one of its fixed wait-queue tiers.
 //   - class: the error class of the poisoned message: "exhausted" for

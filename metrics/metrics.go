@@ -30,7 +30,7 @@ const (
 )
 
 // defaultDelayBuckets are the retry_delay_seconds buckets, in seconds: from
-// 100 ms to 1 h, covering middleware.DefaultBackoff (1 s doubling up to
+// 100 ms to 1 h, covering retrymeta.DefaultBackoff (1 s doubling up to
 // 5 min, ±50% jitter) and the usual wait-queue tiers.
 func defaultDelayBuckets() []float64 {
 	return []float64{0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800, 3600}

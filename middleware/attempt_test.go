@@ -13,6 +13,7 @@ import (
 
 	"github.com/rabbitretry/rabbitretry/amqpwire"
 	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
+	"github.com/rabbitretry/rabbitretry/internal/wire"
 	"github.com/rabbitretry/rabbitretry/middleware"
 )
 
@@ -113,7 +114,7 @@ func TestAttemptCounterXDeathInRouter(t *testing.T) {
 
 	t.Run("x-death only", func(t *testing.T) {
 		msg := ownCopy(newMsg("p"))
-		msg.Metadata.Set(middleware.XDeathKey, amqpwire.EncodeXDeath(xdeathFixture()))
+		msg.Metadata.Set(middleware.XDeathKey, wire.EncodeXDeath(xdeathFixture()))
 		res := deliverViaRouter(t, "Q", msg, c.Middleware, func(*message.Message) ([]*message.Message, error) { return nil, nil })
 		if n, _ := middleware.AttemptFromContext(res.seenCtx); n != 3 {
 			t.Fatalf("attempt %d, want 1 + 2 rejections from Q = 3", n)
@@ -129,7 +130,7 @@ func TestAttemptCounterXDeathInRouter(t *testing.T) {
 	t.Run("x-death plus header", func(t *testing.T) {
 		msg := ownCopy(newMsg("p"))
 		msg.Metadata.Set(middleware.AttemptKey, "2")
-		msg.Metadata.Set(middleware.XDeathKey, amqpwire.EncodeXDeath(xdeathFixture()))
+		msg.Metadata.Set(middleware.XDeathKey, wire.EncodeXDeath(xdeathFixture()))
 		res := deliverViaRouter(t, "Q", msg, c.Middleware, func(*message.Message) ([]*message.Message, error) { return nil, nil })
 		if n, _ := middleware.AttemptFromContext(res.seenCtx); n != 4 {
 			t.Fatalf("attempt %d, want 1 + 1 (header 2) + 2 (x-death) = 4", n)
@@ -138,7 +139,7 @@ func TestAttemptCounterXDeathInRouter(t *testing.T) {
 
 	t.Run("other topic ignores Q's records", func(t *testing.T) {
 		msg := ownCopy(newMsg("p"))
-		msg.Metadata.Set(middleware.XDeathKey, amqpwire.EncodeXDeath(xdeathFixture()))
+		msg.Metadata.Set(middleware.XDeathKey, wire.EncodeXDeath(xdeathFixture()))
 		res := deliverViaRouter(t, "other", msg, c.Middleware, func(*message.Message) ([]*message.Message, error) { return nil, nil })
 		if n, _ := middleware.AttemptFromContext(res.seenCtx); n != 8 {
 			t.Fatalf("attempt %d, want 1 + 7 = 8", n)
@@ -160,11 +161,11 @@ func TestXDeathSource(t *testing.T) {
 	if n, err := prev(""); n != 0 || err != nil {
 		t.Errorf("absent: %d, %v", n, err)
 	}
-	if n, err := prev(amqpwire.EncodeXDeath(xdeathFixture())); n != 2 || err != nil {
+	if n, err := prev(wire.EncodeXDeath(xdeathFixture())); n != 2 || err != nil {
 		t.Errorf("fixture: %d, %v; want 2", n, err)
 	}
 	withLimit := append(xdeathFixture(), amqpwire.DeathRecord{Queue: "Q", Reason: "delivery_limit", Count: 4}, amqpwire.DeathRecord{Queue: "Q", Reason: "maxlen", Count: 100})
-	if n, err := prev(amqpwire.EncodeXDeath(withLimit)); n != 6 || err != nil {
+	if n, err := prev(wire.EncodeXDeath(withLimit)); n != 6 || err != nil {
 		t.Errorf("with delivery_limit: %d, %v; want 2 + 4 = 6", n, err)
 	}
 	if _, err := prev(`{"queue": "Q"`); err == nil {
@@ -173,28 +174,28 @@ func TestXDeathSource(t *testing.T) {
 	if _, err := prev(`{"queue": "Q", "reason": "rejected", "count": 1}`); err == nil {
 		t.Error("an object instead of an array must be an error")
 	}
-	if _, err := prev(amqpwire.EncodeXDeath([]amqpwire.DeathRecord{{Queue: "Q", Reason: "rejected", Count: -1}})); err == nil {
+	if _, err := prev(wire.EncodeXDeath([]amqpwire.DeathRecord{{Queue: "Q", Reason: "rejected", Count: -1}})); err == nil {
 		t.Error("negative count must be an error")
 	}
 	big := []amqpwire.DeathRecord{{Queue: "Q", Reason: "rejected", Count: 600}, {Queue: "Q", Reason: "delivery_limit", Count: 900}}
-	if n, err := prev(amqpwire.EncodeXDeath(big)); n != middleware.MaxAttemptsCap || err != nil {
+	if n, err := prev(wire.EncodeXDeath(big)); n != middleware.MaxAttemptsCap || err != nil {
 		t.Errorf("large counts: %d, %v; want cap", n, err)
 	}
-	if n, err := prev(amqpwire.EncodeXDeath([]amqpwire.DeathRecord{{Queue: "Q", Reason: "rejected", Count: 1 << 62}})); n != middleware.MaxAttemptsCap || err != nil {
+	if n, err := prev(wire.EncodeXDeath([]amqpwire.DeathRecord{{Queue: "Q", Reason: "rejected", Count: 1 << 62}})); n != middleware.MaxAttemptsCap || err != nil {
 		t.Errorf("huge count: %d, %v; want cap", n, err)
 	}
-	tooMany := make([]amqpwire.DeathRecord, amqpwire.MaxDeathRecords+1)
+	tooMany := make([]amqpwire.DeathRecord, wire.MaxDeathRecords+1)
 	for i := range tooMany {
 		tooMany[i] = amqpwire.DeathRecord{Queue: "Q", Reason: "rejected", Count: 1}
 	}
-	if _, err := prev(amqpwire.EncodeXDeath(tooMany)); err == nil {
+	if _, err := prev(wire.EncodeXDeath(tooMany)); err == nil {
 		t.Error("more than MaxDeathRecords records must be an error")
 	}
 }
 
 func TestParseEncodeXDeathRoundTrip(t *testing.T) {
 	recs := xdeathFixture()
-	got, err := amqpwire.ParseXDeath(amqpwire.EncodeXDeath(recs))
+	got, err := amqpwire.ParseXDeath(wire.EncodeXDeath(recs))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -378,7 +379,7 @@ func TestAttemptCounterOwnEvidenceOnly(t *testing.T) {
 		return msg
 	}
 	xdQ := func(n int64) string {
-		return amqpwire.EncodeXDeath([]amqpwire.DeathRecord{{Queue: "Q", Reason: "rejected", Count: n}})
+		return wire.EncodeXDeath([]amqpwire.DeathRecord{{Queue: "Q", Reason: "rejected", Count: n}})
 	}
 	tests := []struct {
 		name string

@@ -10,7 +10,6 @@ import (
 	"github.com/cenkalti/backoff/v4"
 
 	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
-	"github.com/rabbitretry/rabbitretry/middleware"
 )
 
 func jitterBackoff(initial time.Duration, factor float64) func() backoff.BackOff {
@@ -73,7 +72,7 @@ func TestBackoffDelayDependsOnlyOnN(t *testing.T) {
 					errs <- "jittered delay out of bounds"
 					return
 				}
-				if d, ok := retrymeta.BackoffDelay(middleware.DefaultBackoff, n); !ok || d < time.Second<<(n-1)/2 || d > time.Second<<(n-1)*3/2 {
+				if d, ok := retrymeta.BackoffDelay(retrymeta.DefaultBackoff, n); !ok || d < time.Second<<(n-1)/2 || d > time.Second<<(n-1)*3/2 {
 					errs <- "default delay out of bounds"
 					return
 				}
@@ -112,12 +111,12 @@ func TestBackoffDelayJitterBounds(t *testing.T) {
 }
 
 func TestDefaultBackoff(t *testing.T) {
-	b := middleware.DefaultBackoff().(*backoff.ExponentialBackOff)
+	b := retrymeta.DefaultBackoff().(*backoff.ExponentialBackOff)
 	if b.InitialInterval != time.Second || b.Multiplier != 2 || b.RandomizationFactor != 0.5 || b.MaxInterval != 5*time.Minute || b.MaxElapsedTime != 0 {
 		t.Fatalf("unexpected default policy %+v", b)
 	}
 	// Far attempts stay within the 5 min cap (+50% jitter).
-	d, ok := retrymeta.BackoffDelay(middleware.DefaultBackoff, 30)
+	d, ok := retrymeta.BackoffDelay(retrymeta.DefaultBackoff, 30)
 	if !ok || d < 150*time.Second || d > 450*time.Second {
 		t.Fatalf("delay after attempt 30: %v, %v", d, ok)
 	}

@@ -83,9 +83,9 @@ func Permanent(err error) error {
 	return &permanentError{err: err}
 }
 
-// IsPermanent reports whether err, or an error it wraps, was marked with
+// isPermanent reports whether err, or an error it wraps, was marked with
 // Permanent.
-func IsPermanent(err error) bool {
+func isPermanent(err error) bool {
 	var p *permanentError
 	return errors.As(err, &p)
 }
@@ -104,8 +104,8 @@ func Drop(err error) error {
 	return &dropError{err: err}
 }
 
-// IsDrop reports whether err, or an error it wraps, was marked with Drop.
-func IsDrop(err error) bool {
+// isDrop reports whether err, or an error it wraps, was marked with Drop.
+func isDrop(err error) bool {
 	var d *dropError
 	return errors.As(err, &d)
 }
@@ -182,8 +182,8 @@ func MatchAs[T error]() func(error) bool {
 // interrupted by shutdown or a timeout is retried, never poisoned.
 func DefaultRules() []Rule {
 	return []Rule{
-		{Class: ClassDropped, Match: IsDrop, Action: ActionDrop},
-		{Class: ClassPermanent, Match: IsPermanent, Action: ActionPoison},
+		{Class: ClassDropped, Match: isDrop, Action: ActionDrop},
+		{Class: ClassPermanent, Match: isPermanent, Action: ActionPoison},
 		{Class: ClassRetryAfter, Match: func(err error) bool { _, ok := RetryAfterFrom(err); return ok }, Action: ActionRetry},
 		{Class: ClassMalformed, Match: MatchAs[*json.SyntaxError](), Action: ActionPoison},
 		{Class: ClassMalformed, Match: MatchAs[*json.UnmarshalTypeError](), Action: ActionPoison},

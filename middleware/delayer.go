@@ -36,12 +36,3 @@ func (f DelayerFunc) Schedule(ctx context.Context, msg *message.Message, delay t
 // the message to the poison queue (class "undelayable") instead of nacking
 // it, which would only bring the same message back.
 var ErrCannotDelay = errors.New("message cannot be scheduled for retry")
-
-// ErrDeadLetter is returned (possibly wrapped) by a Delayer that lets the
-// broker hold the retry by dead-lettering the original instead of publishing
-// a copy: the republisher then returns a *DeadLetterRetryError, the message
-// is nacked (requeue=false), and the queue's dead-letter exchange takes it to
-// a wait queue ("Dead Letter Exchanges"). No publish round trip is waited
-// for, but the hop records no failure metadata, and it is only as safe as the
-// queue's dead-lettering (at-least-once on quorum queues).
-var ErrDeadLetter = errors.New("retry by dead-lettering the original")

@@ -6,7 +6,7 @@
 //	                   (Permanent, Drop, RetryAfter, DependencyUnavailable mark errors)
 //	attempt.go         AttemptCounter: the attempt number of each delivery, from AttemptSources
 //	republisher.go     Republisher: schedules retries through a Delayer with backoff;
-//	                   past MaxAttempts, an *ExhaustedError
+//	                   past MaxAttempts, an exhausted error (poisoned)
 //	redelivery.go      RedeliveryGuard: redelivered messages, the remaining delay, quarantine
 //	poison.go          PoisonForwarder: publishes poisoned messages (confirmed), then acks
 //	pause.go           Pause: holds messages, uncharged, while a dependency is down
@@ -14,8 +14,8 @@
 //
 // and their seams: delayer.go (the Delayer interface; memory_delayer.go, an
 // in-process Delayer for gochannel and tests), observers.go (Observer,
-// told what the chain did with each failed message), errors.go (the errors
-// the chain returns), backoff.go, and metadata.go, the vocabulary of
+// told what the chain did with each failed message; the errors the middlewares
+// return to one another are in internal/chainerr), backoff.go, and metadata.go, the vocabulary of
 // metadata keys the library writes and reads.
 //
 // Most users never assemble these by hand: package router puts them in the

@@ -14,3 +14,10 @@ var (
 func (r *Republisher) Delay(n int, requested time.Duration) (time.Duration, bool) {
 	return r.delayFor(n, requested)
 }
+
+// Unexported predicates and methods the external tests use.
+var (
+	IsPermanent         = isPermanent
+	IsDrop              = isDrop
+	DefaultShouldPoison = defaultShouldPoison
+)

@@ -10,6 +10,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/rabbitretry/rabbitretry/amqpwire"
+	"github.com/rabbitretry/rabbitretry/internal/chainerr"
 	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 	"github.com/rabbitretry/rabbitretry/middleware"
 )
@@ -75,7 +76,7 @@ func TestAcquiredCountSourceWithHeader(t *testing.T) {
 // x-acquired-count.
 func TestNativeRetryErrorAndStrip(t *testing.T) {
 	r, err := middleware.NewRepublisher(middleware.RepublisherConfig{
-		Delayer:     middleware.DelayerFunc(func(_ context.Context, _ *message.Message, _ time.Duration) error { return middleware.ErrNativeRetry }),
+		Delayer:     middleware.DelayerFunc(func(_ context.Context, _ *message.Message, _ time.Duration) error { return chainerr.ErrNativeRetry }),
 		MaxAttempts: 3,
 	})
 	if err != nil {
@@ -85,7 +86,7 @@ func TestNativeRetryErrorAndStrip(t *testing.T) {
 		return nil, &middleware.ClassifiedError{Err: errors.New("boom"), Classification: middleware.Classification{Action: middleware.ActionRetry, Class: middleware.ClassTransient}}
 	})
 	_, err = h(message.NewMessage("u", nil))
-	var dl *middleware.DeadLetterRetryError
+	var dl *chainerr.DeadLetterRetryError
 	if !errors.As(err, &dl) || !dl.Native || !strings.Contains(err.Error(), "native delayed retry") {
 		t.Fatalf("err = %v, want a native *DeadLetterRetryError", err)
 	}

@@ -11,6 +11,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/sony/gobreaker"
 
+	"github.com/rabbitretry/rabbitretry/internal/chainerr"
 	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 )
 
@@ -320,8 +321,8 @@ func (p *Pause) hold(msg *message.Message, resumed chan struct{}, heldSince time
 
 // recycle hands a held message back to its queue uncharged: a copy with the
 // same attempt number through the Delayer (delay 0). holdRecycled once the
-// copy is held; otherwise a *ScheduleError whose HandlerErr wraps
-// errHandlerNotRun (the fallback returns the delivery to the broker).
+// copy is held; otherwise a *chainerr.ScheduleError whose HandlerErr wraps
+// chainerr.ErrHandlerNotRun (the fallback returns the delivery to the broker).
 func (p *Pause) recycle(msg *message.Message, heldSince time.Time) (int, error) {
 	ctx := msg.Context()
 	attempt := Attempt(msg)
@@ -334,7 +335,7 @@ func (p *Pause) recycle(msg *message.Message, heldSince time.Time) (int, error) 
 		p.cfg.Logger.Error("Paused: copy of a held message not held; returning it to the broker", err, watermill.LogFields{
 			"message_uuid": msg.UUID, "held": time.Since(heldSince).String(), "attempt": attempt,
 		})
-		return holdRun, &ScheduleError{Err: err, HandlerErr: fmt.Errorf("held while paused: %w", errHandlerNotRun), Attempt: attempt}
+		return holdRun, &chainerr.ScheduleError{Err: err, HandlerErr: fmt.Errorf("held while paused: %w", chainerr.ErrHandlerNotRun), Attempt: attempt}
 	}
 	p.cfg.Logger.Info("Paused: held message handed back to its queue uncharged", watermill.LogFields{
 		"message_uuid": msg.UUID, "held": time.Since(heldSince).String(), "attempt": attempt,

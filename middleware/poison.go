@@ -3,13 +3,13 @@ package middleware
 import (
 	"context"
 	"errors"
-	"fmt"
 	"strconv"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 
+	"github.com/rabbitretry/rabbitretry/internal/chainerr"
 	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 )
 
@@ -26,7 +26,7 @@ type PoisonForwarderConfig struct {
 	// router's subscribe topic.
 	QueueName func(ctx context.Context) string
 	// ShouldPoison decides whether a handler error goes to the poison
-	// queue. Default: a *ExhaustedError, or an error classified
+	// queue. Default: an exhausted retry (past MaxAttempts), or an error classified
 	// ActionPoison (errors not passed through the Classifier are
 	// classified with DefaultClassifier). Errors it rejects are
 	// returned unchanged (the message is nacked).
@@ -52,7 +52,7 @@ func (c *PoisonForwarderConfig) setDefaults() {
 		c.QueueName = message.SubscribeTopicFromCtx
 	}
 	if c.ShouldPoison == nil {
-		c.ShouldPoison = DefaultShouldPoison
+		c.ShouldPoison = defaultShouldPoison
 	}
 	if c.ErrorText == nil {
 		c.ErrorText = func(err error) string { return retrymeta.ErrorText(err, retrymeta.DefaultMaxErrorBytes) }
@@ -76,17 +76,17 @@ func (c PoisonForwarderConfig) Validate() error {
 	return nil
 }
 
-// DefaultShouldPoison poisons exhausted retries and errors classified
-// ActionPoison. A *ScheduleError (the retry could not be
-// scheduled) and a *DeadLetterRetryError (the broker takes the
+// defaultShouldPoison poisons exhausted retries and errors classified
+// ActionPoison. A *chainerr.ScheduleError (the retry could not be
+// scheduled) and a *chainerr.DeadLetterRetryError (the broker takes the
 // retry) are never poisoned: those messages stay retriable.
-func DefaultShouldPoison(err error) bool {
-	var se *ScheduleError
-	var dl *DeadLetterRetryError
+func defaultShouldPoison(err error) bool {
+	var se *chainerr.ScheduleError
+	var dl *chainerr.DeadLetterRetryError
 	if errors.As(err, &se) || errors.As(err, &dl) {
 		return false
 	}
-	var ex *ExhaustedError
+	var ex *chainerr.ExhaustedError
 	if errors.As(err, &ex) {
 		return true
 	}
@@ -111,25 +111,11 @@ func NewPoisonForwarder(cfg PoisonForwarderConfig) (*PoisonForwarder, error) {
 	return &PoisonForwarder{cfg: cfg}, nil
 }
 
-// PoisonError is returned when publishing to the poison queue failed; the
-// original message is then nacked and stays retriable.
-type PoisonError struct {
-	Err        error
-	HandlerErr error
-}
-
-// Error describes both the publish failure and the handler error.
-func (e *PoisonError) Error() string {
-	return fmt.Sprintf("publishing to the poison queue failed: %v (handler error: %v)", e.Err, e.HandlerErr)
-}
-
-// Unwrap returns the publisher's error.
-func (e *PoisonError) Unwrap() error { return e.Err }
-
 // Middleware forwards messages whose handler error passes ShouldPoison to the
 // poison topic, with failure metadata, and acks the original only after the
-// publish returned nil. If the publish fails, it returns a *PoisonError and
-// the message is nacked.
+// publish returned nil. If the publish fails, it returns an error wrapping the
+// publisher's and the message is nacked (the router's fallback then sends it
+// back to its queue).
 func (f *PoisonForwarder) Middleware(h message.HandlerFunc) message.HandlerFunc {
 	return func(msg *message.Message) ([]*message.Message, error) {
 		out, err := h(msg)
@@ -150,7 +136,7 @@ func (f *PoisonForwarder) onFailure(msg *message.Message, out []*message.Message
 	}
 	ctx := msg.Context()
 	attempt := Attempt(msg)
-	class := ErrorClass(err)
+	class := errorClass(err)
 	p := f.poisonCopy(ctx, msg, err, attempt, class)
 	topic := f.cfg.Topic(ctx)
 	if perr := f.cfg.Publisher.Publish(topic, p); perr != nil {
@@ -158,7 +144,7 @@ func (f *PoisonForwarder) onFailure(msg *message.Message, out []*message.Message
 		f.cfg.Logger.Error("Poison publish failed; nacking message", perr, watermill.LogFields{
 			"message_uuid": msg.UUID, "poison_topic": topic, "attempt": attempt,
 		})
-		return nil, &PoisonError{Err: perr, HandlerErr: err}
+		return nil, &chainerr.PoisonError{Err: perr, HandlerErr: err}
 	}
 	// The poison copy is confirmed: only now may the original be acked.
 	f.cfg.Observer.Poisoned(msg, attempt, class)
@@ -169,16 +155,16 @@ func (f *PoisonForwarder) onFailure(msg *message.Message, out []*message.Message
 	return nil, nil
 }
 
-// ErrorClass returns the class a failure is poisoned with (ErrorClassKey): the class of a
+// errorClass returns the class a failure is poisoned with (ErrorClassKey): the class of a
 // *ClassifiedError whose action is ActionPoison, else
-// ClassExhausted for a *ExhaustedError, else the
+// ClassExhausted for a *chainerr.ExhaustedError, else the
 // error's classification.
-func ErrorClass(err error) string {
+func errorClass(err error) string {
 	var ce *ClassifiedError
 	if errors.As(err, &ce) && ce.Action == ActionPoison {
 		return ce.Class
 	}
-	var ex *ExhaustedError
+	var ex *chainerr.ExhaustedError
 	if errors.As(err, &ex) {
 		return ClassExhausted
 	}
@@ -205,4 +191,10 @@ func (f *PoisonForwarder) poisonCopy(ctx context.Context, msg *message.Message, 
 	p.Metadata.Set(PoisonAttemptsKey, strconv.Itoa(attempt))
 	p.Metadata.Set(PoisonedAtKey, now.UTC().Format(time.RFC3339Nano))
 	return p
+}
+
+func init() {
+	// The router's fallback records the poison class through package
+	// chainerr: it is not public API.
+	chainerr.ErrorClass = errorClass
 }

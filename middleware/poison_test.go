@@ -11,7 +11,9 @@ import (
 	"time"
 
 	"github.com/rabbitretry/rabbitretry/amqpwire"
+	"github.com/rabbitretry/rabbitretry/internal/chainerr"
 	"github.com/rabbitretry/rabbitretry/internal/testkit"
+	"github.com/rabbitretry/rabbitretry/internal/wire"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -230,13 +232,13 @@ func TestForwarderWithCounterInRouter(t *testing.T) {
 	}
 	msg := pfNewMsg()
 	msg.Metadata.Set(middleware.AttemptKey, "1")
-	msg.Metadata.Set(middleware.XDeathKey, amqpwire.EncodeXDeath([]amqpwire.DeathRecord{{Queue: "orders", Reason: "rejected", Count: 3}}))
+	msg.Metadata.Set(middleware.XDeathKey, wire.EncodeXDeath([]amqpwire.DeathRecord{{Queue: "orders", Reason: "rejected", Count: 3}}))
 	// This queue's own evidence: a copy of its chain (gochannel: the origin
 	// queue is this one), back through a retry route.
 	msg.Metadata.Set(middleware.OriginalQueueKey, "orders")
 	msg.Metadata.Set(retrymeta.DeliveryRetryRouteKey, "true")
 	mw := func(h message.HandlerFunc) message.HandlerFunc { return counter.Middleware(f.Middleware(h)) }
-	res := pfRunInRouter(t, msg, mw, pfFailWith(&middleware.ExhaustedError{Err: errors.New("down"), Attempts: 4}))
+	res := pfRunInRouter(t, msg, mw, pfFailWith(&chainerr.ExhaustedError{Err: errors.New("down"), Attempts: 4}))
 	if res.err != nil {
 		t.Fatal(res.err)
 	}
@@ -264,8 +266,8 @@ func TestForwarderClasses(t *testing.T) {
 	}{
 		{"permanent", middleware.Permanent(errors.New("x")), middleware.ClassPermanent},
 		{"malformed json", fmt.Errorf("decode: %w", typeErr), middleware.ClassMalformed},
-		{"exhausted", &middleware.ExhaustedError{Err: errors.New("x"), Attempts: 5}, middleware.ClassExhausted},
-		{"exhausted wins over inner class", &middleware.ExhaustedError{Err: &middleware.ClassifiedError{Err: errors.New("x"), Classification: middleware.Classification{Class: "transient"}}, Attempts: 5}, middleware.ClassExhausted},
+		{"exhausted", &chainerr.ExhaustedError{Err: errors.New("x"), Attempts: 5}, middleware.ClassExhausted},
+		{"exhausted wins over inner class", &chainerr.ExhaustedError{Err: &middleware.ClassifiedError{Err: errors.New("x"), Classification: middleware.Classification{Class: "transient"}}, Attempts: 5}, middleware.ClassExhausted},
 		{"classified", custom, "custom"},
 		{"classified by the Classifier", nil, "custom-rule"},
 	}
@@ -325,9 +327,9 @@ func TestForwarderPassesNonPoisonErrors(t *testing.T) {
 		middleware.RetryAfter(errors.New("429"), time.Second),
 		&middleware.ClassifiedError{Err: middleware.Permanent(errors.New("x")), Classification: middleware.Classification{Action: middleware.ActionRetry, Class: "transient"}},
 		// A failed retry schedule is never poisoned, whatever it wraps.
-		&middleware.ScheduleError{Err: errors.New("no confirm"), HandlerErr: middleware.Permanent(errors.New("x")), Attempt: 5},
-		&middleware.ScheduleError{Err: &middleware.ExhaustedError{Err: errors.New("x"), Attempts: 9}, HandlerErr: errors.New("x"), Attempt: 9},
-		fmt.Errorf("wrapped: %w", &middleware.ScheduleError{Err: middleware.Permanent(errors.New("x")), Attempt: 1}),
+		&chainerr.ScheduleError{Err: errors.New("no confirm"), HandlerErr: middleware.Permanent(errors.New("x")), Attempt: 5},
+		&chainerr.ScheduleError{Err: &chainerr.ExhaustedError{Err: errors.New("x"), Attempts: 9}, HandlerErr: errors.New("x"), Attempt: 9},
+		fmt.Errorf("wrapped: %w", &chainerr.ScheduleError{Err: middleware.Permanent(errors.New("x")), Attempt: 1}),
 	}
 	for _, herr := range tests {
 		out, err := f.Middleware(pfFailWith(herr))(pfNewMsg())
@@ -369,7 +371,7 @@ func TestForwarderPublishFailureNacks(t *testing.T) {
 	if out != nil {
 		t.Errorf("output %v", out)
 	}
-	var pe *middleware.PoisonError
+	var pe *chainerr.PoisonError
 	if !errors.As(err, &pe) || !errors.Is(err, pubErr) || pe.HandlerErr != handlerErr {
 		t.Fatalf("got %T %v, want *PoisonError", err, err)
 	}

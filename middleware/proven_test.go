@@ -8,6 +8,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/rabbitretry/rabbitretry/amqpwire"
+	"github.com/rabbitretry/rabbitretry/internal/chainerr"
 	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 	"github.com/rabbitretry/rabbitretry/middleware"
 )
@@ -59,7 +60,7 @@ func TestUnprovenNacksDoNotPoisonWithoutRun(t *testing.T) {
 		return nil, fail
 	})
 	_, err := h(nackedDelivery("5"))
-	var ex *middleware.ExhaustedError
+	var ex *chainerr.ExhaustedError
 	if !errors.As(err, &ex) || !errors.Is(err, fail) || ran != 1 || seen != 2 || ex.Attempts != 2 {
 		t.Fatalf("err %v, ran %d as attempt %d: want exhausted by the handler's error after 1 run as attempt 2", err, ran, seen)
 	}
@@ -76,7 +77,7 @@ func TestProvenAttemptCarriedOnCopies(t *testing.T) {
 	h := provenChain(t, 3, d, func(*message.Message) ([]*message.Message, error) { ran++; return nil, fail })
 	// Two nacks without a run: attempt 3 counted, 1 proven. The run fails:
 	// exhausted (attempt 3 = MaxAttempts), not retried.
-	if _, err := h(nackedDelivery("2")); !errors.As(err, new(*middleware.ExhaustedError)) || ran != 1 {
+	if _, err := h(nackedDelivery("2")); !errors.As(err, new(*chainerr.ExhaustedError)) || ran != 1 {
 		t.Fatalf("err %v after %d runs", err, ran)
 	}
 	// One nack: attempt 2 counted, 1 proven; the copy says attempt 3, proven 2.
@@ -95,7 +96,7 @@ func TestProvenAttemptCarriedOnCopies(t *testing.T) {
 	m.Metadata.Set(middleware.OriginalQueueKey, "orders")
 	m.Metadata.Set(middleware.AttemptKey, "4")
 	m.Metadata.Set(retrymeta.ProvenAttemptKey, "4")
-	if _, err := h(m); !errors.As(err, new(*middleware.ExhaustedError)) || ran != 0 {
+	if _, err := h(m); !errors.As(err, new(*chainerr.ExhaustedError)) || ran != 0 {
 		t.Fatalf("err %v after %d runs, want exhausted without a run", err, ran)
 	}
 	// The same copy proven only to 2 (its count includes unproven nacks): runs.
@@ -103,7 +104,7 @@ func TestProvenAttemptCarriedOnCopies(t *testing.T) {
 	m.Metadata.Set(middleware.OriginalQueueKey, "orders")
 	m.Metadata.Set(middleware.AttemptKey, "4")
 	m.Metadata.Set(retrymeta.ProvenAttemptKey, "2")
-	if _, err := h(m); !errors.As(err, new(*middleware.ExhaustedError)) || ran != 1 {
+	if _, err := h(m); !errors.As(err, new(*chainerr.ExhaustedError)) || ran != 1 {
 		t.Fatalf("err %v after %d runs, want exhausted after 1 run", err, ran)
 	}
 	// A copy without ProvenAttemptKey (made before it existed): all proven.
@@ -111,7 +112,7 @@ func TestProvenAttemptCarriedOnCopies(t *testing.T) {
 	m = newMsg("p")
 	m.Metadata.Set(middleware.OriginalQueueKey, "orders")
 	m.Metadata.Set(middleware.AttemptKey, "4")
-	if _, err := h(m); !errors.As(err, new(*middleware.ExhaustedError)) || ran != 0 {
+	if _, err := h(m); !errors.As(err, new(*chainerr.ExhaustedError)) || ran != 0 {
 		t.Fatalf("err %v after %d runs, want exhausted without a run", err, ran)
 	}
 }

@@ -10,11 +10,9 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 
+	"github.com/rabbitretry/rabbitretry/internal/chainerr"
 	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 )
-
-// DefaultMaxRedeliveries is the default of RedeliveryGuardConfig.MaxRedeliveries.
-const DefaultMaxRedeliveries = 3
 
 // RedeliveryGuardConfig configures a RedeliveryGuard.
 type RedeliveryGuardConfig struct {
@@ -32,7 +30,7 @@ type RedeliveryGuardConfig struct {
 	// MaxRedeliveries-1 (at least 1) poisons it: the crash that sent it there
 	// may have been its own, so a message that crashes every time crashes
 	// at most MaxRedeliveries times (MaxRedeliveries 1: twice).
-	// Default DefaultMaxRedeliveries (3); range [1, MaxAttemptsCap].
+	// Default 3; range [1, MaxAttemptsCap].
 	MaxRedeliveries int
 	// QueueName names the originating queue (for logs). Default: the router's
 	// subscribe topic.
@@ -50,7 +48,7 @@ type RedeliveryGuardConfig struct {
 
 func (c *RedeliveryGuardConfig) setDefaults() {
 	if c.MaxRedeliveries == 0 {
-		c.MaxRedeliveries = DefaultMaxRedeliveries
+		c.MaxRedeliveries = retrymeta.DefaultMaxRedeliveries
 	}
 	if c.QueueName == nil {
 		c.QueueName = message.SubscribeTopicFromCtx
@@ -96,7 +94,7 @@ func (c RedeliveryGuardConfig) Validate() error {
 // and is not counted as a redelivery or an attempt (the handler never saw
 // it): a copy with the same attempt number and redelivery count is handed to
 // the Delayer for the remaining delay (with MinimumDelay set, so a tiered
-// Delayer rounds up, and CopyRequired), and the original is acked once
+// Delayer rounds up, and retrymeta.CopyRequired), and the original is acked once
 // the copy is held. This check comes first, also for a redelivered delivery
 // and with RedeliveriesCounted. The errors are the same as for a
 // redelivery's copy.
@@ -121,7 +119,7 @@ func (c RedeliveryGuardConfig) Validate() error {
 //
 // ErrCannotDelay from the Delayer poisons it as ClassUndelayable. If the
 // copy cannot be held for any other reason (publisher closed, broker alarm),
-// it returns a *ScheduleError whose HandlerErr wraps errHandlerNotRun: the
+// it returns a schedule error saying the handler did not run: the
 // message goes back to the broker unprocessed and waits there until a copy
 // can be held.
 type RedeliveryGuard struct {
@@ -136,20 +134,6 @@ func NewRedeliveryGuard(cfg RedeliveryGuardConfig) (*RedeliveryGuard, error) {
 		return nil, err
 	}
 	return &RedeliveryGuard{cfg: cfg}, nil
-}
-
-// Redeliveries returns the redelivery count a message carries
-// (rabbitretry-redeliveries): 0 when absent or malformed, at most MaxAttemptsCap.
-func Redeliveries(msg *message.Message) int {
-	v := msg.Metadata.Get(retrymeta.RedeliveriesKey)
-	if v == "" {
-		return 0
-	}
-	n, err := strconv.ParseInt(v, 10, 64)
-	if err != nil || n <= 0 {
-		return 0
-	}
-	return clampAttempt(n)
 }
 
 // Middleware runs h for deliveries that are not redelivered; see
@@ -170,7 +154,7 @@ func (g *RedeliveryGuard) Middleware(h message.HandlerFunc) message.HandlerFunc 
 func (g *RedeliveryGuard) onRedelivered(msg *message.Message) error {
 	ctx := msg.Context()
 	attempt := Attempt(msg)
-	n := Redeliveries(msg) + 1
+	n := retrymeta.Redeliveries(msg) + 1
 	fields := watermill.LogFields{
 		"message_uuid": msg.UUID, "queue": g.cfg.QueueName(ctx), "attempt": attempt, "redeliveries": n,
 	}
@@ -271,5 +255,5 @@ func (g *RedeliveryGuard) copyNotHeld(serr error, attempt int, fields watermill.
 		msg = "Copy of a delivery " + what + " not held; returning it to the broker"
 	}
 	g.cfg.Logger.Error(msg, serr, fields)
-	return &ScheduleError{Err: serr, HandlerErr: fmt.Errorf("%s: %w", what, errHandlerNotRun), Attempt: attempt}
+	return &chainerr.ScheduleError{Err: serr, HandlerErr: fmt.Errorf("%s: %w", what, chainerr.ErrHandlerNotRun), Attempt: attempt}
 }

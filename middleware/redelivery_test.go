@@ -7,6 +7,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 
+	"github.com/rabbitretry/rabbitretry/internal/chainerr"
 	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 	"github.com/rabbitretry/rabbitretry/middleware"
 )
@@ -72,7 +73,7 @@ func TestRedeliveryGuardCopyRefused(t *testing.T) {
 	}
 	ran := false
 	_, err = g.Middleware(func(*message.Message) ([]*message.Message, error) { ran = true; return nil, nil })(redelivered(1, ""))
-	var se *middleware.ScheduleError
+	var se *chainerr.ScheduleError
 	if !errors.As(err, &se) || !errors.Is(err, refused) || se.HandlerRan() || ran {
 		t.Fatalf("refused copy: err %v, handler ran %v", err, ran)
 	}
@@ -175,7 +176,7 @@ func TestRedeliveriesZero(t *testing.T) {
 		if v != "" {
 			m.Metadata.Set(retrymeta.RedeliveriesKey, v)
 		}
-		if got := middleware.Redeliveries(m); got != want {
+		if got := retrymeta.Redeliveries(m); got != want {
 			t.Errorf("Redeliveries(%q) = %d, want %d", v, got, want)
 		}
 	}

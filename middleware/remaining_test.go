@@ -7,6 +7,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 
+	"github.com/rabbitretry/rabbitretry/internal/chainerr"
 	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 	"github.com/rabbitretry/rabbitretry/middleware"
 )
@@ -64,8 +65,8 @@ func TestRedeliveryGuardHoldsEarlyDelivery(t *testing.T) {
 		calls := d.Calls()
 		c := calls[len(calls)-1]
 		minimum, _ := middleware.MinimumDelay(c.ctx)
-		if c.delay != 1100*time.Millisecond || minimum != c.delay || !middleware.CopyRequired(c.ctx) {
-			t.Errorf("redelivered %v: delay %v, minimum %v, copy required %v", redelivered, c.delay, minimum, middleware.CopyRequired(c.ctx))
+		if c.delay != 1100*time.Millisecond || minimum != c.delay || !retrymeta.CopyRequired(c.ctx) {
+			t.Errorf("redelivered %v: delay %v, minimum %v, copy required %v", redelivered, c.delay, minimum, retrymeta.CopyRequired(c.ctx))
 		}
 		md := c.msg.Metadata
 		if md.Get(middleware.AttemptKey) != "2" || md.Get(retrymeta.RedeliveriesKey) != "1" ||
@@ -82,7 +83,7 @@ func TestRedeliveryGuardHoldsEarlyDelivery(t *testing.T) {
 	msg.Metadata.Set(retrymeta.DeliveryRetryPathKey, "true")
 	msg.Metadata.Set(retrymeta.RemainingDelayKey, "10")
 	_, err = g.Middleware(h)(msg)
-	var se *middleware.ScheduleError
+	var se *chainerr.ScheduleError
 	if !errors.As(err, &se) || se.HandlerRan() || ran != 0 {
 		t.Fatalf("refused copy: %v, ran %d", err, ran)
 	}

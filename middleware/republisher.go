@@ -11,12 +11,9 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/cenkalti/backoff/v4"
 
+	"github.com/rabbitretry/rabbitretry/internal/chainerr"
 	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 )
-
-// DefaultMaxAttempts is the default of RepublisherConfig.MaxAttempts (and
-// router.Config.MaxAttempts): the first attempt and four retries.
-const DefaultMaxAttempts = 5
 
 // RepublisherConfig configures a Republisher.
 type RepublisherConfig struct {
@@ -27,7 +24,7 @@ type RepublisherConfig struct {
 	// [1, MaxAttemptsCap].
 	MaxAttempts int
 	// Backoff makes a fresh backoff policy; the delay after attempt n is the
-	// n-th NextBackOff of a fresh value. Default DefaultBackoff.
+	// n-th NextBackOff of a fresh value. Default: exponential from 1 s, factor 2, ±50% jitter, 5 min cap.
 	// A policy returning backoff.Stop ends the retries (the message is then
 	// exhausted and poisoned).
 	Backoff func() backoff.BackOff
@@ -48,10 +45,10 @@ type RepublisherConfig struct {
 
 func (c *RepublisherConfig) setDefaults() {
 	if c.MaxAttempts == 0 {
-		c.MaxAttempts = DefaultMaxAttempts
+		c.MaxAttempts = retrymeta.DefaultMaxAttempts
 	}
 	if c.Backoff == nil {
-		c.Backoff = DefaultBackoff
+		c.Backoff = retrymeta.DefaultBackoff
 	}
 	if c.QueueName == nil {
 		c.QueueName = message.SubscribeTopicFromCtx
@@ -116,16 +113,17 @@ func (r *Republisher) delayFor(n int, requested time.Duration) (time.Duration, b
 // already above MaxAttempts is not handed to the handler when its proven
 // attempt number (ProvenAttempt: runs recorded by the chain, not returns
 // that may not have run it) is above MaxAttempts too: it returns an
-// *ExhaustedError at once (the poison forwarder poisons it). Past
+// exhausted error at once (the poison forwarder poisons it). Past
 // MaxAttempts only by unproven evidence (AttemptSource.Proven), it runs
 // once more as attempt MaxAttempts, and a failure exhausts it. For each
 // handler error:
 //   - not ActionRetry (see Classifier): returned unchanged;
-//   - attempt >= MaxAttempts, or the backoff stops: *ExhaustedError;
+//   - attempt >= MaxAttempts, or the backoff stops: an exhausted error (poisoned);
 //   - else a copy (same UUID, payload and metadata; AttemptKey = attempt+1;
 //     failure metadata updated) is handed to the Delayer. On success the
 //     handler returns nil and the original is acked; on failure a
-//     *ScheduleError is returned and the original is nacked.
+//     schedule error is returned and the original is nacked (the router's
+//     fallback then sends it back to its queue).
 //
 // Messages the handler produced on a failed attempt are discarded.
 func (r *Republisher) Middleware(h message.HandlerFunc) message.HandlerFunc {
@@ -171,7 +169,7 @@ func (r *Republisher) pastLastAttempt(msg *message.Message) error {
 	if last == "" {
 		last = "no failure recorded"
 	}
-	ex := &ExhaustedError{
+	ex := &chainerr.ExhaustedError{
 		Err:      fmt.Errorf("attempt %d is past MaxAttempts %d, handler not run (last error: %s)", attempt, r.cfg.MaxAttempts, last),
 		Attempts: attempt,
 	}
@@ -195,11 +193,11 @@ func (r *Republisher) onFailure(msg *message.Message, err error) error {
 	}
 	attempt := Attempt(msg)
 	if attempt >= r.cfg.MaxAttempts {
-		return &ExhaustedError{Err: err, Attempts: attempt}
+		return &chainerr.ExhaustedError{Err: err, Attempts: attempt}
 	}
 	delay, ok := r.delayFor(attempt, cl.Delay)
 	if !ok {
-		return &ExhaustedError{Err: err, Attempts: attempt}
+		return &chainerr.ExhaustedError{Err: err, Attempts: attempt}
 	}
 	ctx := msg.Context()
 	retry := r.copyForRetry(ctx, msg, attempt, cl, err, delay)
@@ -215,10 +213,10 @@ func (r *Republisher) onFailure(msg *message.Message, err error) error {
 			Err:            fmt.Errorf("%w (and no retry is possible: %v)", err, serr),
 			Classification: Classification{Action: ActionPoison, Class: ClassUndelayable},
 		}
-	} else if errors.Is(serr, ErrDeadLetter) {
+	} else if errors.Is(serr, chainerr.ErrDeadLetter) {
 		// The broker holds the retry: the nack dead-letters the original
-		// (or, ErrNativeRetry, puts it into the queue's delayed state).
-		native := errors.Is(serr, ErrNativeRetry)
+		// (or, chainerr.ErrNativeRetry, puts it into the queue's delayed state).
+		native := errors.Is(serr, chainerr.ErrNativeRetry)
 		r.cfg.Observer.RetryScheduled(msg, attempt, delay, time.Since(start))
 		logMsg := "Retry by dead-lettering"
 		if native {
@@ -228,14 +226,14 @@ func (r *Republisher) onFailure(msg *message.Message, err error) error {
 			"message_uuid": msg.UUID, "queue": r.cfg.QueueName(ctx), "attempt": attempt,
 			"next_attempt": attempt + 1, "delay": delay.String(), "error_class": cl.Class,
 		})
-		return &DeadLetterRetryError{HandlerErr: err, Attempt: attempt, Native: native}
+		return &chainerr.DeadLetterRetryError{HandlerErr: err, Attempt: attempt, Native: native}
 	} else if serr != nil {
 		// Not scheduled: never ack. The nack hands the message back to the broker.
 		r.cfg.Observer.RetryFailed(msg, attempt, serr)
 		r.cfg.Logger.Error("Retry not scheduled; nacking message", serr, watermill.LogFields{
 			"message_uuid": msg.UUID, "attempt": attempt, "queue": r.cfg.QueueName(ctx),
 		})
-		return &ScheduleError{Err: serr, HandlerErr: err, Attempt: attempt}
+		return &chainerr.ScheduleError{Err: serr, HandlerErr: err, Attempt: attempt}
 	}
 	// The copy is held (confirmed): only now may the original be acked.
 	took := time.Since(start)

@@ -13,6 +13,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/cenkalti/backoff/v4"
 
+	"github.com/rabbitretry/rabbitretry/internal/chainerr"
 	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 	"github.com/rabbitretry/rabbitretry/middleware"
 )
@@ -198,7 +199,7 @@ func TestRepublisherDelayerErrorNacks(t *testing.T) {
 	if out != nil {
 		t.Errorf("produced messages must be discarded, got %d", len(out))
 	}
-	var se *middleware.ScheduleError
+	var se *chainerr.ScheduleError
 	if !errors.As(err, &se) {
 		t.Fatalf("got %T %v, want *ScheduleError", err, err)
 	}
@@ -231,7 +232,7 @@ func TestRepublisherExhausted(t *testing.T) {
 			ran = true
 			return []*message.Message{newMsg("x")}, handlerErr
 		})(attemptMsg(attempt, "p"))
-		var ex *middleware.ExhaustedError
+		var ex *chainerr.ExhaustedError
 		if !errors.As(err, &ex) || ex.Attempts != attempt {
 			t.Fatalf("attempt %d: got %T %v, want *ExhaustedError", attempt, err, err)
 		}
@@ -257,7 +258,7 @@ func TestRepublisherMaxAttemptsOneNeverRetries(t *testing.T) {
 	d := &recordingDelayer{}
 	r := newRepublisher(t, middleware.RepublisherConfig{Delayer: d, MaxAttempts: 1})
 	_, err := r.Middleware(failWith(errors.New("x")))(attemptMsg(1, "p"))
-	var ex *middleware.ExhaustedError
+	var ex *chainerr.ExhaustedError
 	if !errors.As(err, &ex) || ex.Attempts != 1 || len(d.Calls()) != 0 {
 		t.Fatalf("got %v, %d calls", err, len(d.Calls()))
 	}
@@ -272,7 +273,7 @@ func TestRepublisherBackoffStopExhausts(t *testing.T) {
 		t.Fatalf("attempt 1: %v", err)
 	}
 	_, err := r.Middleware(failWith(errors.New("x")))(attemptMsg(2, "p"))
-	var ex *middleware.ExhaustedError
+	var ex *chainerr.ExhaustedError
 	if !errors.As(err, &ex) || ex.Attempts != 2 {
 		t.Fatalf("attempt 2 with a stopped policy: %v", err)
 	}
@@ -361,7 +362,7 @@ func TestRepublisherAttemptFromMetadataWithoutCounter(t *testing.T) {
 		t.Fatalf("attempt %q, want 4", got)
 	}
 	msg.Metadata.Set(middleware.AttemptKey, "4")
-	var ex *middleware.ExhaustedError
+	var ex *chainerr.ExhaustedError
 	if _, err := r.Middleware(failWith(errors.New("x")))(msg); !errors.As(err, &ex) {
 		t.Fatalf("attempt 4 of 4: %v", err)
 	}
@@ -478,7 +479,7 @@ func TestRepublisherDeadLetterRetry(t *testing.T) {
 	obs := &countingObserver{onScheduled: func() { scheduled++ }}
 	rep, err := middleware.NewRepublisher(middleware.RepublisherConfig{
 		Delayer: middleware.DelayerFunc(func(context.Context, *message.Message, time.Duration) error {
-			return fmt.Errorf("wrapped: %w", middleware.ErrDeadLetter)
+			return fmt.Errorf("wrapped: %w", chainerr.ErrDeadLetter)
 		}),
 		Observer: obs,
 	})
@@ -489,7 +490,7 @@ func TestRepublisherDeadLetterRetry(t *testing.T) {
 	_, herr := rep.Middleware(func(*message.Message) ([]*message.Message, error) {
 		return nil, errors.New("dependency down")
 	})(msg)
-	var dl *middleware.DeadLetterRetryError
+	var dl *chainerr.DeadLetterRetryError
 	if !errors.As(herr, &dl) || dl.Attempt != 1 {
 		t.Fatalf("err = %v, want *DeadLetterRetryError for attempt 1", herr)
 	}

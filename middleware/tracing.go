@@ -14,6 +14,7 @@ import (
 	"go.opentelemetry.io/otel/propagation"
 	"go.opentelemetry.io/otel/trace"
 
+	"github.com/rabbitretry/rabbitretry/internal/chainerr"
 	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 )
 
@@ -215,7 +216,7 @@ func (tr *Tracing) attributes(msg *message.Message) []attribute.KeyValue {
 	if _, rk := deliveredVia(msg); rk != "" {
 		attrs = append(attrs, attribute.String("messaging.rabbitmq.destination.routing_key", rk))
 	}
-	if cid := md.Get(PropCorrelationIDKey); cid != "" {
+	if cid := md.Get(retrymeta.PropCorrelationIDKey); cid != "" {
 		attrs = append(attrs, attribute.String("messaging.message.conversation_id", cid))
 	}
 	if tr.maxAttempt > 0 {
@@ -238,7 +239,7 @@ func deliveredVia(msg *message.Message) (exchange, routingKey string) {
 }
 
 func messageID(msg *message.Message) string {
-	if id := msg.Metadata.Get(PropMessageIDKey); id != "" {
+	if id := msg.Metadata.Get(retrymeta.PropMessageIDKey); id != "" {
 		return id
 	}
 	return msg.UUID
@@ -297,9 +298,9 @@ func errorType(err error) string {
 }
 
 func outcomeOf(err error) string {
-	var dl *DeadLetterRetryError
-	var ex *ExhaustedError
-	var se *ScheduleError
+	var dl *chainerr.DeadLetterRetryError
+	var ex *chainerr.ExhaustedError
+	var se *chainerr.ScheduleError
 	switch {
 	case errors.As(err, &dl):
 		return "retry_scheduled"

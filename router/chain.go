@@ -166,7 +166,7 @@ func New(cfg Config) (*Chain, error) {
 		errorText: cfg.ErrorText, queueName: queueName, logger: cfg.Logger,
 	}
 	if fb.pause == 0 {
-		fb.pause = DefaultFallbackPause
+		fb.pause = defaultFallbackPause
 	}
 	if fb.errorText == nil {
 		fb.errorText = func(err error) string { return retrymeta.ErrorText(err, retrymeta.DefaultMaxErrorBytes) }

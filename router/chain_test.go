@@ -21,7 +21,9 @@ import (
 	"github.com/cenkalti/backoff/v4"
 
 	"github.com/rabbitretry/rabbitretry/amqpwire"
+	"github.com/rabbitretry/rabbitretry/internal/chainerr"
 	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
+	"github.com/rabbitretry/rabbitretry/internal/wire"
 	"github.com/rabbitretry/rabbitretry/middleware"
 	"github.com/rabbitretry/rabbitretry/router"
 )
@@ -523,7 +525,7 @@ func TestChainDirect(t *testing.T) {
 	msg = message.NewMessage("b", nil)
 	msg.Metadata.Set(retrymeta.DeliveryExchangeKey, "") // back through a retry route, as the Marshaler tells
 	msg.Metadata.Set(retrymeta.DeliveryRetryRouteKey, "true")
-	msg.Metadata.Set(middleware.XDeathKey, amqpwire.EncodeXDeath([]amqpwire.DeathRecord{{Queue: "q", Reason: "rejected", Count: 2}}))
+	msg.Metadata.Set(middleware.XDeathKey, wire.EncodeXDeath([]amqpwire.DeathRecord{{Queue: "q", Reason: "rejected", Count: 2}}))
 	if _, err := chain.Middleware(fail)(msg); err != nil {
 		t.Fatal(err)
 	}
@@ -541,7 +543,7 @@ func TestChainDirect(t *testing.T) {
 	// A Delayer failure nacks and never poisons.
 	d.err = errors.New("no confirm")
 	_, err = chain.Middleware(fail)(message.NewMessage("c", nil))
-	var se *middleware.ScheduleError
+	var se *chainerr.ScheduleError
 	if !errors.As(err, &se) || se.Attempt != 1 {
 		t.Fatalf("got %v, want *ScheduleError", err)
 	}
@@ -558,7 +560,7 @@ func TestChainDirect(t *testing.T) {
 	_, err = chain2.Middleware(func(*message.Message) ([]*message.Message, error) {
 		return nil, middleware.Permanent(errors.New("x"))
 	})(message.NewMessage("d", nil))
-	var pe *middleware.PoisonError
+	var pe *chainerr.PoisonError
 	if !errors.As(err, &pe) {
 		t.Fatalf("got %v, want *PoisonError", err)
 	}
@@ -633,7 +635,7 @@ func TestForeignCountsNeverDecideFirstRun(t *testing.T) {
 	forged := map[string]map[string]string{
 		"attempt 99":            {middleware.AttemptKey: "99"},
 		"attempt = MaxAttempts": {middleware.AttemptKey: strconv.Itoa(maxAttempts)},
-		"x-death 50 for Q": {middleware.XDeathKey: amqpwire.EncodeXDeath([]amqpwire.DeathRecord{
+		"x-death 50 for Q": {middleware.XDeathKey: wire.EncodeXDeath([]amqpwire.DeathRecord{
 			{Queue: topic, Reason: "rejected", Count: 50}})},
 		"another queue's chain": {middleware.AttemptKey: "4", middleware.OriginalQueueKey: "payments",
 			retrymeta.RedeliveriesKey: "2", middleware.FirstFailureKey: "2026-01-01T00:00:00Z"},

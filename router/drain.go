@@ -12,10 +12,10 @@ import (
 	"github.com/rabbitretry/rabbitretry/middleware"
 )
 
-// DefaultDrainTimeout is the default drain timeout of NewDrainingSubscriber:
+// defaultDrainTimeout is the default drain timeout of NewDrainingSubscriber:
 // below watermill's default Router CloseTimeout (30 s), so the router still
 // sees its handlers finish.
-const DefaultDrainTimeout = 20 * time.Second
+const defaultDrainTimeout = 20 * time.Second
 
 // DrainingSubscriber wraps a message.Subscriber so that stopping the router
 // (cancelling the context given to message.Router.Run, or Router.Close,
@@ -78,10 +78,10 @@ type subscription struct {
 
 // NewDrainingSubscriber wraps inner. timeout bounds the wait for in-flight
 // messages when the router stops (Close, or the subscribe context ending);
-// 0 means DefaultDrainTimeout.
+// 0 means 20 s (defaultDrainTimeout).
 func NewDrainingSubscriber(inner message.Subscriber, timeout time.Duration) *DrainingSubscriber {
 	if timeout <= 0 {
-		timeout = DefaultDrainTimeout
+		timeout = defaultDrainTimeout
 	}
 	return &DrainingSubscriber{inner: inner, timeout: timeout, closing: make(chan struct{}), subs: map[*subscription]struct{}{}}
 }

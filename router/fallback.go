@@ -9,12 +9,13 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 
+	"github.com/rabbitretry/rabbitretry/internal/chainerr"
 	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 	"github.com/rabbitretry/rabbitretry/middleware"
 )
 
-// DefaultFallbackPause is the default of Config.FallbackPause.
-const DefaultFallbackPause = time.Second
+// defaultFallbackPause is the default of Config.FallbackPause.
+const defaultFallbackPause = time.Second
 
 // fallbackMaxHold bounds how long the fallback holds a delivery for a
 // handler's RetryAfter (the subscription handles one message at a time, and
@@ -23,8 +24,8 @@ const fallbackMaxHold = time.Minute
 
 // fallback is the outermost settlement step, just inside the attempt
 // counter. It sees only failures that nothing further in could settle: a
-// retry copy the Delayer did not hold (*middleware.ScheduleError), a poison
-// copy the broker did not take (*middleware.PoisonError), or anything else that
+// retry copy the Delayer did not hold (*chainerr.ScheduleError), a poison
+// copy the broker did not take (*chainerr.PoisonError), or anything else that
 // would end in a nack. For those it never relies on the broker's
 // dead-lettering of the original (at-most-once on classic queues) and never
 // requeues at once (a hot loop):
@@ -51,7 +52,7 @@ const fallbackMaxHold = time.Minute
 //     is counted by the RedeliveryGuard.
 //
 // Failures classified middleware.ActionNack (the delivery was already given
-// back by the subscriber) and *middleware.DeadLetterRetryError (the nack is
+// back by the subscriber) and *chainerr.DeadLetterRetryError (the nack is
 // the retry) pass through untouched.
 type fallback struct {
 	delayer     middleware.Delayer
@@ -74,7 +75,7 @@ func (f *fallback) Middleware(h message.HandlerFunc) message.HandlerFunc {
 
 //go:noinline
 func (f *fallback) onFailure(msg *message.Message, err error) error {
-	var dl *middleware.DeadLetterRetryError
+	var dl *chainerr.DeadLetterRetryError
 	if errors.As(err, &dl) {
 		return err
 	}
@@ -88,8 +89,8 @@ func (f *fallback) onFailure(msg *message.Message, err error) error {
 	var next, proven int
 	var handlerErr error
 	var asked time.Duration // the handler's RetryAfter, if any
-	var se *middleware.ScheduleError
-	var pe *middleware.PoisonError
+	var se *chainerr.ScheduleError
+	var pe *chainerr.PoisonError
 	switch {
 	case errors.As(err, &se) && se.HandlerRan():
 		next, handlerErr = se.Attempt+1, se.HandlerErr
@@ -108,7 +109,7 @@ func (f *fallback) onFailure(msg *message.Message, err error) error {
 		return err // shutting down: the subscriber returns the delivery
 	}
 	c := retrymeta.CloneMessage(msg)
-	retrymeta.RecordFailure(c.Metadata, time.Now(), f.errorText(handlerErr), middleware.ErrorClass(handlerErr), f.queueName(ctx))
+	retrymeta.RecordFailure(c.Metadata, time.Now(), f.errorText(handlerErr), chainerr.ErrorClass(handlerErr), f.queueName(ctx))
 	retrymeta.StripDeliveryMetadata(c.Metadata)
 	c.Metadata.Set(middleware.AttemptKey, strconv.Itoa(next))
 	c.Metadata.Set(retrymeta.ProvenAttemptKey, strconv.Itoa(proven))

@@ -6,6 +6,7 @@ import (
 
 	"github.com/cenkalti/backoff/v4"
 
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 	"github.com/rabbitretry/rabbitretry/middleware"
 )
 
@@ -22,12 +23,12 @@ import (
 // Zero values take the defaults WithDefaults gives (the same in both).
 type Policy struct {
 	// MaxAttempts is the total number of attempts, the first included.
-	// Default middleware.DefaultMaxAttempts (5); range [1,
+	// Default 5; range [1,
 	// middleware.MaxAttemptsCap].
 	MaxAttempts int
 	// Backoff makes a fresh backoff policy for each delay computation.
-	// Default middleware.DefaultBackoff (exponential from 1 s, factor 2,
-	// ±50% jitter, 5 min cap).
+	// Default: exponential from 1 s, factor 2,
+	// ±50% jitter, 5 min cap.
 	Backoff func() backoff.BackOff
 	// Classifier configures error classification. Default: DefaultRules,
 	// everything else transient.
@@ -45,11 +46,11 @@ type Policy struct {
 	// middleware.ClassRedeliveryLimit without running the handler again
 	// (attributable ones only when the Delayer is a retrymeta.Quarantiner;
 	// see middleware.RedeliveryGuard). Default
-	// middleware.DefaultMaxRedeliveries (3); range [1, 1000].
+	// 3; range [1, 1000].
 	MaxRedeliveries int
 	// FallbackPause is how long a message whose retry or poison copy was not
 	// held waits before the fallback copy (or the requeue), so a refusing
-	// broker is not hammered. Default DefaultFallbackPause (1 s); negative:
+	// broker is not hammered. Default 1 s; negative:
 	// no pause (tests). A failed retry whose handler asked for a longer
 	// delay (middleware.RetryAfter) waits that delay instead, up to one
 	// minute (the delivery stays unacked meanwhile): the fallback copy goes
@@ -80,16 +81,16 @@ type Policy struct {
 // the others keep nil, which their users read as the default.
 func (p Policy) WithDefaults() Policy {
 	if p.MaxAttempts == 0 {
-		p.MaxAttempts = middleware.DefaultMaxAttempts
+		p.MaxAttempts = retrymeta.DefaultMaxAttempts
 	}
 	if p.Backoff == nil {
-		p.Backoff = middleware.DefaultBackoff
+		p.Backoff = retrymeta.DefaultBackoff
 	}
 	if p.MaxRedeliveries == 0 {
-		p.MaxRedeliveries = middleware.DefaultMaxRedeliveries
+		p.MaxRedeliveries = retrymeta.DefaultMaxRedeliveries
 	}
 	if p.FallbackPause == 0 {
-		p.FallbackPause = DefaultFallbackPause
+		p.FallbackPause = defaultFallbackPause
 	}
 	return p
 }

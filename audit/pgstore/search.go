@@ -13,8 +13,8 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgtype"
 
-	"github.com/rabbitretry/rabbitretry/amqpwire"
 	"github.com/rabbitretry/rabbitretry/audit"
+	"github.com/rabbitretry/rabbitretry/internal/wire"
 )
 
 // Search returns the messages matching f (times in UTC, at microsecond
@@ -227,7 +227,7 @@ func scanKeyedArrival(r pgx.CollectableRow) (keyedArrival, error) {
 		return k, err
 	}
 	if table != nil {
-		t, err := amqpwire.DecodeHeaderTable(*table)
+		t, err := wire.DecodeHeaderTable(*table)
 		if err != nil {
 			return k, fmt.Errorf("arrival %s header table: %w", a.ID, err)
 		}

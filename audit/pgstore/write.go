@@ -17,8 +17,8 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
 
-	"github.com/rabbitretry/rabbitretry/amqpwire"
 	"github.com/rabbitretry/rabbitretry/audit"
+	"github.com/rabbitretry/rabbitretry/internal/wire"
 )
 
 // Write stores the records in one transaction and returns once it has
@@ -248,7 +248,7 @@ func buildWriteBatch(q queries, arrivals []audit.Arrival, attempts []audit.Attem
 			if a.HeaderTable != nil {
 				// Exact types for Resend; a table the codec cannot hold
 				// (not from a delivery) keeps only the JSON form.
-				if enc, err := amqpwire.EncodeHeaderTable(a.HeaderTable); err == nil {
+				if enc, err := wire.EncodeHeaderTable(a.HeaderTable); err == nil {
 					tables[k] = &enc
 				}
 			}

@@ -21,7 +21,6 @@ import (
 
 	"github.com/rabbitretry/rabbitretry/amqpretry"
 	"github.com/rabbitretry/rabbitretry/internal/cliflags"
-	"github.com/rabbitretry/rabbitretry/middleware"
 	"github.com/rabbitretry/rabbitretry/router"
 
 	"github.com/rabbitretry/rabbitretry/internal/redact"
@@ -211,7 +210,7 @@ func runContext(ctx context.Context, args []string, stdout, stderr io.Writer) in
 	}
 
 	cfg := amqpretry.Config{
-		URI: o.uri, Subscriber: wamqp.NewDurableQueueConfig(o.uri), QueueType: o.queueType, Policy: router.Policy{MaxAttempts: o.maxAttempts, Backoff: middleware.DefaultBackoff},
+		URI: o.uri, Subscriber: wamqp.NewDurableQueueConfig(o.uri), QueueType: o.queueType, Policy: router.Policy{MaxAttempts: o.maxAttempts, Backoff: retrymeta.DefaultBackoff},
 		Mode: amqpretry.Tiers(tiers...), Logger: watermill.NopLogger{},
 		Naming: amqpretry.Naming{WaitExchange: o.waitEx, PoisonExchange: o.poisonEx, LoopBackExchange: o.loopBackEx},
 	}

@@ -20,7 +20,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitretry/rabbitretry/amqpretry"
-	"github.com/rabbitretry/rabbitretry/middleware"
+	"github.com/rabbitretry/rabbitretry/internal/chainerr"
 )
 
 // Header names the bench puts on every message it publishes.
@@ -433,17 +433,17 @@ func publishedAt(msg *message.Message) (time.Time, bool) {
 // errLogger is a Watermill logger that prints errors only (and counts them).
 // The router logs every handler error, and with DeadLetterFirstRetry or
 // NativeDelayedRetry a retry is a handler error (a
-// *middleware.DeadLetterRetryError: the nack that follows is the retry), so
+// *chainerr.DeadLetterRetryError: the nack that follows is the retry), so
 // those are counted apart and not printed: they are the bench's own
 // failures, tens of thousands in the memory scenario.
 type errLogger struct {
 	errors  atomic.Int64
-	retries atomic.Int64 // *middleware.DeadLetterRetryError: retries by nack
+	retries atomic.Int64 // *chainerr.DeadLetterRetryError: retries by nack
 	quiet   atomic.Bool
 }
 
 func (l *errLogger) Error(msg string, err error, fields watermill.LogFields) {
-	if _, ok := errors.AsType[*middleware.DeadLetterRetryError](err); ok {
+	if _, ok := errors.AsType[*chainerr.DeadLetterRetryError](err); ok {
 		l.retries.Add(1)
 		return
 	}

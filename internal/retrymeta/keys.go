@@ -15,9 +15,9 @@ import (
 // poison copy's marks included; the others of Watermill's PoisonQueue are
 // Watermill's own), with the predicates that say which are retry state
 // (IsRetryState) and which describe one delivery (IsDeliveryOnly); the
-// AMQP-specific ones (message properties, typed headers, dropped headers,
-// publish id) are in package amqpretry (properties.go, framesize.go,
-// publisher.go), the delay cascade's in amqpretry/cascade. None of the
+// AMQP-specific ones (message properties, typed headers, dropped headers)
+// are in amqpkeys.go, the publish id in package confirm, the delay
+// cascade's in amqpretry/cascade. None of the
 // library's starts with "x-":
 // RabbitMQ treats "x-" headers as its own, and RabbitMQ 4.x no longer
 // interprets x-death on messages a client republishes ("Dead Letter
@@ -321,3 +321,18 @@ func StripDeliveryMetadata(md message.Metadata) {
 // amqpretry.Naming.LoopBackExchange and poison/admin's
 // Config.LoopBackExchange default to it.
 const DefaultLoopBackExchange = "rabbitretry.loopback"
+
+// Redeliveries returns the redelivery count a message carries
+// (rabbitretry-redeliveries): 0 when absent or malformed, at most 1000
+// (middleware.MaxAttemptsCap).
+func Redeliveries(msg *message.Message) int {
+	v := msg.Metadata.Get(RedeliveriesKey)
+	if v == "" {
+		return 0
+	}
+	n, err := strconv.ParseInt(v, 10, 64)
+	if err != nil || n <= 0 {
+		return 0
+	}
+	return int(min(n, 1000))
+}

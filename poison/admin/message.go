@@ -10,8 +10,8 @@ import (
 
 	amqp "github.com/rabbitmq/amqp091-go"
 
-	"github.com/rabbitretry/rabbitretry/amqpwire"
 	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
+	"github.com/rabbitretry/rabbitretry/internal/wire"
 	"github.com/rabbitretry/rabbitretry/middleware"
 )
 
@@ -102,7 +102,7 @@ func messageFromDelivery(d amqp.Delivery) Message {
 	m.OriginalQueue = h(middleware.OriginalQueueKey)
 	m.OriginalExchange = h(middleware.OriginalExchangeKey)
 	m.OriginalRoutingKey = h(middleware.OriginalRoutingKeyKey)
-	if deaths, err := amqpwire.DeathRecordsFromTable(d.Headers[middleware.XDeathKey]); err == nil && len(deaths) > 0 {
+	if deaths, err := wire.DeathRecordsFromTable(d.Headers[middleware.XDeathKey]); err == nil && len(deaths) > 0 {
 		// Dead-lettered into the poison queue by the broker (a quorum Q's
 		// dead-letter exchange: expiry, max-length, delivery limit), not
 		// forwarded by the library: its rabbitretry-original-* headers are

@@ -1,4 +1,4 @@
-package amqpwire
+package wire
 
 import (
 	"encoding/base64"

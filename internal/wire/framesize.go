@@ -1,4 +1,4 @@
-package amqpwire
+package wire
 
 import (
 	"cmp"
@@ -9,7 +9,6 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
-	"github.com/rabbitretry/rabbitretry/middleware"
 )
 
 // MaxCopyHeaderBytes is the largest encoded size, in bytes, of the headers of
@@ -65,6 +64,6 @@ func FitHeaders(p *amqp.Publishing) {
 		dropped = append(dropped, k)
 	}
 	if len(dropped) > 0 {
-		p.Headers[middleware.DroppedHeadersKey] = retrymeta.Truncate(strings.Join(dropped, ","), 1024)
+		p.Headers[retrymeta.DroppedHeadersKey] = retrymeta.Truncate(strings.Join(dropped, ","), 1024)
 	}
 }
