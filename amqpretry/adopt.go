@@ -167,6 +167,9 @@ func (m *mgmtClient) putPolicy(ctx context.Context, vhost string, p Policy) erro
 // adopt applies and checks Q's policy through the management API (see
 // AdoptQueue). It returns an *AdoptError for a mismatch the library cannot
 // fix.
+//
+// Complexity (~22): each branch is one documented AdoptQueue case (policy
+// missing, ours, overridden, conflicting arguments); kept in one place.
 func (a *adopter) adopt(ctx context.Context, queue string) error {
 	p, needed := a.topology.QueuePolicy(queue, a.cfg.PolicyPriority)
 	if a.mgmt == nil {

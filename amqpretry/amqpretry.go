@@ -11,12 +11,10 @@ import (
 	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v2/pkg/amqp"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/cenkalti/backoff/v4"
-	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitretry/rabbitretry/amqpwire"
 	"github.com/rabbitretry/rabbitretry/confirm"
 	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
-	"github.com/rabbitretry/rabbitretry/internal/wire"
 	"github.com/rabbitretry/rabbitretry/middleware"
 	"github.com/rabbitretry/rabbitretry/router"
 )
@@ -484,55 +482,6 @@ func (r *Retry) Chain() *router.Chain { return r.chain }
 // of requeueing at once). Pass it to wamqp.NewSubscriber.
 func (r *Retry) SubscriberConfig() wamqp.Config { return r.subscriber }
 
-// NewSubscriber returns a watermill-amqp subscriber on SubscriberConfig,
-// wrapped in a router.DrainingSubscriber so that stopping the router (by
-// cancelling the context of message.Router.Run, or by Router.Close) lets
-// in-flight handlers finish (and their messages be acked, retried or
-// poisoned) before the subscriber closes, instead of watermill-amqp's nack
-// of every in-flight delivery; an idle router stops at once. drainTimeout
-// bounds that wait (0: 20 s); keep it below the router's CloseTimeout
-// (Watermill's default 30 s). Once Run's context has ended the subscriber
-// closes itself; Close it anyway (it returns the drain's result). It returns
-// watermill-amqp's error.
-//
-// Unless Config.DisableCrashQuarantine, each subscription also consumes
-// the originating queue's quarantine queue (Naming.QuarantineQueue) on a
-// second connection (its connection_name, if set, gets ".quarantine"
-// appended), and hands its messages to the same handler: the
-// RedeliveryGuard moves a redelivered message there so that a crash is
-// counted against the message that crashed, not against the others the
-// consumer held (see middleware.RedeliveryGuard). Quarantine messages are
-// fetched one at a time (basic.get), only while no message of the
-// originating queue is in flight, at once when this process moved one there
-// and otherwise every second; so the client never holds one
-// it has not started. One that is fetched but not run (the router stopped
-// first) or that the router nacks is handed back: republished unchanged
-// (same attempt and redelivery count, confirmed), then acked, so that a
-// stop is not counted as its redelivery. A subscriber built from
-// SubscriberConfig alone does not consume the quarantine; the guard then
-// counts every redelivery in the originating queue.
-func (r *Retry) NewSubscriber(logger watermill.LoggerAdapter, drainTimeout time.Duration) (*router.DrainingSubscriber, error) {
-	if r.noQuarantine {
-		sub, err := wamqp.NewSubscriber(r.subscriber, logger)
-		if err != nil {
-			return nil, err
-		}
-		return router.NewDrainingSubscriber(sub, drainTimeout), nil
-	}
-	sub, err := newQuarantineSubscriber(r.subscriber, r.topology, r.handBack, logger)
-	if err != nil {
-		return nil, err
-	}
-	return router.NewDrainingSubscriber(sub, drainTimeout), nil
-}
-
-// handBack publishes msg unchanged (delivery metadata dropped by the
-// Marshaler) to queue's quarantine queue through the loop-back exchange,
-// confirmed.
-func (r *Retry) handBack(ctx context.Context, msg *message.Message, queue string) error {
-	return r.delayer.publish(ctx, msg, r.topology.naming.LoopBackExchange, r.topology.QuarantineQueue(queue), queue)
-}
-
 // Topology returns the topology builder (names, tiers, TierFor).
 func (r *Retry) Topology() *Topology { return r.topology }
 
@@ -595,40 +544,3 @@ func classifierWithAlive(c middleware.ClassifierConfig) middleware.ClassifierCon
 	}
 	return c
 }
-
-// poisonPublisher publishes to the poison exchange with confirms; the topic is
-// the poison queue name (its binding key). A copy too large for a frame loses
-// its largest user headers first (fitHeaders). If the poison queue is missing, it
-// redeclares the originating queue's topology (named by OriginalQueueKey) and
-// tries once more; a failure is returned, so the original is nacked.
-type poisonPublisher struct {
-	publisher *confirm.Publisher
-	topology  *Topology
-	marshaler Marshaler
-	logger    watermill.LoggerAdapter
-}
-
-func (p *poisonPublisher) Publish(topic string, msgs ...*message.Message) error {
-	ps := make([]amqp.Publishing, 0, len(msgs))
-	for _, m := range msgs {
-		pub, err := p.marshaler.Marshal(m)
-		if err != nil {
-			return fmt.Errorf("amqpretry: marshaling poison copy: %w", err)
-		}
-		wire.FitHeaders(&pub)
-		ps = append(ps, pub)
-	}
-	ex := p.topology.naming.PoisonExchange
-	err := p.publisher.PublishRawBatch(context.Background(), ex, topic, ps)
-	if err == nil || !topologyMissing(err) || len(msgs) == 0 {
-		return err
-	}
-	q := msgs[0].Metadata.Get(middleware.OriginalQueueKey)
-	p.logger.Error("Poison publish found no poison queue; redeclaring topology", err, watermill.LogFields{"queue": q, "poison_queue": topic})
-	if rerr := p.topology.redeclare(p.publisher.Channel, q); rerr != nil {
-		return errors.Join(err, fmt.Errorf("amqpretry: redeclaring topology of %q: %w", q, rerr))
-	}
-	return p.publisher.PublishRawBatch(context.Background(), ex, topic, ps)
-}
-
-func (p *poisonPublisher) Close() error { return nil }

@@ -134,6 +134,9 @@ func (s secrets) fail(stderr io.Writer, err error) int {
 	return exitFail
 }
 
+// runContext parses the flags and runs one command. Complexity (~29): the
+// flag checks of every subcommand in one place, each a plain if; the
+// cascade subcommands have their own (cascade.go).
 func runContext(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	// Every message and usage error goes through stderr: no password of
 	// --uri / --management-url / $AMQP_URI / $RABBITMQ_MANAGEMENT_URL in it.
