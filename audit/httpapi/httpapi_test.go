@@ -94,7 +94,7 @@ func (r *fakeResender) Resend(_ context.Context, f audit.Filter, o audit.ResendO
 	defer r.mu.Unlock()
 	r.calls = append(r.calls, o)
 	return audit.ResendReport{Mode: o.Mode, DryRun: o.DryRun, Matched: 1, Sent: 1,
-		Results: []audit.ResendResult{{MessageID: f.MessageID, Status: audit.StatusSent}}}, nil
+		Results: []audit.ResendResult{{MessageID: f.MessageID, Status: auditconst.StatusSent}}}, nil
 }
 
 func serve(t *testing.T, cfg httpapi.Config) *httptest.Server {
@@ -312,7 +312,7 @@ func TestResendDryRunThroughRealResender(t *testing.T) {
 	if err := json.Unmarshal(b, &rep); code != 200 || err != nil {
 		t.Fatalf("%d %s", code, b)
 	}
-	if rep.Matched != 1 || rep.Sent != 1 || rep.Results[0].Status != audit.StatusWouldSend ||
+	if rep.Matched != 1 || rep.Sent != 1 || rep.Results[0].Status != auditconst.StatusWouldSend ||
 		rep.Results[0].Queue != "billing" || rep.Results[0].Exchange != auditconst.LoopBackExchange {
 		t.Fatalf("report %s", b)
 	}

@@ -20,6 +20,7 @@ import (
 	"github.com/rabbitretry/rabbitretry/audit"
 	"github.com/rabbitretry/rabbitretry/audit/httpapi"
 	"github.com/rabbitretry/rabbitretry/audit/pgstore"
+	"github.com/rabbitretry/rabbitretry/internal/auditconst"
 	"github.com/rabbitretry/rabbitretry/internal/testkit"
 )
 
@@ -485,7 +486,7 @@ func TestServeWithTokens(t *testing.T) {
 // by auditctl stats, the latest with their reasons (text and JSON).
 func TestStatsShowsSetAside(t *testing.T) {
 	fx := newFixture(t, "orders", "order.created", "billing")
-	rec := audit.SetAside{Kind: audit.KindArrival, RecordID: "r-1", MessageID: strings.Repeat("m", 8000),
+	rec := audit.SetAside{Kind: auditconst.KindArrival, RecordID: "r-1", MessageID: strings.Repeat("m", 8000),
 		Reason: "pgstore: arrivals[0].MessageID is 8000 bytes, more than 1024 (MaxIndexedBytes)", Record: []byte(`{}`)}
 	if err := fx.st.SetAside(context.Background(), []audit.SetAside{rec}); err != nil {
 		t.Fatal(err)
