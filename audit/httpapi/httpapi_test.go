@@ -17,6 +17,7 @@ import (
 	"github.com/rabbitretry/rabbitretry/audit"
 	"github.com/rabbitretry/rabbitretry/audit/httpapi"
 	"github.com/rabbitretry/rabbitretry/internal/auditconst"
+	"github.com/rabbitretry/rabbitretry/internal/auditparse"
 )
 
 const token = "s3cret-token-0123456789"
@@ -160,7 +161,7 @@ func TestSearchParsesEveryFilterParameter(t *testing.T) {
 	if !reflect.DeepEqual(got, want) {
 		t.Fatalf("filter\n got %#v\nwant %#v", got, want)
 	}
-	var resp httpapi.SearchResponse
+	var resp auditparse.SearchResponse
 	if err := json.Unmarshal(body, &resp); err != nil {
 		t.Fatal(err)
 	}
