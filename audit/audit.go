@@ -210,16 +210,10 @@ type Store interface {
 // aside (SetAsider); every other error is taken as temporary and retried.
 var ErrRecordRejected = errors.New("audit: the store rejects a record for good")
 
-// Record kinds of a SetAside.
-const (
-	KindArrival = "arrival"
-	KindAttempt = "attempt"
-)
-
 // SetAside is a record the store rejected for good (ErrRecordRejected),
 // kept with the reason instead of being stored.
 type SetAside struct {
-	// Kind is KindArrival or KindAttempt.
+	// Kind is "arrival" or "attempt".
 	Kind string `json:"kind"`
 	// RecordID and MessageID are the record's (possibly very long: the
 	// store may cut them).

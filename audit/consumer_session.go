@@ -11,6 +11,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/cenkalti/backoff/v4"
 	amqp "github.com/rabbitmq/amqp091-go"
+	"github.com/rabbitretry/rabbitretry/internal/auditconst"
 )
 
 // batch is what one Store.Write carries, with the highest delivery tag of
@@ -434,10 +435,10 @@ func (c *Consumer) setAsideRecord(ctx context.Context, conn *amqp.Connection, ar
 	sa, ok := c.cfg.Store.(SetAsider)
 	var rec SetAside
 	if len(arr) == 1 {
-		rec = SetAside{Kind: KindArrival, RecordID: arr[0].ID, MessageID: arr[0].MessageID, Reason: reason.Error()}
+		rec = SetAside{Kind: auditconst.KindArrival, RecordID: arr[0].ID, MessageID: arr[0].MessageID, Reason: reason.Error()}
 		rec.Record, _ = json.Marshal(arr[0])
 	} else {
-		rec = SetAside{Kind: KindAttempt, RecordID: att[0].ID, MessageID: att[0].MessageID, Reason: reason.Error()}
+		rec = SetAside{Kind: auditconst.KindAttempt, RecordID: att[0].ID, MessageID: att[0].MessageID, Reason: reason.Error()}
 		rec.Record, _ = json.Marshal(att[0])
 	}
 	if !ok {

@@ -350,7 +350,7 @@ func TestAuditRefusesForgedAttemptRecords(t *testing.T) {
 // binding is gone was reported "sent": the audit's own "#" binding routed
 // the copies (a mandatory publish only says "routed somewhere"). Now the
 // exchange's bindings are read from the management API first: such a
-// message is reported failed (ErrRoutedOnlyToAudit) and not published, in
+// message is reported failed (errRoutedOnlyToAudit) and not published, in
 // a dry run too; with the binding back, it is sent.
 func TestAuditResendToExchangeRoutedOnlyToAudit(t *testing.T) {
 	testkit.HaveMgmt(t)

@@ -19,6 +19,7 @@ import (
 
 	"github.com/rabbitretry/rabbitretry/audit"
 	"github.com/rabbitretry/rabbitretry/audit/internal/memstore"
+	"github.com/rabbitretry/rabbitretry/internal/auditconst"
 	"github.com/rabbitretry/rabbitretry/internal/testkit"
 )
 
@@ -358,7 +359,7 @@ func TestConsumerSetsAsideRecordsPostgresRefuses(t *testing.T) {
 	if stored != published-1 || s.SetAside != 1 || dups != 0 || c.Stats().SetAside != 1 {
 		t.Fatalf("stored %d (dups %d), set aside %d (consumer %d); want %d and 1", stored, dups, s.SetAside, c.Stats().SetAside, published-1)
 	}
-	if r := s.SetAsideRecent[0]; r.Kind != audit.KindArrival || !strings.Contains(r.Reason, "MessageID is 8") || len(r.MessageID) > 256 {
+	if r := s.SetAsideRecent[0]; r.Kind != auditconst.KindArrival || !strings.Contains(r.Reason, "MessageID is 8") || len(r.MessageID) > 256 {
 		t.Fatalf("set aside: %+v", r)
 	}
 	for _, id := range []string{e.prefix + "-future", e.prefix + "-past"} {
@@ -478,7 +479,7 @@ func TestConsumerSplitsRejectedBatch(t *testing.T) {
 			t.Errorf("reason %q", r.Reason)
 		}
 	}
-	if a != len(ps)-1 || att != 0 || len(aside) != 2 || kinds[badArr] != audit.KindArrival || kinds[badAtt] != audit.KindAttempt ||
+	if a != len(ps)-1 || att != 0 || len(aside) != 2 || kinds[badArr] != auditconst.KindArrival || kinds[badAtt] != auditconst.KindAttempt ||
 		c.Stats().SetAside != 2 {
 		t.Fatalf("stored %d arrivals, %d attempts; set aside %+v", a, att, kinds)
 	}

@@ -11,6 +11,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitretry/rabbitretry/confirm"
+	"github.com/rabbitretry/rabbitretry/internal/auditconst"
 	"github.com/rabbitretry/rabbitretry/internal/mgmt"
 )
 
@@ -81,7 +82,7 @@ type pager interface {
 // The copy carries the arrival's headers minus every "rabbitretry-*" key
 // and the broker's x-death / x-first-death-* / x-last-death-* /
 // x-delivery-count / x-acquired-count (so the retry chain starts again at
-// attempt 1), plus ResentKey = the resend time (RFC 3339, UTC) and, with
+// attempt 1), plus the header "rabbitretry-resent" = the resend time (RFC 3339, UTC) and, with
 // ResendToQueue, rabbitretry-original-exchange and
 // rabbitretry-original-routing-key = the arrival's (the loop-back exchange
 // is the retry chain's own path, so a later failure records the true
@@ -138,7 +139,7 @@ type pager interface {
 // (confirm.ErrConfirmTimeout, ErrChannelClosed, ...), which stops Resend
 // after the batch in flight: its messages that failed so are reported
 // failed and may or may not have been delivered, the ones not tried
-// StatusUnsent; ctx.Err() (checked between batches); middleware.ErrClosed (wrapped).
+// "unsent"; ctx.Err() (checked between batches); middleware.ErrClosed (wrapped).
 func (r *Resender) Resend(ctx context.Context, f Filter, opts ResendOptions) (ResendReport, error) {
 	rep := ResendReport{Mode: opts.Mode, DryRun: opts.DryRun, Results: []ResendResult{}}
 	if err := opts.Validate(); err != nil {
@@ -188,7 +189,7 @@ func (r *Resender) Resend(ctx context.Context, f Filter, opts ResendOptions) (Re
 		case !ok:
 			rep.Skipped++
 		case opts.DryRun:
-			rep.Results[i].Status = StatusWouldSend
+			rep.Results[i].Status = auditconst.StatusWouldSend
 			rep.Sent++
 		}
 	}
@@ -247,7 +248,7 @@ func (r *Resender) send(ctx context.Context, rep ResendReport, pub *confirm.Publ
 		if mode == ResendToExchange && ex != "" {
 			if exErr := exchangeError(pub, ex, unknown, exchangeOK); exErr != nil {
 				for k := i; k < j; k++ {
-					rep.Results[k].Status, rep.Results[k].Error = StatusFailed, exErr.Error()
+					rep.Results[k].Status, rep.Results[k].Error = auditconst.StatusFailed, exErr.Error()
 					rep.Failed++
 				}
 				i = j
@@ -258,14 +259,14 @@ func (r *Resender) send(ctx context.Context, rep ResendReport, pub *confirm.Publ
 		var stop error
 		for k := i; k < j; k++ {
 			if err := errs[k-i]; err != nil {
-				rep.Results[k].Status, rep.Results[k].Error = StatusFailed, err.Error()
+				rep.Results[k].Status, rep.Results[k].Error = auditconst.StatusFailed, err.Error()
 				rep.Failed++
 				if !perMessage(err) && stop == nil {
 					stop = fmt.Errorf("audit: resend stopped at message %s: %w", rep.Results[k].MessageID, err)
 				}
 				continue
 			}
-			rep.Results[k].Status = StatusSent
+			rep.Results[k].Status = auditconst.StatusSent
 			rep.Sent++
 		}
 		if stop != nil {
@@ -313,7 +314,7 @@ func (r *Resender) checkBreadth(ctx context.Context, f Filter, matched int, opts
 	return nil
 }
 
-// checkRoutes marks failed (ErrRoutedOnlyToAudit) every sendable message
+// checkRoutes marks failed (errRoutedOnlyToAudit) every sendable message
 // whose exchange would route it to no queue but the audit's arrivals
 // queue (ResenderConfig.ManagementURL); an error if the bindings cannot be
 // read (then nothing is published).
@@ -349,7 +350,7 @@ func (r *Resender) checkRoutes(ctx context.Context, rep *ResendReport, pubs []am
 				rep.Sent--
 			}
 			sendable[i] = false
-			res.Status, res.Error = StatusFailed, ErrRoutedOnlyToAudit.Error()
+			res.Status, res.Error = auditconst.StatusFailed, errRoutedOnlyToAudit.Error()
 			rep.Failed++
 		}
 	}
@@ -360,7 +361,7 @@ func (r *Resender) checkRoutes(ctx context.Context, rep *ResendReport, pubs []am
 func (r *Resender) stopped(rep ResendReport, sendable []bool, from int, err error) (ResendReport, error) {
 	for k := from; k < len(sendable); k++ {
 		if sendable[k] {
-			rep.Results[k].Status, rep.Results[k].Error = StatusUnsent, "not tried: resend stopped"
+			rep.Results[k].Status, rep.Results[k].Error = auditconst.StatusUnsent, "not tried: resend stopped"
 			rep.Unsent++
 		}
 	}

@@ -14,6 +14,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/rabbitretry/rabbitretry/audit"
+	"github.com/rabbitretry/rabbitretry/internal/auditconst"
 	"github.com/rabbitretry/rabbitretry/internal/testkit"
 	"github.com/rabbitretry/rabbitretry/middleware"
 )
@@ -49,7 +50,7 @@ func TestResendThroughTheRetryChainAfterABugFix(t *testing.T) {
 		mu.Lock()
 		defer mu.Unlock()
 		afterFix[msg.UUID] = append(afterFix[msg.UUID], middleware.Attempt(msg))
-		resentHeader[msg.UUID] = msg.Metadata.Get(audit.ResentKey)
+		resentHeader[msg.UUID] = msg.Metadata.Get(auditconst.ResentKey)
 		return nil
 	})
 	_, stopCons := e.consumer(store, nil)

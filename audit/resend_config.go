@@ -20,10 +20,6 @@ import (
 // exchange to which every originating queue Q is bound with routing key Q.
 const defaultLoopBackExchange = auditconst.LoopBackExchange
 
-// ResentKey is the header every resent copy carries: the time of the
-// resend, RFC 3339 in UTC.
-const ResentKey = "rabbitretry-resent"
-
 // defaultResenderConnectionName is the client-provided connection name
 // (RabbitMQ "Connections" guide) of the Resender's publisher connection.
 const defaultResenderConnectionName = "rabbitretry-audit-resend"
@@ -68,7 +64,8 @@ const (
 	// receives it again (all consumers, and the audit's arrivals queue, so
 	// the resent copy is recorded as a new arrival). A message the exchange
 	// would route to the audit's arrivals queue only is not published and
-	// is reported failed (ErrRoutedOnlyToAudit; ResenderConfig.ManagementURL).
+	// is reported failed ("routes this message only to the audit's arrivals
+	// queue"; ResenderConfig.ManagementURL).
 	ResendToExchange ResendMode = "to-exchange"
 )
 
@@ -118,8 +115,9 @@ type ResenderConfig struct {
 	// ResendToExchange reads the exchange's bindings from before
 	// publishing: a message the exchange would route to no queue but the
 	// audit's own arrivals queue (its business binding is gone) is reported
-	// failed with ErrRoutedOnlyToAudit and not published (a mandatory
-	// publish cannot tell: the audit's binding alone makes it routed). The
+	// failed ("routes this message only to the audit's arrivals queue")
+	// and not published (a mandatory publish cannot tell: the audit's
+	// binding alone makes it routed). The
 	// user needs the management tag "monitoring" or above (or "management"
 	// with access to the vhost). Default: derived from URI (same host and
 	// credentials, http on port 15672; https on 15671 for amqps). When the
@@ -222,15 +220,6 @@ type ResendOptions struct {
 	ExpectedCount int `json:"expected_count,omitempty"`
 }
 
-// Status of one message in a ResendReport.
-const (
-	StatusSent      = "sent"       // published and confirmed by the broker
-	StatusWouldSend = "would-send" // DryRun: would be published
-	StatusFailed    = "failed"     // returned, nacked, or the publish failed
-	StatusSkipped   = "skipped"    // not sendable (no body, truncated body, no queue)
-	StatusUnsent    = "unsent"     // not tried: Resend stopped before it (see its error)
-)
-
 // ResendResult is what Resend did with one message.
 type ResendResult struct {
 	// MessageID is the message's id (the Watermill UUID).
@@ -240,9 +229,11 @@ type ResendResult struct {
 	Exchange   string `json:"exchange"`
 	RoutingKey string `json:"routing_key"`
 	Queue      string `json:"queue,omitempty"`
-	// Status is one of StatusSent, StatusWouldSend, StatusFailed,
-	// StatusSkipped, StatusUnsent; Error says why for all but the first
-	// two.
+	// Status is one of "sent" (published and confirmed by the broker),
+	// "would-send" (DryRun: would be published), "failed" (returned,
+	// nacked, or the publish failed), "skipped" (not sendable: no body,
+	// truncated body, no queue), "unsent" (not tried: Resend stopped
+	// before it, see its error); Error says why for all but the first two.
 	Status string `json:"status"`
 	Error  string `json:"error,omitempty"`
 }

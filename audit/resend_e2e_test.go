@@ -11,6 +11,7 @@ import (
 
 	"github.com/rabbitretry/rabbitretry/audit"
 	"github.com/rabbitretry/rabbitretry/confirm"
+	"github.com/rabbitretry/rabbitretry/internal/auditconst"
 	"github.com/rabbitretry/rabbitretry/internal/testkit"
 )
 
@@ -154,7 +155,7 @@ func TestResendEndToEndFromTheAuditConsumer(t *testing.T) {
 		got := amqp.Table{}
 		for k, v := range d.Headers {
 			switch k {
-			case audit.ResentKey:
+			case auditconst.ResentKey:
 				if s, _ := v.(string); s == "" {
 					t.Errorf("%s: %s = %#v", id, k, v)
 				}

@@ -12,6 +12,7 @@ import (
 
 	amqp "github.com/rabbitmq/amqp091-go"
 
+	"github.com/rabbitretry/rabbitretry/internal/auditconst"
 	"github.com/rabbitretry/rabbitretry/middleware"
 )
 
@@ -76,7 +77,7 @@ func (r *Resender) plan(m Message, filterQueue string, opts ResendOptions, now t
 }
 
 func skip(res ResendResult, why string) (ResendResult, amqp.Publishing, bool) {
-	res.Status, res.Error = StatusSkipped, why
+	res.Status, res.Error = auditconst.StatusSkipped, why
 	return res, amqp.Publishing{}, false
 }
 
@@ -112,7 +113,7 @@ func (r *Resender) publishing(m Message, mode ResendMode, now time.Time) (amqp.P
 			h[k] = av
 		}
 	}
-	h[ResentKey] = now.Format(time.RFC3339)
+	h[auditconst.ResentKey] = now.Format(time.RFC3339)
 	if mode == ResendToQueue && a.Exchange != "" {
 		// Through the loop-back exchange the retry chain trusts these
 		// (its own retry path): a later failure records the true origin,

@@ -16,6 +16,7 @@ import (
 
 	"github.com/rabbitretry/rabbitretry/audit"
 	"github.com/rabbitretry/rabbitretry/confirm"
+	"github.com/rabbitretry/rabbitretry/internal/auditconst"
 	"github.com/rabbitretry/rabbitretry/internal/testkit"
 )
 
@@ -244,7 +245,7 @@ func TestResendToQueueReachesOnlyThatQueue(t *testing.T) {
 	if rep.Matched != 1 || rep.Sent != 1 || rep.Failed != 0 || rep.Skipped != 0 {
 		t.Fatalf("report %+v", rep)
 	}
-	if res := rep.Results[0]; res.Queue != tp.q1 || res.Exchange != tp.loopBack || res.RoutingKey != tp.q1 || res.Status != audit.StatusSent {
+	if res := rep.Results[0]; res.Queue != tp.q1 || res.Exchange != tp.loopBack || res.RoutingKey != tp.q1 || res.Status != auditconst.StatusSent {
 		t.Fatalf("result %+v: want sent to the attempts' queue %s via %s", res, tp.q1, tp.loopBack)
 	}
 	got := tp.drain(t, tp.q1, 1)[0]
@@ -271,9 +272,9 @@ func TestResendToQueueReachesOnlyThatQueue(t *testing.T) {
 	if n, ok := got.Headers["nested"].(amqp.Table); !ok || n["a"] != true {
 		t.Errorf("nested header: %#v", got.Headers["nested"])
 	}
-	ts, _ := got.Headers[audit.ResentKey].(string)
+	ts, _ := got.Headers[auditconst.ResentKey].(string)
 	if at, err := time.Parse(time.RFC3339, ts); err != nil || time.Since(at) > time.Minute {
-		t.Errorf("%s = %q, want the resend time in RFC 3339", audit.ResentKey, ts)
+		t.Errorf("%s = %q, want the resend time in RFC 3339", auditconst.ResentKey, ts)
 	}
 
 	// Queue overrides the latest attempt's queue.
@@ -321,7 +322,7 @@ func TestResendToExchangeReachesEveryBoundQueue(t *testing.T) {
 			t.Fatalf("%s got %q message-id %q (no UUID header: message-id carries the id)", q, d.Body, d.MessageId)
 		}
 		for k := range d.Headers {
-			if k != "keep" && k != audit.ResentKey && k != confirm.PublishIDHeader {
+			if k != "keep" && k != auditconst.ResentKey && k != confirm.PublishIDHeader {
 				t.Fatalf("%s: header %s carried or added on a to-exchange resend: %#v", q, k, d.Headers)
 			}
 		}
@@ -382,7 +383,7 @@ func TestResendDryRunSendsNothing(t *testing.T) {
 	defer r.Close()
 	for _, mode := range []audit.ResendMode{audit.ResendToExchange, audit.ResendToQueue} {
 		rep, err := r.Resend(context.Background(), audit.Filter{MessageID: "m-1"}, audit.ResendOptions{Mode: mode, Queue: map[audit.ResendMode]string{audit.ResendToQueue: tp.q1}[mode], DryRun: true})
-		if err != nil || rep.Matched != 1 || rep.Sent != 1 || rep.Results[0].Status != audit.StatusWouldSend {
+		if err != nil || rep.Matched != 1 || rep.Sent != 1 || rep.Results[0].Status != auditconst.StatusWouldSend {
 			t.Fatalf("%s: %+v, %v", mode, rep, err)
 		}
 	}
@@ -415,8 +416,8 @@ func TestResendUnroutableAndSkippedAreReported(t *testing.T) {
 	for _, res := range rep.Results {
 		status[res.MessageID] = res
 	}
-	want := map[string]string{"m-unbound": audit.StatusFailed, "m-missing": audit.StatusFailed, "m-ok": audit.StatusSent,
-		"m-trunc": audit.StatusSkipped, "m-noarrival": audit.StatusSkipped}
+	want := map[string]string{"m-unbound": auditconst.StatusFailed, "m-missing": auditconst.StatusFailed, "m-ok": auditconst.StatusSent,
+		"m-trunc": auditconst.StatusSkipped, "m-noarrival": auditconst.StatusSkipped}
 	for id, s := range want {
 		if status[id].Status != s {
 			t.Errorf("%s: %+v, want %s", id, status[id], s)
@@ -495,7 +496,7 @@ func TestResendCanceledReportsUnsent(t *testing.T) {
 		t.Fatalf("%+v %v", rep, err)
 	}
 	for _, res := range rep.Results {
-		if res.Status != audit.StatusUnsent && res.Status != audit.StatusSkipped {
+		if res.Status != auditconst.StatusUnsent && res.Status != auditconst.StatusSkipped {
 			t.Fatalf("%+v", res)
 		}
 	}
@@ -530,7 +531,7 @@ func TestResendNackedInTheMiddleOfABatch(t *testing.T) {
 	var got []string
 	for _, res := range rep.Results {
 		got = append(got, res.MessageID+":"+res.Status)
-		if res.Status == audit.StatusFailed && !strings.Contains(res.Error, "nack") {
+		if res.Status == auditconst.StatusFailed && !strings.Contains(res.Error, "nack") {
 			t.Errorf("%s: %q, want a nack", res.MessageID, res.Error)
 		}
 	}

@@ -13,12 +13,12 @@ import (
 	"github.com/rabbitretry/rabbitretry/internal/mgmt"
 )
 
-// ErrRoutedOnlyToAudit is the error of a ResendToExchange result whose
+// errRoutedOnlyToAudit is the error of a ResendToExchange result whose
 // exchange would route the copy to no queue but the audit's own arrivals
 // queue (the business binding is gone): nothing is published, the
 // message is reported failed. A mandatory publish cannot tell: the
 // audit's binding alone makes it "routed".
-var ErrRoutedOnlyToAudit = errors.New("audit: resend: the exchange routes this message only to the audit's arrivals queue (no business queue is bound for it); not published")
+var errRoutedOnlyToAudit = errors.New("audit: resend: the exchange routes this message only to the audit's arrivals queue (no business queue is bound for it); not published")
 
 // mgmtBinding is one item of GET /api/exchanges/{vhost}/{name}/bindings/source.
 type mgmtBinding struct {

@@ -6,6 +6,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/rabbitretry/rabbitretry/audit"
+	"github.com/rabbitretry/rabbitretry/internal/auditconst"
 )
 
 // auditConsumerCollector is NewAuditConsumerCollector's collector.
@@ -66,8 +67,8 @@ func (c *auditConsumerCollector) Describe(ch chan<- *prometheus.Desc) {
 func (c *auditConsumerCollector) Collect(ch chan<- prometheus.Metric) {
 	s := c.stats()
 	ch <- prometheus.MustNewConstMetric(c.lag, prometheus.GaugeValue, s.Lag.Seconds())
-	ch <- prometheus.MustNewConstMetric(c.written, prometheus.CounterValue, float64(s.Arrivals), audit.KindArrival)
-	ch <- prometheus.MustNewConstMetric(c.written, prometheus.CounterValue, float64(s.Attempts), audit.KindAttempt)
+	ch <- prometheus.MustNewConstMetric(c.written, prometheus.CounterValue, float64(s.Arrivals), auditconst.KindArrival)
+	ch <- prometheus.MustNewConstMetric(c.written, prometheus.CounterValue, float64(s.Attempts), auditconst.KindAttempt)
 	for _, v := range []struct {
 		d *prometheus.Desc
 		n uint64

@@ -212,14 +212,6 @@ func (a *api) storeError(w http.ResponseWriter, what string, err error) {
 	writeError(w, http.StatusInternalServerError, what+" failed: internal error (the server log has the details)")
 }
 
-// SearchResponse is the body of GET /v1/messages (its Arrival bodies are
-// null).
-type SearchResponse struct {
-	Messages []audit.Message `json:"messages"`
-	// Next is the after= cursor of the next page, "" on the last page.
-	Next string `json:"next,omitempty"`
-}
-
 // eachStore is the optional Store capability search streams with
 // (pgstore.Store.SearchEach): messages one by one, without bodies.
 type eachStore interface {

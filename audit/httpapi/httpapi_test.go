@@ -17,6 +17,7 @@ import (
 	"github.com/rabbitretry/rabbitretry/audit"
 	"github.com/rabbitretry/rabbitretry/audit/httpapi"
 	"github.com/rabbitretry/rabbitretry/internal/auditconst"
+	"github.com/rabbitretry/rabbitretry/internal/auditparse"
 )
 
 const token = "s3cret-token-0123456789"
@@ -94,7 +95,7 @@ func (r *fakeResender) Resend(_ context.Context, f audit.Filter, o audit.ResendO
 	defer r.mu.Unlock()
 	r.calls = append(r.calls, o)
 	return audit.ResendReport{Mode: o.Mode, DryRun: o.DryRun, Matched: 1, Sent: 1,
-		Results: []audit.ResendResult{{MessageID: f.MessageID, Status: audit.StatusSent}}}, nil
+		Results: []audit.ResendResult{{MessageID: f.MessageID, Status: auditconst.StatusSent}}}, nil
 }
 
 func serve(t *testing.T, cfg httpapi.Config) *httptest.Server {
@@ -160,7 +161,7 @@ func TestSearchParsesEveryFilterParameter(t *testing.T) {
 	if !reflect.DeepEqual(got, want) {
 		t.Fatalf("filter\n got %#v\nwant %#v", got, want)
 	}
-	var resp httpapi.SearchResponse
+	var resp auditparse.SearchResponse
 	if err := json.Unmarshal(body, &resp); err != nil {
 		t.Fatal(err)
 	}
@@ -312,7 +313,7 @@ func TestResendDryRunThroughRealResender(t *testing.T) {
 	if err := json.Unmarshal(b, &rep); code != 200 || err != nil {
 		t.Fatalf("%d %s", code, b)
 	}
-	if rep.Matched != 1 || rep.Sent != 1 || rep.Results[0].Status != audit.StatusWouldSend ||
+	if rep.Matched != 1 || rep.Sent != 1 || rep.Results[0].Status != auditconst.StatusWouldSend ||
 		rep.Results[0].Queue != "billing" || rep.Results[0].Exchange != auditconst.LoopBackExchange {
 		t.Fatalf("report %s", b)
 	}

@@ -23,6 +23,7 @@ import (
 	"github.com/rabbitretry/rabbitretry/audit"
 	"github.com/rabbitretry/rabbitretry/audit/httpapi"
 	"github.com/rabbitretry/rabbitretry/audit/pgstore"
+	"github.com/rabbitretry/rabbitretry/internal/auditparse"
 	"github.com/rabbitretry/rabbitretry/internal/testkit"
 )
 
@@ -220,7 +221,7 @@ SELECT 'big-' || g, now() - g * interval '1 ms' FROM generate_series(1, $2) g WH
 	if err != nil {
 		t.Fatal(err)
 	}
-	var page httpapi.SearchResponse
+	var page auditparse.SearchResponse
 	err = json.NewDecoder(resp.Body).Decode(&page)
 	resp.Body.Close()
 	close(done)

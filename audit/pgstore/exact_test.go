@@ -9,6 +9,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitretry/rabbitretry/audit"
+	"github.com/rabbitretry/rabbitretry/internal/auditconst"
 )
 
 // One message id with three arrivals: tenant A's on orders, tenant B's on
@@ -27,7 +28,7 @@ func TestSearchPicksTheMatchingArrival(t *testing.T) {
 	b.ID, b.Exchange, b.Headers, b.Body, b.BodySize, b.HeaderTable = "arr-b", "payments", map[string]any{"tenant": "B"}, []byte("B"), 1, table
 	resent := b
 	resent.ID, resent.ArrivedAt, resent.MaybeDuplicate = "arr-b2", t0.Add(2*time.Minute), true
-	resent.Headers = map[string]any{"tenant": "B", audit.ResentKey: "2026-11-26T08:00:00Z"}
+	resent.Headers = map[string]any{"tenant": "B", auditconst.ResentKey: "2026-11-26T08:00:00Z"}
 	att := attempt("shared", 1, t0.Add(time.Second), audit.OutcomeSuccess)
 	att.RecordedBy = "svc-recorder"
 	if err := s.Write(context.Background(), []audit.Arrival{a, b, resent}, []audit.Attempt{att}); err != nil {

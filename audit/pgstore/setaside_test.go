@@ -10,6 +10,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/rabbitretry/rabbitretry/audit"
+	"github.com/rabbitretry/rabbitretry/internal/auditconst"
 )
 
 // TestWriteRejectsForGood: a record PostgreSQL can never take fails Write
@@ -46,7 +47,7 @@ func TestWriteRejectsForGood(t *testing.T) {
 	if permanent(errors.New("connection reset")) {
 		t.Error("a non-PostgreSQL error taken as permanent")
 	}
-	rec := audit.SetAside{Kind: audit.KindArrival, RecordID: long.ID, MessageID: long.MessageID, Reason: "too long", Record: []byte(`{}`)}
+	rec := audit.SetAside{Kind: auditconst.KindArrival, RecordID: long.ID, MessageID: long.MessageID, Reason: "too long", Record: []byte(`{}`)}
 	for range 2 {
 		if err := s.SetAside(ctx, []audit.SetAside{rec}); err != nil {
 			t.Fatal(err)

@@ -6,6 +6,7 @@ import (
 	"text/tabwriter"
 
 	"github.com/rabbitretry/rabbitretry/audit"
+	"github.com/rabbitretry/rabbitretry/internal/auditconst"
 )
 
 func cmdResend(e *env) int {
@@ -46,7 +47,7 @@ func cmdResend(e *env) int {
 		}
 		var ids []string
 		for _, res := range rep.Results {
-			if res.Status == audit.StatusWouldSend {
+			if res.Status == auditconst.StatusWouldSend {
 				ids = append(ids, res.MessageID)
 			}
 		}

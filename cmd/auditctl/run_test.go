@@ -18,8 +18,9 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitretry/rabbitretry/audit"
-	"github.com/rabbitretry/rabbitretry/audit/httpapi"
 	"github.com/rabbitretry/rabbitretry/audit/pgstore"
+	"github.com/rabbitretry/rabbitretry/internal/auditconst"
+	"github.com/rabbitretry/rabbitretry/internal/auditparse"
 	"github.com/rabbitretry/rabbitretry/internal/testkit"
 )
 
@@ -179,7 +180,7 @@ func TestSearchShowStatsPrune(t *testing.T) {
 		if code != exitOK {
 			t.Fatalf("search: %d %s", code, errOut)
 		}
-		var resp httpapi.SearchResponse
+		var resp auditparse.SearchResponse
 		if err := json.Unmarshal([]byte(out), &resp); err != nil {
 			t.Fatalf("%v: %s", err, out)
 		}
@@ -435,7 +436,7 @@ func TestServe(t *testing.T) {
 	t.Setenv(tokenEnv, "")
 	base, stop := startServe(t, fx.base)
 	code, body := httpDo(t, "GET", base+"/v1/messages?header=tenant=acme&limit=3", "", "")
-	var sr httpapi.SearchResponse
+	var sr auditparse.SearchResponse
 	if err := json.Unmarshal([]byte(body), &sr); code != 200 || err != nil || len(sr.Messages) != 3 || sr.Next == "" {
 		t.Fatalf("search: %d %s", code, body)
 	}
@@ -485,7 +486,7 @@ func TestServeWithTokens(t *testing.T) {
 // by auditctl stats, the latest with their reasons (text and JSON).
 func TestStatsShowsSetAside(t *testing.T) {
 	fx := newFixture(t, "orders", "order.created", "billing")
-	rec := audit.SetAside{Kind: audit.KindArrival, RecordID: "r-1", MessageID: strings.Repeat("m", 8000),
+	rec := audit.SetAside{Kind: auditconst.KindArrival, RecordID: "r-1", MessageID: strings.Repeat("m", 8000),
 		Reason: "pgstore: arrivals[0].MessageID is 8000 bytes, more than 1024 (MaxIndexedBytes)", Record: []byte(`{}`)}
 	if err := fx.st.SetAside(context.Background(), []audit.SetAside{rec}); err != nil {
 		t.Fatal(err)

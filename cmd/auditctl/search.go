@@ -12,7 +12,7 @@ import (
 	"unicode/utf8"
 
 	"github.com/rabbitretry/rabbitretry/audit"
-	"github.com/rabbitretry/rabbitretry/audit/httpapi"
+	"github.com/rabbitretry/rabbitretry/internal/auditparse"
 )
 
 // oneLine replaces control characters by spaces so a value fits a cell.
@@ -87,7 +87,7 @@ func cmdSearch(e *env) int {
 		return fail(e.stderr, err)
 	}
 	if e.o.json {
-		return jsonOut(e, httpapi.SearchResponse{Messages: msgs, Next: next}, exitOK)
+		return jsonOut(e, auditparse.SearchResponse{Messages: msgs, Next: next}, exitOK)
 	}
 	tw := tabwriter.NewWriter(e.stdout, 0, 4, 2, ' ', 0)
 	fmt.Fprintln(tw, "TIME\tMESSAGE ID\tEXCHANGE\tROUTING KEY\tQUEUE\tATTEMPTS\tLAST OUTCOME\tCLASS\tERROR")

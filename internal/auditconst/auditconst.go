@@ -36,3 +36,22 @@ const (
 // ResendTimeout is audit/httpapi.Config.ResendTimeout's default: it bounds
 // one POST /v1/resend.
 const ResendTimeout = 5 * time.Minute
+
+// Values of audit.SetAside.Kind.
+const (
+	KindArrival = "arrival"
+	KindAttempt = "attempt"
+)
+
+// ResentKey is the header every copy audit.Resender.Resend publishes
+// carries: the time of the resend, RFC 3339 in UTC.
+const ResentKey = "rabbitretry-resent"
+
+// Values of audit.ResendResult.Status.
+const (
+	StatusSent      = "sent"       // published and confirmed by the broker
+	StatusWouldSend = "would-send" // DryRun: would be published
+	StatusFailed    = "failed"     // returned, nacked, or the publish failed
+	StatusSkipped   = "skipped"    // not sendable (no body, truncated body, no queue)
+	StatusUnsent    = "unsent"     // not tried: Resend stopped before it (see its error)
+)
