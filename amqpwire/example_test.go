@@ -26,4 +26,3 @@ func ExampleParseXDeath() {
 	}
 	// Output: orders rejected 2 [orders]
 }
-
