@@ -408,7 +408,7 @@ func New(cfg Config) (*Retry, error) {
 // deadline (Config.HandlerDeadline): a handler that honours it fails in
 // time for its retry to be counted and the delivery acked.
 func (r *Retry) Middleware(h message.HandlerFunc) message.HandlerFunc {
-	inner := r.chain.Middleware(recordVerdict(r.deadlines.wrap(r.queueName, h)))
+	inner := r.chain.Middleware(recordVerdict(r.deadlines, r.queueName, h))
 	return func(msg *message.Message) ([]*message.Message, error) {
 		// The healthy path stays small (no logging fields, no key built, a
 		// small frame): it runs on a fresh goroutine per message.
@@ -417,7 +417,7 @@ func (r *Retry) Middleware(h message.HandlerFunc) message.HandlerFunc {
 			return nil, errDeliveryGone
 		}
 		if r.deadlines != nil {
-			markStart(msg)
+			r.deadlines.prepare(st, r.queueName(msg.Context()))
 		}
 		if msg.Metadata[retrymeta.DeliveryQuarantineKey] != "" {
 			// A quarantine delivery's retry is a published copy: a nack of

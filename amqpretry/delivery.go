@@ -4,6 +4,7 @@ import (
 	"context"
 	"sync"
 	"sync/atomic"
+	"time"
 	"weak"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -106,6 +107,15 @@ type runState struct {
 	// uuid, attempt and redeliveries as delivered, before the chain set
 	// anything: lateKey's parts.
 	uuid, attempt, redeliveries string
+
+	start time.Time // when the run reached the chain (markStart); zero: not marked
+
+	// The handler deadline worked out at the chain's start
+	// (deadlines.prepare), for deadlines.wrap: done there, the lookup and
+	// the allocation stay off the handler goroutine's deepest frames.
+	prepared bool
+	deadline time.Duration    // 0: none applies
+	dl       *lazyDeadlineCtx // its context, parent set by wrap
 
 	mu        sync.Mutex
 	replay    bool  // return replayErr instead of running the handler (once)

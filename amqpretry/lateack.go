@@ -2,6 +2,7 @@ package amqpretry
 
 import (
 	"container/list"
+	"context"
 	"errors"
 	"sync"
 
@@ -87,16 +88,27 @@ type verdict struct{ err error }
 // recordVerdict wraps the user's handler: it returns a replayed result
 // without running h, or runs h and records its result, in the run's state
 // (runOf; without one it just runs h).
-func recordVerdict(h message.HandlerFunc) message.HandlerFunc {
+// It also puts the handler deadline on h's context (deadlines.wrap; d
+// nil: none).
+func recordVerdict(d *deadlines, queueName func(context.Context) string, h message.HandlerFunc) message.HandlerFunc {
+	wrapped := d.wrap(queueName, h)
 	return func(msg *message.Message) ([]*message.Message, error) {
 		st := runOf(msg)
 		if st == nil {
-			return h(msg)
+			return wrapped(msg)
 		}
 		if err, ok := st.takeReplay(); ok {
 			return nil, err
 		}
-		out, err := h(msg)
+		var out []*message.Message
+		var err error
+		if st.prepared {
+			// wrap's work without its context lookup; out of line: this
+			// frame stays small for the lookup above (runOf).
+			out, err = d.runPrepared(st, queueName, msg, h)
+		} else {
+			out, err = wrapped(msg)
+		}
 		st.mu.Lock()
 		st.ran, st.err = true, err
 		st.mu.Unlock()
