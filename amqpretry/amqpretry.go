@@ -456,7 +456,8 @@ func (r *Retry) beforeRun(msg *message.Message, st *runState) {
 				watermill.LogFields{"message_uuid": msg.UUID, "attempt": st.attempt})
 			delete(msg.Metadata, retrymeta.DeliveryRedeliveredKey)
 			st.mu.Lock()
-			st.replay, st.replayErr = true, err
+			st.replayErr = err
+			st.replay.Store(true)
 			st.mu.Unlock()
 		}
 	}

@@ -454,21 +454,6 @@ func (d *deadlines) enter(st *runState, msg *message.Message) *lazyDeadlineCtx {
 	return ctx
 }
 
-// runPrepared runs h under the deadline prepare worked out for st's run
-// (enter, h, leave).
-//
-//go:noinline
-func (d *deadlines) runPrepared(st *runState, queueName func(context.Context) string, msg *message.Message, h message.HandlerFunc) ([]*message.Message, error) {
-	dl := d.enter(st, msg)
-	if dl == nil {
-		return h(msg)
-	}
-	defer dl.stop()
-	out, err := h(msg)
-	d.leave(dl, st.deadline, queueName, msg, err)
-	return out, err
-}
-
 // leave restores the chain's context after the handler ran under ctx.
 func (d *deadlines) leave(ctx *lazyDeadlineCtx, deadline time.Duration, queueName func(context.Context) string, msg *message.Message, err error) {
 	if msg.Context() == ctx {

@@ -27,7 +27,6 @@ type lazyDeadlineCtx struct {
 
 	mu        sync.Mutex
 	cancelled bool // stop ran before inner was made
-	expired   bool // and the deadline had passed then
 }
 
 type lazyInner struct {
@@ -76,7 +75,12 @@ func (c *lazyDeadlineCtx) get() context.Context {
 }
 
 // make creates the real context; after stop, an already cancelled one
-// (DeadlineExceeded if the deadline had passed by then, else Canceled).
+// (Canceled, or the parent's error: the one difference from
+// context.WithDeadline is that a handler that overran its deadline without
+// ever looking at its context leaves one that says Canceled, not
+// DeadlineExceeded, to whoever first looks at it after the handler
+// returned; stop reads no clock, to stay cheap on the handler goroutine's
+// deepest frames).
 //
 //go:noinline
 func (c *lazyDeadlineCtx) make() context.Context {
@@ -86,14 +90,11 @@ func (c *lazyDeadlineCtx) make() context.Context {
 		return in.ctx
 	}
 	in := &lazyInner{}
-	if c.cancelled && !c.expired {
+	if c.cancelled {
 		in.ctx, in.cancel = context.WithCancel(c.Context)
 		in.cancel()
 	} else {
 		in.ctx, in.cancel = context.WithDeadline(c.Context, c.deadline)
-		if c.cancelled {
-			in.cancel()
-		}
 	}
 	c.inner.Store(in)
 	return in.ctx
@@ -113,9 +114,8 @@ func (c *lazyDeadlineCtx) stop() {
 func (c *lazyDeadlineCtx) stopSlow() {
 	c.mu.Lock()
 	in := c.inner.Load()
-	if in == nil && !c.cancelled {
+	if in == nil {
 		c.cancelled = true
-		c.expired = !time.Now().Before(c.deadline)
 	}
 	c.mu.Unlock()
 	if in != nil {

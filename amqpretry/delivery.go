@@ -118,9 +118,9 @@ type runState struct {
 	dl       *lazyDeadlineCtx // its context, parent set by wrap
 
 	mu        sync.Mutex
-	replay    bool  // return replayErr instead of running the handler (once)
-	replayErr error //
-	ran       bool  // the handler ran; err is its result
+	replay    atomic.Bool // return replayErr instead of running the handler (once)
+	replayErr error       // set before replay
+	ran       bool        // the handler ran; err is its result
 	err       error
 }
 
@@ -146,7 +146,7 @@ type runCtx struct {
 }
 
 func (c *runCtx) Value(key any) any {
-	if key == (runStateKey{}) {
+	if _, ok := key.(runStateKey); ok { // no runtime.efaceeq call (frame)
 		return &c.st
 	}
 	return c.Context.Value(key)

@@ -93,27 +93,42 @@ type verdict struct{ err error }
 func recordVerdict(d *deadlines, queueName func(context.Context) string, h message.HandlerFunc) message.HandlerFunc {
 	wrapped := d.wrap(queueName, h)
 	return func(msg *message.Message) ([]*message.Message, error) {
+		// This frame is under the handler's on the handler goroutine's
+		// deepest point: rare work out of line, and no extra frame
+		// between it and h.
 		st := runOf(msg)
 		if st == nil {
 			return wrapped(msg)
 		}
-		if err, ok := st.takeReplay(); ok {
-			return nil, err
+		if st.replay.Load() {
+			if err, ok := st.takeReplay(); ok {
+				return nil, err
+			}
 		}
-		var out []*message.Message
-		var err error
-		if st.prepared {
-			// wrap's work without its context lookup; out of line: this
-			// frame stays small for the lookup above (runOf).
-			out, err = d.runPrepared(st, queueName, msg, h)
-		} else {
-			out, err = wrapped(msg)
+		if !st.prepared {
+			return st.record(wrapped(msg))
 		}
-		st.mu.Lock()
-		st.ran, st.err = true, err
-		st.mu.Unlock()
-		return out, err
+		// wrap's work, without its context lookup.
+		dl := d.enter(st, msg)
+		if dl == nil {
+			return st.record(h(msg))
+		}
+		// No defer (its frame cost a stack copy per message): after a
+		// panic (recovered by a router middleware), dl's timer, if the
+		// handler asked for Done or Err, ends at the deadline.
+		out, err := h(msg)
+		d.leave(dl, st.deadline, queueName, msg, err)
+		dl.stop()
+		return st.record(out, err)
 	}
+}
+
+// record keeps the handler's result in its run's state.
+func (st *runState) record(out []*message.Message, err error) ([]*message.Message, error) {
+	st.mu.Lock()
+	st.ran, st.err = true, err
+	st.mu.Unlock()
+	return out, err
 }
 
 // takeReplay returns the remembered result to settle instead of running the
@@ -121,10 +136,9 @@ func recordVerdict(d *deadlines, queueName func(context.Context) string, h messa
 func (st *runState) takeReplay() (error, bool) {
 	st.mu.Lock()
 	defer st.mu.Unlock()
-	if !st.replay {
+	if !st.replay.CompareAndSwap(true, false) {
 		return nil, false
 	}
-	st.replay = false
 	return st.replayErr, true
 }
 
