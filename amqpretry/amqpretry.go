@@ -407,7 +407,7 @@ func New(cfg Config) (*Retry, error) {
 // deadline (Config.HandlerDeadline): a handler that honours it fails in
 // time for its retry to be counted and the delivery acked.
 func (r *Retry) Middleware(h message.HandlerFunc) message.HandlerFunc {
-	inner := r.chain.Middleware(recordVerdict(r.deadlines.wrap(r.queueName, h)))
+	inner := r.chain.Middleware(recordVerdict(r.deadlines, r.queueName, h))
 	return func(msg *message.Message) ([]*message.Message, error) {
 		// The healthy path stays small (no logging fields, no key built, a
 		// small frame): it runs on a fresh goroutine per message.
@@ -416,7 +416,7 @@ func (r *Retry) Middleware(h message.HandlerFunc) message.HandlerFunc {
 			return nil, errDeliveryGone
 		}
 		if r.deadlines != nil {
-			markStart(msg)
+			r.deadlines.prepare(st, r.queueName(msg.Context()))
 		}
 		if msg.Metadata[retrymeta.DeliveryQuarantineKey] != "" {
 			// A quarantine delivery's retry is a published copy: a nack of
@@ -455,7 +455,8 @@ func (r *Retry) beforeRun(msg *message.Message, st *runState) {
 				watermill.LogFields{"message_uuid": msg.UUID, "attempt": st.attempt})
 			delete(msg.Metadata, retrymeta.DeliveryRedeliveredKey)
 			st.mu.Lock()
-			st.replay, st.replayErr = true, err
+			st.replayErr = err
+			st.replay.Store(true)
 			st.mu.Unlock()
 		}
 	}

@@ -387,9 +387,38 @@ func (d *deadlines) forQueue(q string) time.Duration {
 // chainStartKey holds, in a message's context, when it reached the chain.
 type chainStartKey struct{}
 
-// markStart records in msg's context that it reached the chain now.
+// markStart records in msg's context that it reached the chain now: in
+// its run's state when in Retry.Middleware (no allocation), else in a
+// context value.
 func markStart(msg *message.Message) {
+	if st := runOf(msg); st != nil {
+		st.start = time.Now()
+		return
+	}
 	msg.SetContext(context.WithValue(msg.Context(), chainStartKey{}, time.Now()))
+}
+
+// prepare marks the run's start (markStart) and works out its handler
+// deadline for wrap, from q's.
+func (d *deadlines) prepare(st *runState, q string) {
+	st.start = time.Now()
+	st.prepared = true
+	st.deadline = d.forQueue(q)
+	if st.deadline > 0 {
+		st.dl = newLazyDeadline(st.start.Add(st.deadline))
+	}
+}
+
+// chainStart returns when the message whose context is ctx reached the
+// chain (markStart), or now if unknown.
+func chainStart(ctx context.Context) time.Time {
+	if st, _ := ctx.Value(runStateKey{}).(*runState); st != nil && !st.start.IsZero() {
+		return st.start
+	}
+	if start, ok := ctx.Value(chainStartKey{}).(time.Time); ok {
+		return start
+	}
+	return time.Now()
 }
 
 // wrap gives h's message a context with q's deadline, counted from when
@@ -402,26 +431,65 @@ func (d *deadlines) wrap(queueName func(context.Context) string, h message.Handl
 	}
 	return func(msg *message.Message) ([]*message.Message, error) {
 		orig := msg.Context()
-		q := queueName(orig)
-		deadline := d.forQueue(q)
+		deadline := d.forQueue(queueName(orig))
 		if deadline <= 0 {
 			return h(msg)
 		}
-		start, ok := orig.Value(chainStartKey{}).(time.Time)
-		if !ok {
-			start = time.Now()
-		}
-		ctx, cancel := context.WithDeadline(orig, start.Add(deadline))
-		defer cancel()
-		msg.SetContext(ctx)
-		out, err := h(msg)
-		if msg.Context() == ctx {
-			msg.SetContext(orig)
-		}
-		if err != nil && ctx.Err() == context.DeadlineExceeded && orig.Err() == nil {
-			d.logger.Info("Handler overran its deadline, set below the queue's consumer timeout; its failure is retried while the delivery is still valid", watermill.LogFields{
-				"queue": q, "message_uuid": msg.UUID, "handler_deadline": deadline.String(), "ran": time.Since(start).String()})
-		}
-		return out, err
+		return d.run(newLazyDeadline(chainStart(orig).Add(deadline)), deadline, queueName, msg, h)
+	}
+}
+
+// enter puts the deadline prepare worked out for st's run on msg's
+// context (wrap's work, done from recordVerdict to spare the handler
+// goroutine's deepest frames another context lookup and frame); nil when
+// no deadline applies. Then the handler runs, then leave.
+func (d *deadlines) enter(st *runState, msg *message.Message) *lazyDeadlineCtx {
+	ctx := st.dl
+	st.prepared, st.dl = false, nil
+	if st.deadline <= 0 {
+		return nil
+	}
+	ctx.Context = msg.Context()
+	msg.SetContext(ctx)
+	return ctx
+}
+
+// leave restores the chain's context after the handler ran under ctx.
+func (d *deadlines) leave(ctx *lazyDeadlineCtx, deadline time.Duration, queueName func(context.Context) string, msg *message.Message, err error) {
+	if msg.Context() == ctx {
+		msg.SetContext(ctx.Context)
+	}
+	if err != nil {
+		d.failed(ctx, deadline, queueName, msg)
+	}
+}
+
+// run runs h with ctx (deadline's context, its parent not yet set) as its
+// message's context.
+func (d *deadlines) run(ctx *lazyDeadlineCtx, deadline time.Duration, queueName func(context.Context) string, msg *message.Message, h message.HandlerFunc) ([]*message.Message, error) {
+	orig := msg.Context()
+	// Lazy: no timer unless the handler looks at its context.
+	ctx.Context = orig
+	defer ctx.stop()
+	msg.SetContext(ctx)
+	out, err := h(msg)
+	if msg.Context() == ctx {
+		msg.SetContext(orig)
+	}
+	if err != nil {
+		d.failed(ctx, deadline, queueName, msg)
+	}
+	return out, err
+}
+
+// failed logs a handler failure that its deadline explains. Out of line:
+// run's frame stays small.
+//
+//go:noinline
+func (d *deadlines) failed(ctx *lazyDeadlineCtx, deadline time.Duration, queueName func(context.Context) string, msg *message.Message) {
+	orig := ctx.Context
+	if ctx.Err() == context.DeadlineExceeded && orig.Err() == nil {
+		d.logger.Info("Handler overran its deadline, set below the queue's consumer timeout; its failure is retried while the delivery is still valid", watermill.LogFields{
+			"queue": queueName(orig), "message_uuid": msg.UUID, "handler_deadline": deadline.String(), "ran": time.Since(chainStart(orig)).String()})
 	}
 }

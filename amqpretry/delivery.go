@@ -4,6 +4,7 @@ import (
 	"context"
 	"sync"
 	"sync/atomic"
+	"time"
 	"weak"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -107,10 +108,19 @@ type runState struct {
 	// anything: lateKey's parts.
 	uuid, attempt, redeliveries string
 
+	start time.Time // when the run reached the chain (markStart); zero: not marked
+
+	// The handler deadline worked out at the chain's start
+	// (deadlines.prepare), for deadlines.wrap: done there, the lookup and
+	// the allocation stay off the handler goroutine's deepest frames.
+	prepared bool
+	deadline time.Duration    // 0: none applies
+	dl       *lazyDeadlineCtx // its context, parent set by wrap
+
 	mu        sync.Mutex
-	replay    bool  // return replayErr instead of running the handler (once)
-	replayErr error //
-	ran       bool  // the handler ran; err is its result
+	replay    atomic.Bool // return replayErr instead of running the handler (once)
+	replayErr error       // set before replay
+	ran       bool        // the handler ran; err is its result
 	err       error
 }
 
@@ -136,7 +146,7 @@ type runCtx struct {
 }
 
 func (c *runCtx) Value(key any) any {
-	if key == (runStateKey{}) {
+	if _, ok := key.(runStateKey); ok { // no runtime.efaceeq call (frame)
 		return &c.st
 	}
 	return c.Context.Value(key)

@@ -2,6 +2,7 @@ package amqpretry
 
 import (
 	"container/list"
+	"context"
 	"errors"
 	"sync"
 
@@ -87,21 +88,47 @@ type verdict struct{ err error }
 // recordVerdict wraps the user's handler: it returns a replayed result
 // without running h, or runs h and records its result, in the run's state
 // (runOf; without one it just runs h).
-func recordVerdict(h message.HandlerFunc) message.HandlerFunc {
+// It also puts the handler deadline on h's context (deadlines.wrap; d
+// nil: none).
+func recordVerdict(d *deadlines, queueName func(context.Context) string, h message.HandlerFunc) message.HandlerFunc {
+	wrapped := d.wrap(queueName, h)
 	return func(msg *message.Message) ([]*message.Message, error) {
+		// This frame is under the handler's on the handler goroutine's
+		// deepest point: rare work out of line, and no extra frame
+		// between it and h.
 		st := runOf(msg)
 		if st == nil {
-			return h(msg)
+			return wrapped(msg)
 		}
-		if err, ok := st.takeReplay(); ok {
-			return nil, err
+		if st.replay.Load() {
+			if err, ok := st.takeReplay(); ok {
+				return nil, err
+			}
 		}
+		if !st.prepared {
+			return st.record(wrapped(msg))
+		}
+		// wrap's work, without its context lookup.
+		dl := d.enter(st, msg)
+		if dl == nil {
+			return st.record(h(msg))
+		}
+		// No defer (its frame cost a stack copy per message): after a
+		// panic (recovered by a router middleware), dl's timer, if the
+		// handler asked for Done or Err, ends at the deadline.
 		out, err := h(msg)
-		st.mu.Lock()
-		st.ran, st.err = true, err
-		st.mu.Unlock()
-		return out, err
+		d.leave(dl, st.deadline, queueName, msg, err)
+		dl.stop()
+		return st.record(out, err)
 	}
+}
+
+// record keeps the handler's result in its run's state.
+func (st *runState) record(out []*message.Message, err error) ([]*message.Message, error) {
+	st.mu.Lock()
+	st.ran, st.err = true, err
+	st.mu.Unlock()
+	return out, err
 }
 
 // takeReplay returns the remembered result to settle instead of running the
@@ -109,10 +136,9 @@ func recordVerdict(h message.HandlerFunc) message.HandlerFunc {
 func (st *runState) takeReplay() (error, bool) {
 	st.mu.Lock()
 	defer st.mu.Unlock()
-	if !st.replay {
+	if !st.replay.CompareAndSwap(true, false) {
 		return nil, false
 	}
-	st.replay = false
 	return st.replayErr, true
 }
 
