@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -16,6 +17,11 @@ import (
 // below watermill's default Router CloseTimeout (30 s), so the router still
 // sees its handlers finish.
 const defaultDrainTimeout = 20 * time.Second
+
+// ackFlushGrace is how long Close waits, once every message handed out was
+// acked or nacked, before it closes the inner subscriber, so the inner
+// subscriber's goroutines send those acks first (see Close).
+const ackFlushGrace = 100 * time.Millisecond
 
 // DrainingSubscriber wraps a message.Subscriber so that stopping the router
 // (cancelling the context given to message.Router.Run, or Router.Close,
@@ -63,6 +69,8 @@ type DrainingSubscriber struct {
 
 	inflight   sync.WaitGroup
 	forwarders sync.WaitGroup
+	// settled: a message handed out was acked or nacked (see ackFlushGrace).
+	settled atomic.Bool
 
 	mu   sync.Mutex
 	subs map[*subscription]struct{} // not yet stopped by their context
@@ -162,6 +170,7 @@ func (s *DrainingSubscriber) forward(ctx context.Context, sub *subscription, in 
 				case <-msg.Acked():
 				case <-msg.Nacked():
 				}
+				s.settled.Store(true)
 			}()
 			// Received before the stop: handed out (the router reads its
 			// channel until it is closed), so it is not returned unprocessed.
@@ -235,6 +244,15 @@ func (s *DrainingSubscriber) Close() error {
 		case <-done:
 		case <-time.After(s.timeout):
 			drainErr = errors.New("router: in-flight messages did not finish within the drain timeout; the inner subscriber returns them to the broker")
+		}
+		if s.settled.Load() {
+			// The router's msg.Ack() only signals the inner subscriber, whose
+			// own goroutine then sends the AMQP ack; watermill-amqp v2 waits
+			// for that signal in a select that also watches its closing, and
+			// picks at random when both are ready, so closing it at once could
+			// turn a just-acked delivery into a nack (redelivered: a success
+			// run twice). Give those goroutines a moment to send their acks.
+			time.Sleep(ackFlushGrace)
 		}
 		s.closeErr = errors.Join(drainErr, s.inner.Close())
 		s.mu.Lock()
