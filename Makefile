@@ -25,6 +25,8 @@ monitoring:
 test: broker postgres monitoring
 	$(GO) vet ./...
 	$(GO) test -race -count=1 -timeout 15m ./...
+	# Frame sizes without the race detector (see TestHealthyPathStackDepth).
+	$(GO) test -count=1 -run 'TestHealthyPathStackDepth' ./amqpretry/
 
 # Fault tests that stop and restart the broker's app: nothing else may use the
 # broker meanwhile, so they run alone (-p 1), after `make test`.

@@ -410,30 +410,52 @@ func (r *Retry) Middleware(h message.HandlerFunc) message.HandlerFunc {
 	inner := r.chain.Middleware(recordVerdict(r.deadlines, r.queueName, h))
 	return func(msg *message.Message) ([]*message.Message, error) {
 		// The healthy path stays small (no logging fields, no key built, a
-		// small frame): it runs on a fresh goroutine per message.
-		st := beginRun(msg)
-		if !st.alive() {
+		// small frame): it runs on a fresh goroutine per message, whose
+		// stack is copied when it grows (see recordVerdict).
+		st := r.begin(msg)
+		if st == nil {
 			return nil, errDeliveryGone
 		}
-		if r.deadlines != nil {
-			r.deadlines.prepare(st, r.queueName(msg.Context()))
-		}
-		if msg.Metadata[retrymeta.DeliveryQuarantineKey] != "" {
-			// A quarantine delivery's retry is a published copy: a nack of
-			// it would not dead-letter into Q's wait path (the quarantine
-			// queue has no such route), and the quarantine subscriber hands
-			// a nacked delivery back unchanged (see Retry.NewSubscriber).
-			msg.SetContext(retrymeta.WithCopyRequired(msg.Context()))
-		}
-		if r.topology.deadLetterFirst || msg.Metadata[retrymeta.DeliveryRedeliveredKey] != "" {
-			r.beforeRun(msg, st)
-		}
-		out, err := inner(msg)
-		if !st.alive() {
-			r.afterRun(msg, st)
-		}
-		return out, err
+		return st.end(inner(msg))
 	}
+}
+
+// end is the run's last step, with the chain's results: a run that
+// outlived its delivery keeps its verdict for the redelivery (afterRun).
+//
+//go:noinline
+func (st *runState) end(out []*message.Message, err error) ([]*message.Message, error) {
+	if !st.alive() {
+		st.retry.afterRun(st.msg, st)
+	}
+	return out, err
+}
+
+// begin starts msg's run (its run state, its handler deadline, the
+// quarantine and redelivery checks); nil when its delivery is already
+// gone. Out of line: Middleware's frame stays small.
+//
+//go:noinline
+func (r *Retry) begin(msg *message.Message) *runState {
+	st := beginRun(msg)
+	if !st.alive() {
+		return nil
+	}
+	st.msg, st.retry = msg, r
+	if r.deadlines != nil {
+		r.deadlines.prepare(st, r.queueName(msg.Context()))
+	}
+	if msg.Metadata[retrymeta.DeliveryQuarantineKey] != "" {
+		// A quarantine delivery's retry is a published copy: a nack of
+		// it would not dead-letter into Q's wait path (the quarantine
+		// queue has no such route), and the quarantine subscriber hands
+		// a nacked delivery back unchanged (see Retry.NewSubscriber).
+		msg.SetContext(retrymeta.WithCopyRequired(msg.Context()))
+	}
+	if r.topology.deadLetterFirst || msg.Metadata[retrymeta.DeliveryRedeliveredKey] != "" {
+		r.beforeRun(msg, st)
+	}
+	return st
 }
 
 // beforeRun marks foreign x-death entries (DeadLetterFirstRetry) and, on a

@@ -406,6 +406,7 @@ func (d *deadlines) prepare(st *runState, q string) {
 	st.deadline = d.forQueue(q)
 	if st.deadline > 0 {
 		st.dl = newLazyDeadline(st.start.Add(st.deadline))
+		st.dl.timeout = st.deadline
 	}
 }
 
@@ -439,29 +440,18 @@ func (d *deadlines) wrap(queueName func(context.Context) string, h message.Handl
 	}
 }
 
-// enter puts the deadline prepare worked out for st's run on msg's
-// context (wrap's work, done from recordVerdict to spare the handler
-// goroutine's deepest frames another context lookup and frame); nil when
-// no deadline applies. Then the handler runs, then leave.
-func (d *deadlines) enter(st *runState, msg *message.Message) *lazyDeadlineCtx {
-	ctx := st.dl
-	st.prepared, st.dl = false, nil
-	if st.deadline <= 0 {
-		return nil
+// enter puts the deadline prepare worked out for st's run (st.dl; nil
+// when no deadline applies) on msg's context (wrap's work, done from
+// recordVerdict to spare the handler goroutine's deepest frames another
+// context lookup and frame). Then the handler runs, then
+// verdictRecorder.leave.
+func (d *deadlines) enter(st *runState, msg *message.Message) {
+	st.prepared = false
+	if st.dl == nil {
+		return
 	}
-	ctx.Context = msg.Context()
-	msg.SetContext(ctx)
-	return ctx
-}
-
-// leave restores the chain's context after the handler ran under ctx.
-func (d *deadlines) leave(ctx *lazyDeadlineCtx, deadline time.Duration, queueName func(context.Context) string, msg *message.Message, err error) {
-	if msg.Context() == ctx {
-		msg.SetContext(ctx.Context)
-	}
-	if err != nil {
-		d.failed(ctx, deadline, queueName, msg)
-	}
+	st.dl.Context = msg.Context()
+	msg.SetContext(st.dl)
 }
 
 // run runs h with ctx (deadline's context, its parent not yet set) as its

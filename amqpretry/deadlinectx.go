@@ -22,6 +22,7 @@ import (
 type lazyDeadlineCtx struct {
 	context.Context // the parent
 	deadline        time.Time
+	timeout         time.Duration // the handler deadline it was made for (logs)
 
 	inner atomic.Pointer[lazyInner] // set once, under mu
 

@@ -117,6 +117,13 @@ type runState struct {
 	deadline time.Duration    // 0: none applies
 	dl       *lazyDeadlineCtx // its context, parent set by wrap
 
+	// Set at the run's start (Retry.begin) and by recordVerdict, so that
+	// the chain's outermost and innermost frames keep nothing but the
+	// runState across their calls (Retry.end, runState.finish).
+	msg   *message.Message
+	retry *Retry
+	rec   *verdictRecorder
+
 	mu        sync.Mutex
 	replay    atomic.Bool // return replayErr instead of running the handler (once)
 	replayErr error       // set before replay

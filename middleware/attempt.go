@@ -302,7 +302,8 @@ func appendBad(bad, name string, err error) string {
 }
 
 // Middleware stores the attempt number (AttemptKey, and in the context for Attempt) and
-// the proven attempt number (ProvenAttemptKey, ProvenAttempt) and calls the
+// the proven attempt number (in the context, for ProvenAttempt; every copy
+// the chain writes carries it as rabbitretry-proven-attempt) and calls the
 // handler.
 func (c *AttemptCounter) Middleware(h message.HandlerFunc) message.HandlerFunc {
 	return func(msg *message.Message) ([]*message.Message, error) {
@@ -326,7 +327,15 @@ func (c *AttemptCounter) store(msg *message.Message) {
 		})
 	}
 	msg.Metadata.Set(AttemptKey, strconv.Itoa(n))
-	msg.Metadata.Set(retrymeta.ProvenAttemptKey, strconv.Itoa(proven))
+	// The proven number lives in the context (ProvenAttempt); every copy
+	// the chain writes sets ProvenAttemptKey from it. Only a header that
+	// came with the delivery is overwritten, so that no copy can carry a
+	// stale one: one key fewer per message keeps a message with a couple
+	// of headers in Go's small-map form (8 entries), instead of growing
+	// the map on the handler goroutine.
+	if _, ok := msg.Metadata[retrymeta.ProvenAttemptKey]; ok {
+		msg.Metadata[retrymeta.ProvenAttemptKey] = strconv.Itoa(proven)
+	}
 	msg.SetContext(&attemptCtx{Context: msg.Context(), attempt: n, proven: proven})
 }
 

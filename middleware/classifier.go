@@ -1,6 +1,7 @@
 package middleware
 
 import (
+	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -355,28 +356,30 @@ func (c *Classifier) classify(err error) *ClassifiedError {
 // delivery can no longer be acked.
 func (c *Classifier) Middleware(h message.HandlerFunc) message.HandlerFunc {
 	return func(msg *message.Message) ([]*message.Message, error) {
+		// The success path's frame is under the handler's, on a fresh
+		// goroutine per message: keep it small (only ctx lives across h).
 		ctx := msg.Context()
 		out, err := h(msg)
 		if err == nil {
 			return out, nil
 		}
-		if ctx.Err() != nil || !c.alive(msg) {
-			return nil, interrupted(err)
+		if err = c.onFailure(ctx, msg, err); err == nil {
+			return nil, nil // dropped
 		}
-		return c.onFailure(msg, out, err)
+		return out, err
 	}
 }
 
-//go:noinline
-func interrupted(err error) error {
-	return &ClassifiedError{Err: err, Classification: Classification{Action: ActionNack, Class: ClassInterrupted}}
-}
-
 // onFailure is kept out of line so that the success path's closure stays
-// small (see Republisher.onFailure).
+// small (see Republisher.onFailure). ctx is the message's context before
+// the handler ran: a failure after it ended, or after the delivery was
+// lost, is an interruption, not the handler's verdict.
 //
 //go:noinline
-func (c *Classifier) onFailure(msg *message.Message, out []*message.Message, err error) ([]*message.Message, error) {
+func (c *Classifier) onFailure(ctx context.Context, msg *message.Message, err error) error {
+	if ctx.Err() != nil || !c.alive(msg) {
+		return &ClassifiedError{Err: err, Classification: Classification{Action: ActionNack, Class: ClassInterrupted}}
+	}
 	ce := c.classify(err)
 	if ce.Action == ActionDrop {
 		attempt := Attempt(msg)
@@ -384,9 +387,9 @@ func (c *Classifier) onFailure(msg *message.Message, out []*message.Message, err
 			"message_uuid": msg.UUID, "error": err.Error(), "attempt": attempt,
 		})
 		c.observer.Dropped(msg, attempt)
-		return nil, nil
+		return nil
 	}
-	return out, ce
+	return ce
 }
 
 // classificationOf returns the classification carried by err, or the

@@ -162,7 +162,7 @@ func (g *RedeliveryGuard) onRedelivered(msg *message.Message) error {
 	quarantined := msg.Metadata.Get(retrymeta.DeliveryQuarantineKey) != ""
 	c := retrymeta.CloneMessage(msg)
 	retrymeta.StripDeliveryMetadata(c.Metadata)
-	c.Metadata.Set(AttemptKey, strconv.Itoa(attempt))
+	setCopyAttempts(c, msg, attempt)
 	limit := g.cfg.MaxRedeliveries
 	if q != nil && !quarantined {
 		// Not attributable: the crash may have been a neighbour's, or a
@@ -227,7 +227,7 @@ func (g *RedeliveryGuard) onEarly(msg *message.Message, d time.Duration) error {
 	}
 	c := retrymeta.CloneMessage(msg) // without rabbitretry-remaining-delay-ms: the Delayer writes what it cannot hold
 	retrymeta.StripDeliveryMetadata(c.Metadata)
-	c.Metadata.Set(AttemptKey, strconv.Itoa(attempt))
+	setCopyAttempts(c, msg, attempt)
 	serr := g.cfg.Delayer.Schedule(retrymeta.WithCopyRequired(retrymeta.WithMinimumDelay(ctx, d)), c, d)
 	if serr == nil {
 		g.cfg.Logger.Debug("Delivery came back before its retry delay was over; held again for the rest", fields)
@@ -256,4 +256,11 @@ func (g *RedeliveryGuard) copyNotHeld(serr error, attempt int, fields watermill.
 	}
 	g.cfg.Logger.Error(msg, serr, fields)
 	return &chainerr.ScheduleError{Err: serr, HandlerErr: fmt.Errorf("%s: %w", what, chainerr.ErrHandlerNotRun), Attempt: attempt}
+}
+
+// setCopyAttempts writes, on c, a copy of msg that carries msg's count
+// unchanged (no run happened), msg's attempt number and its proven part.
+func setCopyAttempts(c, msg *message.Message, attempt int) {
+	c.Metadata.Set(AttemptKey, strconv.Itoa(attempt))
+	c.Metadata.Set(retrymeta.ProvenAttemptKey, strconv.Itoa(min(ProvenAttempt(msg), attempt)))
 }

@@ -1,0 +1,5 @@
+//go:build race
+
+package amqpretry_test
+
+const raceEnabled = true
