@@ -405,8 +405,10 @@ func (d *deadlines) prepare(st *runState, q string) {
 	st.prepared = true
 	st.deadline = d.forQueue(q)
 	if st.deadline > 0 {
-		st.dl = newLazyDeadline(st.start.Add(st.deadline))
-		st.dl.timeout = st.deadline
+		// In the run state's own allocation: one allocation per message
+		// for both.
+		st.dlCtx.deadline, st.dlCtx.timeout = st.start.Add(st.deadline), st.deadline
+		st.dl = &st.dlCtx
 	}
 }
 

@@ -115,7 +115,8 @@ type runState struct {
 	// the allocation stay off the handler goroutine's deepest frames.
 	prepared bool
 	deadline time.Duration    // 0: none applies
-	dl       *lazyDeadlineCtx // its context, parent set by wrap
+	dl       *lazyDeadlineCtx // its context (&dlCtx), parent set by wrap
+	dlCtx    lazyDeadlineCtx
 
 	// Set at the run's start (Retry.begin) and by recordVerdict, so that
 	// the chain's outermost and innermost frames keep nothing but the
