@@ -217,7 +217,7 @@ func (e *brokerEnv) retryConsumer(queue string, maxAttempts int, h message.NoPub
 		e.t.Fatal(err)
 	}
 	retry, err = amqpretry.New(amqpretry.Config{
-		URI: e.uri, Subscriber: subCfg, QueueType: amqpretry.QueueTypeQuorum, Policy: router.Policy{MaxAttempts: maxAttempts, Backoff: func() backoff.BackOff { return backoff.NewConstantBackOff(100 * time.Millisecond) }, Observer: middleware.Observers(rec)},
+		URI: e.uri, Subscriber: subCfg, QueueType: amqpretry.QueueTypeQuorum, Policy: router.Policy{MaxAttempts: maxAttempts, Backoff: func() backoff.BackOff { return backoff.NewConstantBackOff(100 * time.Millisecond) }, Observer: middleware.Observers(rec.Observer())},
 		Logger: watermill.NopLogger{},
 	})
 	if err != nil {
