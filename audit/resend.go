@@ -145,7 +145,7 @@ func (r *Resender) Resend(ctx context.Context, f Filter, opts ResendOptions) (Re
 	if err := opts.Validate(); err != nil {
 		return rep, err
 	}
-	if IsEmptyFilter(f) && !opts.AllowAll {
+	if isEmptyFilter(f) && !opts.AllowAll {
 		return rep, ErrEmptyFilter
 	}
 	limit := opts.Limit

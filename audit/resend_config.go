@@ -258,9 +258,9 @@ type ResendReport struct {
 	Next string `json:"next,omitempty"`
 }
 
-// IsEmptyFilter reports whether f selects every message (only Limit and
+// isEmptyFilter reports whether f selects every message (only Limit and
 // After set, or nothing).
-func IsEmptyFilter(f Filter) bool {
+func isEmptyFilter(f Filter) bool {
 	f.Limit, f.After = 0, ""
 	if len(f.Headers) == 0 {
 		f.Headers = nil
