@@ -11,6 +11,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 
 	"github.com/rabbitretry/rabbitretry/audit"
+	"github.com/rabbitretry/rabbitretry/internal/auditconst"
 )
 
 // resendRequest is the body of POST /v1/resend; the fields are
@@ -73,7 +74,7 @@ func (a *api) resend(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	opts := audit.ResendOptions{Mode: req.Mode, Queue: req.Queue, DryRun: req.DryRun, Limit: req.Limit, AllowAll: req.AllowAll, ExpectedCount: req.ExpectedCount}
-	if err := opts.Validate(); err != nil {
+	if err := auditconst.CheckResendOptions(string(opts.Mode), opts.Queue, opts.Limit, opts.ExpectedCount); err != nil {
 		writeError(w, http.StatusBadRequest, err.Error())
 		return
 	}
