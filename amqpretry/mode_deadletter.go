@@ -34,7 +34,7 @@ import (
 // fails, first retries take the publish path (confirmed copy, fallback
 // behind it); the change is logged (Error, then Info when the route is
 // back) and reported to an Observer that implements
-// middleware.RouteObserver (metrics.Metrics does). On an adopted queue
+// middleware.RouteObserver (metrics.Metrics.Observer's does). On an adopted queue
 // (Config.AdoptQueue) it needs AdoptQueue.ManagementURL.
 func DeadLetterFirst(tiers ...time.Duration) Mode {
 	return deadLetterFirstMode{tiers: slices.Clone(tiers)}

@@ -78,13 +78,14 @@ func ackDial(before bool, onAck func()) *amqp.Config {
 	}}
 }
 
-// deadLog is a DeliveryLog whose process can die: after kill, every call
+// deadLog is a delivery log whose process can die: after kill, every call
 // fails and the Consumer's Run is cancelled (the process is gone; its
 // connection closes).
 type deadLog struct {
 	storeLog
-	dead   atomic.Bool
-	cancel func()
+	selfOffer // of itself: the log of every call
+	dead      atomic.Bool
+	cancel    func()
 }
 
 var errDead = errors.New("deadLog: the process died")
@@ -94,9 +95,6 @@ func (s *deadLog) kill() {
 		s.cancel()
 	}
 }
-
-// DeliveryLog is the log of every call.
-func (s *deadLog) DeliveryLog() audit.DeliveryLog { return s }
 
 func (s *deadLog) check() error {
 	if s.dead.Load() {
@@ -112,14 +110,14 @@ func (s *deadLog) Write(ctx context.Context, a []audit.Arrival, b []audit.Attemp
 	return s.storeLog.Write(ctx, a, b)
 }
 
-func (s *deadLog) WriteDeliveries(ctx context.Context, a []audit.Arrival, b []audit.Attempt, d []audit.UnackedDelivery) error {
+func (s *deadLog) WriteDeliveries(ctx context.Context, a []audit.Arrival, b []audit.Attempt, d []unackedDelivery) error {
 	if err := s.check(); err != nil {
 		return err
 	}
 	return s.storeLog.WriteDeliveries(ctx, a, b, d)
 }
 
-func (s *deadLog) UnackedDeliveries(ctx context.Context, fps []string) ([]audit.UnackedDelivery, error) {
+func (s *deadLog) UnackedDeliveries(ctx context.Context, fps []string) ([]unackedDelivery, error) {
 	if err := s.check(); err != nil {
 		return nil, err
 	}
@@ -220,6 +218,7 @@ func crashAroundAck(t *testing.T, afterAck bool) (records []audit.Arrival, accou
 	// 1. P1 stored; the process dies around its ack.
 	e.publishSame()
 	first := &deadLog{storeLog: joinLog(mem)}
+	first.selfOffer = offerOf(first)
 	runUntilDead(t, e, first, ackDial(!afterAck, first.kill))
 	if a, _, _, _, _ := mem.Counts(); a != 1 {
 		t.Fatalf("%d arrivals after the first consumer, want 1", a)
@@ -231,6 +230,7 @@ func crashAroundAck(t *testing.T, afterAck bool) (records []audit.Arrival, accou
 		e.publishSame()
 		published++
 		second := &deadLog{storeLog: joinLog(mem)}
+		second.selfOffer = offerOf(second)
 		second.storeLog = &killBeforeWrite{storeLog: joinLog(mem), kill: second.kill}
 		runUntilDead(t, e, second, nil)
 	}
@@ -265,7 +265,7 @@ type killBeforeWrite struct {
 	kill func()
 }
 
-func (s *killBeforeWrite) WriteDeliveries(context.Context, []audit.Arrival, []audit.Attempt, []audit.UnackedDelivery) error {
+func (s *killBeforeWrite) WriteDeliveries(context.Context, []audit.Arrival, []audit.Attempt, []unackedDelivery) error {
 	s.kill()
 	return errDead
 }

@@ -15,7 +15,7 @@ import (
 const orphanTTL = 30 * time.Minute
 
 // publishIDs gives arrivals their per-publish ID (Arrival.ID) when the
-// Store has no DeliveryLog (with one, see unacked.go).
+// Store has no delivery log (with one, see unacked.go).
 //
 // RabbitMQ marks a delivery that was delivered before (basic.deliver's
 // redelivered flag, "Consumer Acknowledgements and Publisher Confirms":

@@ -7,6 +7,8 @@ import (
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/rabbitretry/rabbitretry/audit/internal/deliverylog"
 )
 
 // Outcome is how an attempt ended.
@@ -41,10 +43,11 @@ type Arrival struct {
 	// SHA-256 over the content hash arrivalFromDelivery computes and a
 	// random nonce), so two identical publishes (the same bytes within one
 	// second, or one UUID published twice) are two arrivals. A redelivery
-	// of a stored arrival gets its ID back and is not stored again: with a
-	// Store with a DeliveryLog (pgstore) from the row its commit wrote,
-	// also after the Consumer process died between commit and ack; with
-	// another Store only from this Consumer process's memory (after a lost
+	// of a stored arrival gets its ID back and is not stored again: with
+	// pgstore.Store or audittest.MemoryStore (or a type embedding one),
+	// which keep a delivery log, from the row its commit wrote, also after
+	// the Consumer process died between commit and ack; with another Store
+	// only from this Consumer process's memory (after a lost
 	// connection), else it is stored under a new ID with MaybeDuplicate
 	// set. Two publishes are never merged.
 	ID string `json:"id"`
@@ -85,9 +88,9 @@ type Arrival struct {
 	// BodyTruncated is true when Body was cut (len(Body) < BodySize).
 	BodyTruncated bool `json:"body_truncated,omitempty"`
 	// MaybeDuplicate is true for an arrival recorded from a redelivery the
-	// Consumer could not match to its first delivery: with a Store that is
-	// without a DeliveryLog, when that delivery went to a Consumer process that
-	// died (or to another one); with a DeliveryLog, when the state of a
+	// Consumer could not match to its first delivery: with a Store without
+	// a delivery log (see ID), when that delivery went to a Consumer process that
+	// died (or to another one); with a delivery log, when the state of a
 	// session holding a matching row could not be read, or the matching rows
 	// are of ended sessions that were acking their deliveries (the process
 	// died between marking them and the ack, or right after it). If the first
@@ -190,8 +193,12 @@ type Filter struct {
 }
 
 // Store persists and finds records. Implemented by pgstore.Store (and, in
-// memory, audittest.MemoryStore). Optional parts a Store may have: SetAside
-// (SetAsider), and a method DeliveryLog() DeliveryLog (see DeliveryLog).
+// memory, audittest.MemoryStore). An optional part a Store may have:
+// SetAside (SetAsider). pgstore.Store and audittest.MemoryStore also keep a
+// delivery log, which makes an arrival redelivered after a Consumer
+// process died between commit and ack stored exactly once (see
+// Arrival.ID); a type that embeds one of them keeps it, and then writes
+// arrivals through it, not through its own Write.
 type Store interface {
 	// Write stores the records in one transaction. It is idempotent on
 	// Arrival.ID and Attempt.ID: writing a record again changes nothing.
@@ -234,89 +241,16 @@ type SetAsider interface {
 	SetAside(ctx context.Context, records []SetAside) error
 }
 
-// UnackedDelivery is a row of a DeliveryLog: the arrival ArrivalID was
-// stored from a delivery that Consumer session Session holds and has not
-// acked yet (Acking false), or is acking (Acking true).
-type UnackedDelivery struct {
-	// ArrivalID is the stored arrival's ID (Arrival.ID).
-	ArrivalID string
-	// Fingerprint is a hex SHA-256 over the audit queue's name and the
-	// delivery's content (exchange, routing key, message id, AMQP
-	// timestamp, headers, body): equal for identical publishes.
-	Fingerprint string
-	// Session is the random token of the Consumer session holding the
-	// delivery (one per AMQP connection of the Consumer).
-	Session string
-	// Acking is set (DeliveriesAcking) right before the session sends the
-	// delivery's ack: if the session has ended, the ack may or may not have
-	// reached RabbitMQ, so a redelivery of this content is stored again,
-	// flagged Arrival.MaybeDuplicate, instead of claiming the row.
-	Acking bool
-}
+// unackedDelivery is a row of a Store's delivery log.
+type unackedDelivery = deliverylog.Delivery
 
-// DeliveryLog is an optional part of a Store (pgstore.Store has one, table
-// unacked_arrivals; so does audittest.MemoryStore) that makes each publish
-// exactly one arrival even when a Consumer process dies between the commit
-// of a batch and its ack. A Store offers it through one more method,
-//
-//	DeliveryLog() audit.DeliveryLog
-//
-// returning a log of the same database (nil: none). The Consumer then
-// stores arrivals with DeliveryLog.WriteDeliveries instead of Store.Write.
-//
-// RabbitMQ redelivers such a batch with the redelivered flag set
-// ("Consumer Acknowledgements and Publisher Confirms": Redeliveries) to a
-// Consumer that cannot know, from the delivery alone, whether it was
-// stored. With a DeliveryLog the Consumer records, in the transaction that
-// stores an arrival, an UnackedDelivery row; marks it Acking before the
-// ack (DeliveriesAcking); and deletes it with the next batch's mark, once
-// the ack was sent. A redelivery whose fingerprint matches a row of a
-// session that has ended, not Acking, claims that row and reuses its
-// arrival ID, so the record is not stored twice; one matching only Acking
-// rows of ended sessions is stored again, flagged Arrival.MaybeDuplicate
-// (the ack may have been lost with the process), and deletes one of them
-// (TakeAckingDelivery): a row whose ack was sent is never claimed, so a
-// publish is never taken for another. A first delivery never claims a
-// row, so identical publishes stay distinct arrivals. Without a
-// DeliveryLog the Consumer stores such a redelivery again, flagged
-// Arrival.MaybeDuplicate.
-type DeliveryLog interface {
-	// WriteDeliveries is the Store's Write, and records deliveries in the
-	// same transaction, not Acking (a row already stored under the same
-	// ArrivalID is replaced: it moves to the new session).
-	WriteDeliveries(ctx context.Context, arrivals []Arrival, attempts []Attempt, deliveries []UnackedDelivery) error
-	// UnackedDeliveries returns the rows of these fingerprints.
-	UnackedDeliveries(ctx context.Context, fingerprints []string) ([]UnackedDelivery, error)
-	// ClaimDelivery moves the row of arrivalID from session from to
-	// session to, atomically, if it is not Acking: false if it is gone,
-	// Acking, or held by another session (another Consumer claimed it
-	// first).
-	ClaimDelivery(ctx context.Context, arrivalID, from, to string) (bool, error)
-	// TakeAckingDelivery deletes the row of arrivalID if session holds it
-	// and it is Acking (a redelivery matched it and is stored again,
-	// flagged): false if it is gone or changed (another Consumer took it,
-	// or DeliveriesNotAcked cleared Acking: then it can be claimed).
-	TakeAckingDelivery(ctx context.Context, arrivalID, session string) (bool, error)
-	// DeliveriesAcking, in one atomic step, deletes session's rows that
-	// are Acking (marked by an earlier call: their acks were sent), and
-	// rows older than a day (their sessions' deliveries were redelivered
-	// and claimed or stored long ago), then sets Acking on session's rows
-	// of these arrival IDs. The Consumer calls it before each ack of
-	// arrivals, and with no IDs when a session ends after its last ack.
-	DeliveriesAcking(ctx context.Context, session string, arrivalIDs []string) error
-	// DeliveriesNotAcked clears Acking on session's rows of these arrival
-	// IDs: their ack could not be sent (the channel or connection closed
-	// first), so their redeliveries may claim them.
-	DeliveriesNotAcked(ctx context.Context, session string, arrivalIDs []string) error
-}
+// deliveryLog is a Store's delivery log (see package
+// audit/internal/deliverylog): pgstore.Store and audittest.MemoryStore
+// offer one.
+type deliveryLog = deliverylog.Log[Arrival, Attempt]
 
-// deliveryLogOf returns s's DeliveryLog, nil if it has none.
-func deliveryLogOf(s Store) DeliveryLog {
-	if h, ok := s.(interface{ DeliveryLog() DeliveryLog }); ok {
-		return h.DeliveryLog()
-	}
-	return nil
-}
+// deliveryLogOf returns s's delivery log, nil if it has none.
+func deliveryLogOf(s Store) deliveryLog { return deliverylog.Of[Arrival, Attempt](s) }
 
 // marshalAttempt encodes an Attempt as the Recorder publishes it on the
 // audit exchange (JSON, content-type application/json).

@@ -20,7 +20,7 @@ import (
 type ConsumerStats struct {
 	// Arrivals and Attempts are the records written (Write returned nil;
 	// a redelivered record written again counts again; a redelivered
-	// arrival found stored through the DeliveryLog is not written and not
+	// arrival found stored through the delivery log is not written and not
 	// counted).
 	Arrivals, Attempts uint64
 	// Batches is the number of successful Store.Write calls.
@@ -47,7 +47,7 @@ type ConsumerStats struct {
 	// RabbitMQ redelivers such a message on every connection: the next
 	// session consumes one message at a time (prefetch 1), so only the bad
 	// message is counted towards the queue's delivery limit, which
-	// dead-letters it to the set-aside queue (DeliveryLimit). A growing
+	// dead-letters it to the set-aside queue (after 1000 deliveries). A growing
 	// count is that loop.
 	Undecodable uint64
 	// LastWriteLatency is how long the last successful Store.Write took.
@@ -79,7 +79,7 @@ type ConsumerStats struct {
 // connection keeps its per-publish ID (Arrival.ID) and is not duplicated.
 // After the Consumer process died between commit and ack, RabbitMQ gives
 // the redelivery no identity that says whether it was stored: with a Store
-// with a DeliveryLog (pgstore), each committed delivery has a row until
+// with a delivery log (pgstore), each committed delivery has a row until
 // its ack, and a redelivery claims a row of a session that ended (below)
 // instead of being stored again, so each publish is exactly one arrival
 // (a second, flagged record only if the process died in the instant
@@ -87,7 +87,7 @@ type ConsumerStats struct {
 // with another Store it is stored a second time, flagged
 // Arrival.MaybeDuplicate.
 //
-// Session queues (DeliveryLog only): each session (AMQP connection)
+// Session queues (delivery log only): each session (AMQP connection)
 // declares an exclusive, auto-delete classic queue named
 // <ArrivalsQueue>.session.<random token>, which receives nothing. RabbitMQ
 // deletes it when the connection closes, which is when the connection's
@@ -116,7 +116,7 @@ type ConsumerStats struct {
 // queue every record the Recorders publish: they grow (durably, on disk)
 // while no Consumer runs or the store is down. No length limit is set, as
 // one would drop records; watch their depth. Quorum audit queues carry a
-// delivery limit of DeliveryLimit (each connection loss counts as a
+// delivery limit of 1000 deliveries (each connection loss counts as a
 // delivery of every record held) and dead-letter past it to the set-aside
 // queue, never dropping a record.
 //
@@ -128,8 +128,8 @@ type ConsumerStats struct {
 // the delivery limit and is dead-lettered to the set-aside queue.
 type Consumer struct {
 	cfg   ConsumerConfig
-	ids   *publishIDs // without a DeliveryLog
-	log   DeliveryLog // cfg.Store's, if it has one
+	ids   *publishIDs // without a delivery log
+	log   deliveryLog // cfg.Store's, if it has one
 	ended sync.Map    // session tokens seen ended
 
 	untrusted                                                    atomic.Uint64

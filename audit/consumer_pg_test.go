@@ -255,6 +255,7 @@ func TestConsumerIdenticalPublishesDieAfterCommitPostgres(t *testing.T) {
 	e := newBrokerEnv(t)
 	pg, check := pgStore(t)
 	store := &commitThenDie{storeLog: joinLog(pg)}
+	store.selfOffer = offerOf(store)
 	const same, others = 60, 40
 	const n = same + others
 	p := amqp.Publishing{Headers: amqp.Table{audit.DefaultUUIDHeader: "same-1"}, Body: []byte("same"), Timestamp: time.Now(), DeliveryMode: amqp.Persistent}

@@ -18,7 +18,7 @@ import (
 // each channel it acks; committed is closed once Write returned nil.
 type batch struct {
 	arrivals []Arrival
-	// With a DeliveryLog, per arrival: its fingerprint, whether it was
+	// With a delivery log, per arrival: its fingerprint, whether it was
 	// redelivered, resolved (its ID final), claimed (a row of an ended
 	// session had it: stored already).
 	fps                            []string
@@ -136,7 +136,7 @@ func (c *Consumer) session(ctx context.Context, quarantine *bool) (err error) {
 			c.writeBatches(wctx, conn, token, batches, fail)
 		}()
 	}
-	// With a DeliveryLog, the acker marks a batch's rows Acking right
+	// With a delivery log, the acker marks a batch's rows Acking right
 	// before its ack (deleting the rows it marked before: their acks were
 	// sent); marked says the last marked rows' ack was sent, so a session
 	// that ends with its connection open deletes them too.
@@ -230,7 +230,7 @@ func (c *Consumer) session(ctx context.Context, quarantine *bool) (err error) {
 	}
 }
 
-// setUp declares the topology and, with a DeliveryLog, the session queue
+// setUp declares the topology and, with a delivery log, the session queue
 // holding this session's token; errors that another try cannot fix are
 // errFatal.
 func (c *Consumer) setUp(conn *amqp.Connection) (token string, err error) {
@@ -290,7 +290,7 @@ func (c *Consumer) writeBatches(ctx context.Context, conn *amqp.Connection, toke
 }
 
 // ackBatches is the acker: it waits for each batch's commit in fill order,
-// marks its DeliveryLog rows Acking (marked says the last marked rows' ack
+// marks its delivery log rows Acking (marked says the last marked rows' ack
 // was sent), then acks it; on an error it reports it with fail and stops.
 func (c *Consumer) ackBatches(ctx context.Context, conn *amqp.Connection, token string, arrCh, attCh *amqp.Channel, toAck <-chan batch, fail func(error), marked *bool) {
 	for b := range toAck {
@@ -467,7 +467,7 @@ func (c *Consumer) setAsideRecord(ctx context.Context, conn *amqp.Connection, ar
 // (returned at once); another error only if ctx ends or the connection is
 // lost meanwhile.
 //
-// With a DeliveryLog, redelivered arrivals that a row of an ended session
+// With a delivery log, redelivered arrivals that a row of an ended session
 // holds are claimed first (stored already: only their rows are written
 // again), and every arrival's row is written in the same transaction.
 func (c *Consumer) write(ctx context.Context, conn *amqp.Connection, token string, b *batch) error {
@@ -483,12 +483,12 @@ func (c *Consumer) write(ctx context.Context, conn *amqp.Connection, token strin
 			return err
 		}
 		arr = make([]Arrival, 0, len(b.arrivals))
-		dels := make([]UnackedDelivery, len(b.arrivals))
+		dels := make([]unackedDelivery, len(b.arrivals))
 		for i := range b.arrivals {
 			if !b.claimed[i] {
 				arr = append(arr, b.arrivals[i])
 			}
-			dels[i] = UnackedDelivery{ArrivalID: b.arrivals[i].ID, Fingerprint: b.fps[i], Session: token}
+			dels[i] = unackedDelivery{ArrivalID: b.arrivals[i].ID, Fingerprint: b.fps[i], Session: token}
 		}
 		return c.log.WriteDeliveries(ctx, arr, att, dels)
 	})

@@ -217,7 +217,7 @@ func (e *brokerEnv) retryConsumer(queue string, maxAttempts int, h message.NoPub
 		e.t.Fatal(err)
 	}
 	retry, err = amqpretry.New(amqpretry.Config{
-		URI: e.uri, Subscriber: subCfg, QueueType: amqpretry.QueueTypeQuorum, Policy: router.Policy{MaxAttempts: maxAttempts, Backoff: func() backoff.BackOff { return backoff.NewConstantBackOff(100 * time.Millisecond) }, Observer: middleware.Observers(rec)},
+		URI: e.uri, Subscriber: subCfg, QueueType: amqpretry.QueueTypeQuorum, Policy: router.Policy{MaxAttempts: maxAttempts, Backoff: func() backoff.BackOff { return backoff.NewConstantBackOff(100 * time.Millisecond) }, Observer: middleware.Observers(rec.Observer())},
 		Logger: watermill.NopLogger{},
 	})
 	if err != nil {
@@ -451,9 +451,10 @@ func TestConsumerStoreDown(t *testing.T) {
 // acknowledgement lost on the way back).
 type commitThenDie struct {
 	storeLog
-	once   sync.Once
-	cancel atomic.Pointer[func()]
-	died   atomic.Bool
+	selfOffer // of itself: the log of every call
+	once      sync.Once
+	cancel    atomic.Pointer[func()]
+	died      atomic.Bool
 }
 
 func (s *commitThenDie) die() error {
@@ -469,9 +470,6 @@ func (s *commitThenDie) die() error {
 	return nil
 }
 
-// DeliveryLog is the log of every call.
-func (s *commitThenDie) DeliveryLog() audit.DeliveryLog { return s }
-
 func (s *commitThenDie) Write(ctx context.Context, arr []audit.Arrival, att []audit.Attempt) error {
 	if err := s.storeLog.Write(ctx, arr, att); err != nil {
 		return err
@@ -479,14 +477,14 @@ func (s *commitThenDie) Write(ctx context.Context, arr []audit.Arrival, att []au
 	return s.die()
 }
 
-func (s *commitThenDie) WriteDeliveries(ctx context.Context, arr []audit.Arrival, att []audit.Attempt, d []audit.UnackedDelivery) error {
+func (s *commitThenDie) WriteDeliveries(ctx context.Context, arr []audit.Arrival, att []audit.Attempt, d []unackedDelivery) error {
 	if err := s.storeLog.WriteDeliveries(ctx, arr, att, d); err != nil {
 		return err
 	}
 	return s.die()
 }
 
-// plainStore hides a Store's DeliveryLog.
+// plainStore hides a Store's delivery log.
 type plainStore struct{ audit.Store }
 
 // dieAfterCommit runs a Consumer (BatchSize 40) into store until its
@@ -534,14 +532,15 @@ func distinctMessages(n int) []*message.Message {
 
 // A batch committed but not acked (the consumer process died in between)
 // is redelivered to the next consumer process, which finds the deliveries
-// that were stored in the store's DeliveryLog (rows written with the
+// that were stored in the store's delivery log (rows written with the
 // batch, of a session whose exclusive queue is gone) and does not store
 // them again: every message stored exactly once (issue #19 item 6), and
-// the DeliveryLog empty once everything is acked.
+// the delivery log empty once everything is acked.
 func TestConsumerDiesAfterCommit(t *testing.T) {
 	e := newBrokerEnv(t)
 	mem := memstore.New()
 	store := &commitThenDie{storeLog: joinLog(mem)}
+	store.selfOffer = offerOf(store)
 	const n = 100
 	msgs := distinctMessages(n)
 	first := dieAfterCommit(t, e, store, store, n,
@@ -572,7 +571,7 @@ func TestConsumerDiesAfterCommit(t *testing.T) {
 	}
 }
 
-// Without a DeliveryLog (a Store that only writes), the next consumer
+// Without a delivery log (a Store that only writes), the next consumer
 // process cannot tell which redeliveries were stored: every message is
 // stored, none lost or merged, and a second record of one is flagged
 // MaybeDuplicate (never an unflagged duplicate).
@@ -580,6 +579,7 @@ func TestConsumerDiesAfterCommitPlainStore(t *testing.T) {
 	e := newBrokerEnv(t)
 	mem := memstore.New()
 	cd := &commitThenDie{storeLog: joinLog(mem)}
+	cd.selfOffer = offerOf(cd)
 	store := plainStore{cd}
 	const n = 100
 	msgs := distinctMessages(n)
@@ -702,17 +702,15 @@ func (s *gateStore) Write(ctx context.Context, arr []audit.Arrival, att []audit.
 // written: the batch commits but cannot be acked; the broker requeues it,
 // the Consumer reconnects, and the redelivered records are written again
 // without duplicates.
-// gateLog is gateStore for a DeliveryLog: its first WriteDeliveries is
+// gateLog is gateStore for a delivery log: its first WriteDeliveries is
 // held until released, then commits.
 type gateLog struct {
 	storeLog
-	gate *gateStore
+	selfOffer // of itself: the log of every call
+	gate      *gateStore
 }
 
-// DeliveryLog is the log of every call.
-func (s *gateLog) DeliveryLog() audit.DeliveryLog { return s }
-
-func (s *gateLog) WriteDeliveries(ctx context.Context, arr []audit.Arrival, att []audit.Attempt, d []audit.UnackedDelivery) error {
+func (s *gateLog) WriteDeliveries(ctx context.Context, arr []audit.Arrival, att []audit.Attempt, d []unackedDelivery) error {
 	first := false
 	s.gate.once.Do(func() {
 		close(s.gate.entered)
@@ -727,7 +725,7 @@ func (s *gateLog) WriteDeliveries(ctx context.Context, arr []audit.Arrival, att 
 
 func TestConsumerConnectionLostMidBatch(t *testing.T) { connectionLostMidBatch(t, false) }
 
-// The same with the store's DeliveryLog: the redeliveries of the batch
+// The same with the store's delivery log: the redeliveries of the batch
 // that committed after the connection was lost claim its rows (the
 // ended session's) and are not written again.
 func TestConsumerConnectionLostMidBatchDeliveryLog(t *testing.T) { connectionLostMidBatch(t, true) }
@@ -738,7 +736,9 @@ func connectionLostMidBatch(t *testing.T, withLog bool) {
 	gate := &gateStore{Store: plainStore{mem}, entered: make(chan struct{}), release: make(chan struct{})}
 	var store audit.Store = gate
 	if withLog {
-		store = &gateLog{storeLog: joinLog(mem), gate: gate}
+		gl := &gateLog{storeLog: joinLog(mem), gate: gate}
+		gl.selfOffer = offerOf(gl)
+		store = gl
 	}
 	var mu sync.Mutex
 	var sockets []net.Conn
@@ -782,7 +782,7 @@ func connectionLostMidBatch(t *testing.T, withLog bool) {
 		dups += len(v) - 1
 	}
 	st := cons.Stats()
-	t.Logf("accounting: published %d, arrivals %d, rewritten on redelivery %d, duplicates %d, lost %d; reconnects %d, arrivals written %d (DeliveryLog %v)",
+	t.Logf("accounting: published %d, arrivals %d, rewritten on redelivery %d, duplicates %d, lost %d; reconnects %d, arrivals written %d (delivery log %v)",
 		n, a, rewrites, dups, n-a, st.Reconnects, st.Arrivals, withLog)
 	if withLog {
 		// Claimed redeliveries are not written again: n arrivals written in all.
@@ -851,7 +851,7 @@ func TestConsumerWritersAckInBatchOrder(t *testing.T) {
 		}
 		return c, err
 	}
-	// Without its DeliveryLog, redeliveries are rewritten (counted).
+	// Without its delivery log, redeliveries are rewritten (counted).
 	cons, stop := e.consumer(plainStore{store}, func(c *audit.ConsumerConfig) {
 		c.BatchSize, c.Writers = batchSize, 4
 		c.AmqpConfig = &amqp.Config{Dial: dial}

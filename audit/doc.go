@@ -23,7 +23,7 @@
 // a batch that is redelivered is written again without duplicates (Store
 // writes are idempotent on the record IDs, and an arrival redelivered after
 // the Consumer process died between commit and ack is found stored through
-// the Store's DeliveryLog; see Arrival.ID for a Store without one).
+// the Store's delivery log; see Arrival.ID for a Store without one).
 //
 // # Imports
 //

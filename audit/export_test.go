@@ -21,6 +21,7 @@ const (
 	MaxResendLimit            = maxResendLimit
 	QueueTypeQuorum           = queueTypeQuorum
 	QueueTypeClassic          = queueTypeClassic
+	DeliveryLimit             = deliveryLimit
 )
 
 // WithDefaults is withDefaults for the external tests.

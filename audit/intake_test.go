@@ -60,8 +60,9 @@ func (d *dropper) drop() int {
 // offerStore remembers the arrival IDs offered to Write since reset.
 type offerStore struct {
 	*memstore.Store
-	mu   sync.Mutex
-	seen map[string]bool
+	selfOffer // offerLog: shadows the embedded store's own offer
+	mu        sync.Mutex
+	seen      map[string]bool
 }
 
 func (s *offerStore) Write(ctx context.Context, arr []audit.Arrival, att []audit.Attempt) error {
@@ -76,21 +77,26 @@ func (s *offerStore) Write(ctx context.Context, arr []audit.Arrival, att []audit
 	return s.Store.Write(ctx, arr, att)
 }
 
-// DeliveryLog is the embedded store's, its WriteDeliveries going through
-// offerStore's.
-func (s *offerStore) DeliveryLog() audit.DeliveryLog { return offerLog{s.Store.DeliveryLog(), s} }
-
+// offerLog is the embedded store's delivery log, its WriteDeliveries going
+// through offerStore's: offerStore's delivery log.
 type offerLog struct {
-	audit.DeliveryLog
+	deliveryLog
 	s *offerStore
 }
 
-func (l offerLog) WriteDeliveries(ctx context.Context, arr []audit.Arrival, att []audit.Attempt, dels []audit.UnackedDelivery) error {
+// newOfferStore returns an offerStore over a new memstore.
+func newOfferStore() *offerStore {
+	s := &offerStore{Store: memstore.New()}
+	s.selfOffer = offerOf(offerLog{s.Store.DeliveryLog(), s})
+	return s
+}
+
+func (l offerLog) WriteDeliveries(ctx context.Context, arr []audit.Arrival, att []audit.Attempt, dels []unackedDelivery) error {
 	return l.s.WriteDeliveries(ctx, arr, att, dels)
 }
 
 // WriteDeliveries is Write for the Consumer's delivery-log path.
-func (s *offerStore) WriteDeliveries(ctx context.Context, arr []audit.Arrival, att []audit.Attempt, dels []audit.UnackedDelivery) error {
+func (s *offerStore) WriteDeliveries(ctx context.Context, arr []audit.Arrival, att []audit.Attempt, dels []unackedDelivery) error {
 	s.mu.Lock()
 	if s.seen == nil {
 		s.seen = map[string]bool{}
@@ -233,7 +239,7 @@ func holdThroughLosses(t *testing.T, e *brokerEnv, closes int) {
 // and lost by drop (which returns how many connections it closed).
 func holdThrough(t *testing.T, e *brokerEnv, closes int, mod func(*audit.ConsumerConfig), drop func() int) {
 	t.Helper()
-	store := &offerStore{Store: memstore.New()}
+	store := newOfferStore()
 	store.SetDown(true)
 	_, _ = e.consumer(store, func(cfg *audit.ConsumerConfig) {
 		mod(cfg)

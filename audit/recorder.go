@@ -26,8 +26,8 @@ import (
 //
 //	rec, _ := audit.NewRecorder(audit.RecorderConfig{URI: uri, QueueName: qn})
 //	r.AddMiddleware(rec.Middleware)              // outside the retry chain
-//	r.AddMiddleware(retry.Middleware)            // the chain; its Config.Observer
-//	                                             // includes rec (middleware.Observers)
+//	r.AddMiddleware(retry.Middleware)            // the chain; its Policy.Observer
+//	                                             // includes rec.Observer() (middleware.Observers)
 //	r.AddMiddleware(rec.HandlerMiddleware)       // inside: next to the handler
 //
 // or retry.Chain().AddTo(r, rec.HandlerMiddleware, ...). Without
@@ -66,7 +66,10 @@ type Recorder struct {
 	closeErr                                error
 }
 
-var _ middleware.Observer = (*Recorder)(nil)
+// observer is the middleware.Observer of a Recorder (Recorder.Observer).
+type observer struct{ r *Recorder }
+
+var _ middleware.Observer = observer{}
 
 // NewRecorder validates cfg, connects (unless cfg.Publisher is set),
 // declares the audit exchange and attempts queue (declareAttemptTopology) and
@@ -312,32 +315,41 @@ func (r *Recorder) reject(a Attempt) {
 	})
 }
 
-// RetryScheduled implements middleware.Observer: the attempt's outcome is
+// Observer returns the middleware.Observer that tells the Recorder how the
+// retry chain settled each attempt (a scheduled or failed retry, a poisoned,
+// dropped or nacked message): pass it as router.Policy.Observer (with
+// metrics, middleware.Observers(m.Observer(), rec.Observer())). Without it
+// scheduled retries, poisonings and drops are not recorded as such
+// (OutcomeRetry, OutcomePoisoned, OutcomeDropped). Every call returns an
+// observer of the same Recorder.
+func (r *Recorder) Observer() middleware.Observer { return observer{r} }
+
+// RetryScheduled (middleware.Observer): the attempt's outcome is
 // OutcomeRetry with the delay (and TierFor's tier).
-func (r *Recorder) RetryScheduled(msg *message.Message, _ int, delay, _ time.Duration) {
+func (o observer) RetryScheduled(msg *message.Message, _ int, delay, _ time.Duration) {
 	st := stateOf(msg)
 	if st == nil {
 		return
 	}
 	var tier time.Duration
-	if r.cfg.TierFor != nil {
-		tier = r.cfg.TierFor(r.cfg.QueueName(msg.Context()), delay)
+	if o.r.cfg.TierFor != nil {
+		tier = o.r.cfg.TierFor(o.r.cfg.QueueName(msg.Context()), delay)
 	}
 	st.mu.Lock()
 	st.outcome, st.delay, st.tier = OutcomeRetry, delay, tier
 	st.mu.Unlock()
 }
 
-// RetryFailed implements middleware.Observer: the error is kept; the
+// RetryFailed (middleware.Observer): the error is kept; the
 // attempt ends OutcomeNacked unless a later event settles it (an
 // undelayable message is poisoned).
-func (r *Recorder) RetryFailed(msg *message.Message, _ int, err error) {
-	r.failedCopy(msg, "retry not scheduled", err)
+func (o observer) RetryFailed(msg *message.Message, _ int, err error) {
+	o.r.failedCopy(msg, "retry not scheduled", err)
 }
 
-// PoisonFailed implements middleware.Observer, like RetryFailed.
-func (r *Recorder) PoisonFailed(msg *message.Message, _ int, err error) {
-	r.failedCopy(msg, "poison publish failed", err)
+// PoisonFailed (middleware.Observer), like RetryFailed.
+func (o observer) PoisonFailed(msg *message.Message, _ int, err error) {
+	o.r.failedCopy(msg, "poison publish failed", err)
 }
 
 func (r *Recorder) failedCopy(msg *message.Message, what string, err error) {
@@ -351,8 +363,8 @@ func (r *Recorder) failedCopy(msg *message.Message, what string, err error) {
 	st.mu.Unlock()
 }
 
-// Poisoned implements middleware.Observer: OutcomePoisoned with class.
-func (r *Recorder) Poisoned(msg *message.Message, _ int, class string) {
+// Poisoned (middleware.Observer): OutcomePoisoned with class.
+func (o observer) Poisoned(msg *message.Message, _ int, class string) {
 	st := stateOf(msg)
 	if st == nil {
 		return
@@ -362,8 +374,8 @@ func (r *Recorder) Poisoned(msg *message.Message, _ int, class string) {
 	st.mu.Unlock()
 }
 
-// Dropped implements middleware.Observer: OutcomeDropped.
-func (r *Recorder) Dropped(msg *message.Message, _ int) {
+// Dropped (middleware.Observer): OutcomeDropped.
+func (o observer) Dropped(msg *message.Message, _ int) {
 	st := stateOf(msg)
 	if st == nil {
 		return

@@ -28,7 +28,7 @@ func benchChain(b *testing.B, withRecorder bool) {
 		rec.send = func(context.Context, []amqp.Publishing) error { return nil }
 		rec.start()
 		defer rec.Close(context.Background())
-		cfg.Observer = rec
+		cfg.Observer = rec.Observer()
 	}
 	chain, err := router.New(cfg)
 	if err != nil {

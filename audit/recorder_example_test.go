@@ -34,7 +34,7 @@ func ExampleRecorder() {
 	retry, err = amqpretry.New(amqpretry.Config{
 		URI:        uri,
 		Subscriber: wamqp.NewDurableQueueConfig(uri),
-		Policy:     router.Policy{Observer: middleware.Observers(rec /* , metrics */)},
+		Policy:     router.Policy{Observer: middleware.Observers(rec.Observer() /* , m.Observer() */)},
 	})
 	if err != nil {
 		log.Fatal(err)

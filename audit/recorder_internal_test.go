@@ -115,7 +115,7 @@ func TestRecorderOutcomes(t *testing.T) {
 		return mem.Schedule(ctx, msg, d)
 	})
 	chain, err := router.New(router.Config{
-		Delayer: delayer, PoisonPublisher: gochannel.NewGoChannel(gochannel.Config{Persistent: true}, logger), Policy: router.Policy{MaxAttempts: 3, Backoff: testkit.ExactBackoff(20 * time.Millisecond), Observer: middleware.Observers(middleware.NopObserver{}, rec), FallbackPause: -1},
+		Delayer: delayer, PoisonPublisher: gochannel.NewGoChannel(gochannel.Config{Persistent: true}, logger), Policy: router.Policy{MaxAttempts: 3, Backoff: testkit.ExactBackoff(20 * time.Millisecond), Observer: middleware.Observers(middleware.NopObserver{}, rec.Observer()), FallbackPause: -1},
 		Logger: logger,
 	})
 	if err != nil {

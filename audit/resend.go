@@ -133,8 +133,9 @@ type pager interface {
 // original order.
 //
 // Errors (with the partial report): ErrEmptyFilter, ErrBroadResend,
-// ErrCountMismatch (Matched set, nothing sent), a ResendOptions Validate
-// error; the Store's; ErrExchangeNotFound (loop-back exchange
+// ErrCountMismatch (Matched set, nothing sent), invalid opts (an unknown
+// Mode, Queue without ResendToQueue, Limit or ExpectedCount outside
+// 0..100,000); the Store's; ErrExchangeNotFound (loop-back exchange
 // missing, nothing sent); a connection, confirm-timeout or channel error
 // (confirm.ErrConfirmTimeout, ErrChannelClosed, ...), which stops Resend
 // after the batch in flight: its messages that failed so are reported
@@ -142,10 +143,10 @@ type pager interface {
 // "unsent"; ctx.Err() (checked between batches); middleware.ErrClosed (wrapped).
 func (r *Resender) Resend(ctx context.Context, f Filter, opts ResendOptions) (ResendReport, error) {
 	rep := ResendReport{Mode: opts.Mode, DryRun: opts.DryRun, Results: []ResendResult{}}
-	if err := opts.Validate(); err != nil {
+	if err := opts.validate(); err != nil {
 		return rep, err
 	}
-	if IsEmptyFilter(f) && !opts.AllowAll {
+	if isEmptyFilter(f) && !opts.AllowAll {
 		return rep, ErrEmptyFilter
 	}
 	limit := opts.Limit

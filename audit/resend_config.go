@@ -58,7 +58,7 @@ const (
 	// The queue must be an originating queue of the retry topology (bound
 	// to the loop-back exchange with its own name), else the broker returns
 	// the message and Resend reports it as failed.
-	ResendToQueue ResendMode = "to-queue"
+	ResendToQueue ResendMode = auditconst.ModeToQueue
 	// ResendToExchange publishes the message again to its original
 	// exchange with its original routing key: EVERY queue bound to it
 	// receives it again (all consumers, and the audit's arrivals queue, so
@@ -66,7 +66,7 @@ const (
 	// would route to the audit's arrivals queue only is not published and
 	// is reported failed ("routes this message only to the audit's arrivals
 	// queue"; ResenderConfig.ManagementURL).
-	ResendToExchange ResendMode = "to-exchange"
+	ResendToExchange ResendMode = auditconst.ModeToExchange
 )
 
 // Errors returned by Resend (test with errors.Is).
@@ -258,9 +258,9 @@ type ResendReport struct {
 	Next string `json:"next,omitempty"`
 }
 
-// IsEmptyFilter reports whether f selects every message (only Limit and
+// isEmptyFilter reports whether f selects every message (only Limit and
 // After set, or nothing).
-func IsEmptyFilter(f Filter) bool {
+func isEmptyFilter(f Filter) bool {
 	f.Limit, f.After = 0, ""
 	if len(f.Headers) == 0 {
 		f.Headers = nil
@@ -268,27 +268,11 @@ func IsEmptyFilter(f Filter) bool {
 	return reflect.ValueOf(f).IsZero()
 }
 
-// Validate checks opts: a known Mode, Queue only with ResendToQueue,
-// Limit and ExpectedCount within 0..100,000.
-func (o ResendOptions) Validate() error {
-	switch o.Mode {
-	case ResendToQueue, ResendToExchange:
-	case "":
-		return fmt.Errorf("audit: ResendOptions.Mode is required (%q or %q)", ResendToQueue, ResendToExchange)
-	default:
-		return fmt.Errorf("audit: ResendOptions.Mode %q: want %q or %q", o.Mode, ResendToQueue, ResendToExchange)
-	}
-	switch {
-	case o.Queue != "" && o.Mode != ResendToQueue:
-		return fmt.Errorf("audit: ResendOptions.Queue is only for mode %q", ResendToQueue)
-	case len(o.Queue) > 255:
-		return errors.New("audit: ResendOptions.Queue is longer than 255 bytes")
-	case o.Limit < 0 || o.Limit > maxResendLimit:
-		return fmt.Errorf("audit: ResendOptions.Limit %d: want 0..%d", o.Limit, maxResendLimit)
-	case o.ExpectedCount < 0 || o.ExpectedCount > maxResendLimit:
-		return fmt.Errorf("audit: ResendOptions.ExpectedCount %d: want 0..%d", o.ExpectedCount, maxResendLimit)
-	}
-	return nil
+// validate checks opts: a known Mode, Queue only with ResendToQueue,
+// Limit and ExpectedCount within 0..100,000 (auditconst.CheckResendOptions,
+// which the HTTP API shares).
+func (o ResendOptions) validate() error {
+	return auditconst.CheckResendOptions(string(o.Mode), o.Queue, o.Limit, o.ExpectedCount)
 }
 
 // errResenderClosed (middleware.ErrClosed) is returned by Resend after Close.

@@ -26,7 +26,7 @@ const (
 	// setAsideRoutingKey is the dead-letter routing key of the audit
 	// queues (x-dead-letter-routing-key): it routes to the set-aside queue.
 	setAsideRoutingKey = "set-aside"
-	// DeliveryLimit is the x-delivery-limit the quorum audit queues are
+	// deliveryLimit is the x-delivery-limit the quorum audit queues are
 	// declared with. RabbitMQ 4.x gives quorum queues a delivery limit of
 	// 20 by default, and every connection loss counts as a delivery of each
 	// record a consumer held unacked ("Quorum Queues", "Poison Message
@@ -37,9 +37,9 @@ const (
 	// exists at all for a message the AMQP client cannot decode (a header
 	// table nested deeper than 32 or with more than 8192 entries), whose
 	// every delivery closes the connection: it is set aside after
-	// DeliveryLimit deliveries. Finite on purpose: a negative limit means
+	// deliveryLimit deliveries. Finite on purpose: a negative limit means
 	// unlimited on 4.x but 0 on 3.x.
-	DeliveryLimit = 1000
+	deliveryLimit = 1000
 )
 
 // Queue types of the audit queues ("Quorum Queues", "Classic Queues").
@@ -65,7 +65,7 @@ type Naming struct {
 	ArrivalsQueue string
 	// SetAsideQueue holds the messages of the audit queues that could not
 	// be delivered: a quorum audit queue dead-letters a message past its
-	// delivery limit (DeliveryLimit) to the audit exchange with the
+	// delivery limit (1000 deliveries) to the audit exchange with the
 	// routing key "set-aside", which routes it here. Nothing consumes it:
 	// an operator inspects it (and may move its messages back). Default:
 	// Exchange + ".set-aside" ("rabbitretry.audit.set-aside" with
@@ -109,7 +109,7 @@ func checkQueueType(field, qt string) error {
 }
 
 // auditQueueArgs are the arguments of the arrivals and attempts queues: a
-// quorum queue gets DeliveryLimit and dead-letters (at-least-once, which
+// quorum queue gets deliveryLimit and dead-letters (at-least-once, which
 // needs overflow reject-publish; no length limit is set, so nothing is
 // refused) to the audit exchange with setAsideRoutingKey.
 func auditQueueArgs(queueType string, n Naming) amqp.Table {
@@ -118,7 +118,7 @@ func auditQueueArgs(queueType string, n Naming) amqp.Table {
 	}
 	return amqp.Table{
 		"x-queue-type":              queueTypeQuorum,
-		"x-delivery-limit":          int64(DeliveryLimit),
+		"x-delivery-limit":          int64(deliveryLimit),
 		"x-dead-letter-exchange":    n.Exchange,
 		"x-dead-letter-routing-key": setAsideRoutingKey,
 		"x-dead-letter-strategy":    "at-least-once",
@@ -127,7 +127,7 @@ func auditQueueArgs(queueType string, n Naming) amqp.Table {
 }
 
 // legacyQueueArgs are the arguments audit queues were declared with before
-// DeliveryLimit: the queue type only.
+// deliveryLimit: the queue type only.
 func legacyQueueArgs(queueType string) amqp.Table {
 	if queueType == queueTypeQuorum {
 		return amqp.Table{"x-queue-type": queueTypeQuorum}
@@ -145,7 +145,7 @@ type channelOpener interface {
 // attempts queue (durable, of queueType) bound to it with
 // attemptRoutingKey, and the set-aside queue bound with
 // setAsideRoutingKey. A quorum attempts queue gets x-delivery-limit
-// DeliveryLimit and dead-letters to the set-aside queue. An attempts queue
+// deliveryLimit and dead-letters to the set-aside queue. An attempts queue
 // declared by an older version (without those arguments: RabbitMQ refuses
 // to change a queue's arguments, 406 PRECONDITION_FAILED) is used as it
 // is: see the README's "Audit" section for the policy that upgrades it.
@@ -188,13 +188,13 @@ func declareAttempts(open channelOpener, n Naming, queueType string) (legacy []s
 }
 
 // declareSetAside declares the set-aside queue (durable, of queueType; a
-// quorum one with DeliveryLimit, no dead-letter target). It only receives
+// quorum one with deliveryLimit, no dead-letter target). It only receives
 // dead-letters, so one that exists with other arguments (an earlier
 // QueueType) is used as it is.
 func declareSetAside(open channelOpener, n Naming, queueType string) error {
 	args := legacyQueueArgs(queueType)
 	if queueType == queueTypeQuorum {
-		args["x-delivery-limit"] = int64(DeliveryLimit)
+		args["x-delivery-limit"] = int64(deliveryLimit)
 	}
 	declare := func(passive bool) error {
 		ch, err := open.Channel()

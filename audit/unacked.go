@@ -13,7 +13,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 )
 
-// With a Store that has a DeliveryLog, the Consumer makes an arrival
+// With a Store that has a delivery log, the Consumer makes an arrival
 // redelivered after a crash between commit and ack exact:
 //
 //   - Each AMQP session of the Consumer has a random token and holds an
@@ -24,7 +24,7 @@ import (
 //     requeued: a session whose queue is gone (queue.declare passive: 404)
 //     holds no delivery any more; one whose queue exists (405
 //     RESOURCE_LOCKED: exclusive to another connection) may.
-//   - Every arrival is written with an UnackedDelivery row (its ID, its
+//   - Every arrival is written with an unackedDelivery row (its ID, its
 //     fingerprint, the token) in the same transaction. Before a batch's
 //     ack, the acker marks its rows Acking and deletes the rows it marked
 //     before (their acks were sent), in one statement (DeliveriesAcking);
@@ -83,7 +83,7 @@ func randomToken() string {
 	return hex.EncodeToString(b[:])
 }
 
-// fingerprint is an UnackedDelivery's Fingerprint: the audit queue and the
+// fingerprint is an unackedDelivery's Fingerprint: the audit queue and the
 // delivery's content.
 func fingerprint(queue, contentID string) string {
 	sum := sha256.Sum256([]byte(queue + "\x00" + contentID))
@@ -149,7 +149,7 @@ type claimTally struct {
 // claimOne tries arrival i's candidate rows (of other sessions) in order
 // until it claims one (the arrival gets its ID) or takes an acking one;
 // rest are the rows left for the next arrival with the same fingerprint.
-func (c *Consumer) claimOne(ctx context.Context, conn *amqp.Connection, token string, b *batch, i int, cands []UnackedDelivery) (rest []UnackedDelivery, t claimTally, err error) {
+func (c *Consumer) claimOne(ctx context.Context, conn *amqp.Connection, token string, b *batch, i int, cands []unackedDelivery) (rest []unackedDelivery, t claimTally, err error) {
 	for k, cand := range cands {
 		switch c.sessionState(conn, cand.Session) {
 		case sessionAlive:
@@ -212,7 +212,7 @@ func (c *Consumer) claimRedelivered(ctx context.Context, conn *amqp.Connection, 
 		if err != nil {
 			return err
 		}
-		cands := map[string][]UnackedDelivery{}
+		cands := map[string][]unackedDelivery{}
 		for _, r := range rows {
 			if r.Session != token {
 				cands[r.Fingerprint] = append(cands[r.Fingerprint], r)
@@ -267,7 +267,7 @@ func (c *Consumer) claimRedelivered(ctx context.Context, conn *amqp.Connection, 
 }
 
 // ackingIDs are the arrival IDs whose rows the acker marks Acking before
-// b's ack (nil without a DeliveryLog or arrivals).
+// b's ack (nil without a delivery log or arrivals).
 func (c *Consumer) ackingIDs(b batch) []string {
 	if c.log == nil || b.arrTag == 0 || len(b.arrivals) == 0 {
 		return nil

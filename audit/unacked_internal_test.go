@@ -8,21 +8,29 @@ import (
 
 	amqp "github.com/rabbitmq/amqp091-go"
 
+	"github.com/rabbitretry/rabbitretry/audit/internal/deliverylog"
 	"github.com/rabbitretry/rabbitretry/internal/testkit"
 )
 
-// rowsLog is a DeliveryLog of rows only (no records).
+// rowsLog is a Store whose delivery log has rows only (no records).
 type rowsLog struct {
-	mu   sync.Mutex
-	rows map[string]UnackedDelivery
+	deliverylog.Offer[Arrival, Attempt] // of itself
+	mu                                  sync.Mutex
+	rows                                map[string]unackedDelivery
 	// beforeTake, if set, runs (unlocked) at the start of TakeAckingDelivery.
 	beforeTake func()
 }
 
-func (l *rowsLog) DeliveryLog() DeliveryLog                          { return l }
+// newRowsLog returns an empty rowsLog offering itself as its delivery log.
+func newRowsLog() *rowsLog {
+	l := &rowsLog{rows: map[string]unackedDelivery{}}
+	l.Offer = deliverylog.NewOffer[Arrival, Attempt](l)
+	return l
+}
+
 func (l *rowsLog) Write(context.Context, []Arrival, []Attempt) error { return nil }
 func (l *rowsLog) Search(context.Context, Filter) ([]Message, error) { return nil, nil }
-func (l *rowsLog) WriteDeliveries(_ context.Context, _ []Arrival, _ []Attempt, d []UnackedDelivery) error {
+func (l *rowsLog) WriteDeliveries(_ context.Context, _ []Arrival, _ []Attempt, d []unackedDelivery) error {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	for _, x := range d {
@@ -30,10 +38,10 @@ func (l *rowsLog) WriteDeliveries(_ context.Context, _ []Arrival, _ []Attempt, d
 	}
 	return nil
 }
-func (l *rowsLog) UnackedDeliveries(_ context.Context, fps []string) ([]UnackedDelivery, error) {
+func (l *rowsLog) UnackedDeliveries(_ context.Context, fps []string) ([]unackedDelivery, error) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	var out []UnackedDelivery
+	var out []unackedDelivery
 	for _, r := range l.rows {
 		for _, f := range fps {
 			if r.Fingerprint == f {
@@ -92,13 +100,16 @@ func (l *rowsLog) DeliveriesNotAcked(_ context.Context, session string, ids []st
 // cleared under the take (the ack was not sent) is claimed after all.
 func TestSessionLivenessAndClaims(t *testing.T) {
 	uri := testkit.URI(t)
-	log := &rowsLog{rows: map[string]UnackedDelivery{}}
+	log := newRowsLog()
 	c, err := NewConsumer(ConsumerConfig{URI: uri, Store: log, Naming: Naming{
 		Exchange: testkit.UniqueName(t, "audit") + ".x", ArrivalsQueue: testkit.UniqueName(t, "audit") + ".arrivals",
 		AttemptsQueue: testkit.UniqueName(t, "audit") + ".attempts",
 	}})
 	if err != nil {
 		t.Fatal(err)
+	}
+	if c.log == nil {
+		t.Fatal("the Consumer did not find the store's delivery log")
 	}
 	dial := func() *amqp.Connection {
 		conn, err := amqp.Dial(uri)
@@ -127,7 +138,7 @@ func TestSessionLivenessAndClaims(t *testing.T) {
 	testkit.WaitFor(t, 10*time.Second, "the closed session's queue gone (404)", func() bool { return c.sessionState(me, endedTok) == sessionEnded })
 
 	fp := fingerprint(c.cfg.Naming.ArrivalsQueue, "content")
-	_ = log.WriteDeliveries(context.Background(), nil, nil, []UnackedDelivery{
+	_ = log.WriteDeliveries(context.Background(), nil, nil, []unackedDelivery{
 		{ArrivalID: "stored-by-live", Fingerprint: fp, Session: liveTok},
 		{ArrivalID: "stored-by-ended", Fingerprint: fp, Session: endedTok},
 	})
@@ -153,7 +164,7 @@ func TestSessionLivenessAndClaims(t *testing.T) {
 	}
 
 	fpAcked := fingerprint(c.cfg.Naming.ArrivalsQueue, "content-acked")
-	_ = log.WriteDeliveries(context.Background(), nil, nil, []UnackedDelivery{{ArrivalID: "acked-by-ended", Fingerprint: fpAcked, Session: endedTok, Acking: true}})
+	_ = log.WriteDeliveries(context.Background(), nil, nil, []unackedDelivery{{ArrivalID: "acked-by-ended", Fingerprint: fpAcked, Session: endedTok, Acking: true}})
 	b = &batch{
 		arrivals: []Arrival{{ID: "new-3", contentID: "content-acked"}}, fps: []string{fpAcked},
 		redelivered: []bool{true}, resolved: []bool{false}, claimed: []bool{false},
@@ -171,7 +182,7 @@ func TestSessionLivenessAndClaims(t *testing.T) {
 	// The session clears the acking mark (its ack could not be sent) while
 	// the redelivery is taking the row: the take fails, the rows are read
 	// again, and the redelivery claims the row, not flagged.
-	_ = log.WriteDeliveries(context.Background(), nil, nil, []UnackedDelivery{{ArrivalID: "unmarked-by-ended", Fingerprint: fpAcked, Session: endedTok, Acking: true}})
+	_ = log.WriteDeliveries(context.Background(), nil, nil, []unackedDelivery{{ArrivalID: "unmarked-by-ended", Fingerprint: fpAcked, Session: endedTok, Acking: true}})
 	log.beforeTake = func() { _ = log.DeliveriesNotAcked(context.Background(), endedTok, []string{"unmarked-by-ended"}) }
 	b = &batch{
 		arrivals: []Arrival{{ID: "new-4", contentID: "content-acked"}}, fps: []string{fpAcked},

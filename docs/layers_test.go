@@ -31,13 +31,16 @@ var layers = map[string][]string{
 	"amqpretry":         {"middleware", "amqpwire", "confirm", "router"},
 	"amqpretry/cascade": {"middleware", "amqpwire", "confirm", "router", "amqpretry"},
 	"poison/admin":      {"middleware", "amqpwire", "confirm"},
-	"audit":             {"middleware", "amqpwire", "confirm"},
-	"audit/pgstore":     {"amqpwire", "audit"},
+	"audit":             {"middleware", "amqpwire", "confirm", "audit/internal/deliverylog"},
+	"audit/pgstore":     {"amqpwire", "audit", "audit/internal/deliverylog"},
 	"audit/httpapi":     {"audit"},
-	"audit/audittest":   {"audit", "audit/internal/memstore"},
+	"audit/audittest":   {"audit", "audit/internal/memstore", "audit/internal/deliverylog"},
 	// The in-memory store behind audittest, with its test hooks.
-	"audit/internal/memstore": {"audit"},
-	"metrics":                 {"middleware", "audit"},
+	"audit/internal/memstore": {"audit", "audit/internal/deliverylog"},
+	// The delivery-log contract between the audit Consumer and the stores
+	// of this module: nothing of ours (audit imports it).
+	"audit/internal/deliverylog": {},
+	"metrics":                    {"middleware", "audit"},
 	// The one metadata vocabulary, under everything: Watermill only.
 	"internal/retrymeta": {},
 	// The errors the chain's middlewares return to one another and to the

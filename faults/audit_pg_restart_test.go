@@ -195,7 +195,7 @@ func TestAuditPostgresRestartMidStorm(t *testing.T) {
 	subCfg.Exchange = wamqp.ExchangeConfig{GenerateName: func(string) string { return exchange }, Type: "direct", Durable: true}
 	subCfg.QueueBind = wamqp.QueueBindConfig{GenerateRoutingKey: func(string) string { return routingKey }}
 	subCfg.Consume.Qos.PrefetchCount = 64
-	retry, err = amqpretry.New(amqpretry.Config{URI: uri, Subscriber: subCfg, QueueType: amqpretry.QueueTypeQuorum, Policy: router.Policy{MaxAttempts: maxAttempts, Backoff: func() backoff.BackOff { return backoff.NewConstantBackOff(200 * time.Millisecond) }, Observer: middleware.Observers(rec)},
+	retry, err = amqpretry.New(amqpretry.Config{URI: uri, Subscriber: subCfg, QueueType: amqpretry.QueueTypeQuorum, Policy: router.Policy{MaxAttempts: maxAttempts, Backoff: func() backoff.BackOff { return backoff.NewConstantBackOff(200 * time.Millisecond) }, Observer: middleware.Observers(rec.Observer())},
 		Naming: retryNaming,
 		Logger: watermill.NopLogger{}})
 	if err != nil {

@@ -1,15 +1,15 @@
 // Package metrics exports Prometheus metrics for the retry chain: handler
 // attempts, scheduled and failed retries, poisoned and dropped messages.
 //
-// A *Metrics is two things at once: a middleware.Observer, told by the
-// republisher, the poison forwarder and the classifier what they did with
-// each failed message, and a Watermill middleware (Metrics.Middleware) that counts every
-// handler attempt. Wire both:
+// A *Metrics gives two things: a middleware.Observer (Metrics.Observer),
+// told by the republisher, the poison forwarder and the classifier what they
+// did with each failed message, and a Watermill middleware
+// (Metrics.Middleware) that counts every handler attempt. Wire both:
 //
 //	reg := prometheus.NewRegistry() // or leave Registerer nil for prometheus.DefaultRegisterer
 //	m, err := metrics.New(metrics.Config{Registerer: reg})
 //	if err != nil { ... }
-//	chain, err := router.New(router.Config{..., Observer: m})
+//	chain, err := router.New(router.Config{..., Policy: router.Policy{Observer: m.Observer()}})
 //	if err != nil { ... }
 //	r.AddMiddleware(chain.Middleware, m.Middleware)
 //	// or: chain.AddTo(r, m.Middleware, wmw.Recoverer)

@@ -42,7 +42,7 @@ func Example() {
 	chain, err := router.New(router.Config{
 		Delayer:         delayer,
 		PoisonPublisher: poisonPubSub,
-		Policy:          router.Policy{Observer: m}, // retries, poisonings and drops
+		Policy:          router.Policy{Observer: m.Observer()}, // retries, poisonings and drops
 	})
 	if err != nil {
 		log.Fatal(err)

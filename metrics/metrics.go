@@ -127,9 +127,10 @@ func checkBuckets(b []float64) error {
 	return nil
 }
 
-// Metrics holds the collectors. It implements middleware.Observer (pass it
-// as router.Config.Observer) and provides Middleware, which counts handler
-// attempts. Its methods are safe for concurrent use.
+// Metrics holds the collectors. Observer returns the middleware.Observer
+// that counts what the retry chain did (pass it as router.Policy.Observer),
+// and Middleware counts handler attempts. Its methods are safe for
+// concurrent use.
 type Metrics struct {
 	queueName func(ctx context.Context) string
 	tier      func(time.Duration) time.Duration
@@ -150,10 +151,13 @@ type Metrics struct {
 	routeProblems    *prometheus.CounterVec
 }
 
+// observer is the middleware.Observer of a Metrics (Metrics.Observer).
+type observer struct{ m *Metrics }
+
 var (
-	_ middleware.Observer      = (*Metrics)(nil)
-	_ middleware.PauseObserver = (*Metrics)(nil)
-	_ middleware.RouteObserver = (*Metrics)(nil)
+	_ middleware.Observer      = observer{}
+	_ middleware.PauseObserver = observer{}
+	_ middleware.RouteObserver = observer{}
 )
 
 // description describes one metric.
@@ -352,69 +356,80 @@ func (m *Metrics) Middleware(h message.HandlerFunc) message.HandlerFunc {
 	}
 }
 
-// RetryScheduled implements middleware.Observer: it counts the retry in
+// Observer returns the middleware.Observer that records what the retry
+// chain did with each failed message: scheduled and failed retries, poisoned
+// messages, failed poison publishes and drops. It also implements
+// middleware.PauseObserver (paused, pauses_total, paused_seconds_total) and
+// middleware.RouteObserver (broker_route_in_place,
+// broker_route_problems_total), which router.Policy (for Policy.Pause) and
+// amqpretry's broker-side retry routes pick up. Pass it as
+// router.Policy.Observer; every call returns an observer of the same
+// collectors.
+func (m *Metrics) Observer() middleware.Observer { return observer{m} }
+
+// RetryScheduled (middleware.Observer): it counts the retry in
 // retries_scheduled_total under its delay tier, and observes delay in
 // retry_delay_seconds and took in republish_seconds.
-func (m *Metrics) RetryScheduled(msg *message.Message, attempt int, delay, took time.Duration) {
-	q := m.queue(msg)
-	m.retriesScheduled.WithLabelValues(q, retrymeta.FormatDelay(m.tier(delay))).Inc()
-	m.retryDelay.WithLabelValues(q).Observe(delay.Seconds())
-	m.republish.WithLabelValues(q).Observe(took.Seconds())
+func (o observer) RetryScheduled(msg *message.Message, attempt int, delay, took time.Duration) {
+	q := o.m.queue(msg)
+	o.m.retriesScheduled.WithLabelValues(q, retrymeta.FormatDelay(o.m.tier(delay))).Inc()
+	o.m.retryDelay.WithLabelValues(q).Observe(delay.Seconds())
+	o.m.republish.WithLabelValues(q).Observe(took.Seconds())
 }
 
-// RetryFailed implements middleware.Observer: it counts
+// RetryFailed (middleware.Observer): it counts
 // retry_failures_total.
-func (m *Metrics) RetryFailed(msg *message.Message, attempt int, err error) {
-	m.retryFailures.WithLabelValues(m.queue(msg)).Inc()
+func (o observer) RetryFailed(msg *message.Message, attempt int, err error) {
+	o.m.retryFailures.WithLabelValues(o.m.queue(msg)).Inc()
 }
 
-// Poisoned implements middleware.Observer: it counts poisoned_total under
+// Poisoned (middleware.Observer): it counts poisoned_total under
 // class ("unknown" when empty).
-func (m *Metrics) Poisoned(msg *message.Message, attempt int, class string) {
+func (o observer) Poisoned(msg *message.Message, attempt int, class string) {
 	if class == "" {
 		class = "unknown"
 	}
-	m.poisoned.WithLabelValues(m.queue(msg), class).Inc()
+	o.m.poisoned.WithLabelValues(o.m.queue(msg), class).Inc()
 }
 
-// PoisonFailed implements middleware.Observer: it counts
+// PoisonFailed (middleware.Observer): it counts
 // poison_failures_total.
-func (m *Metrics) PoisonFailed(msg *message.Message, attempt int, err error) {
-	m.poisonFailures.WithLabelValues(m.queue(msg)).Inc()
+func (o observer) PoisonFailed(msg *message.Message, attempt int, err error) {
+	o.m.poisonFailures.WithLabelValues(o.m.queue(msg)).Inc()
 }
 
-// Dropped implements middleware.Observer: it counts dropped_total.
-func (m *Metrics) Dropped(msg *message.Message, attempt int) {
-	m.dropped.WithLabelValues(m.queue(msg)).Inc()
+// Dropped (middleware.Observer): it counts dropped_total.
+func (o observer) Dropped(msg *message.Message, attempt int) {
+	o.m.dropped.WithLabelValues(o.m.queue(msg)).Inc()
 }
 
-// PauseStarted implements middleware.PauseObserver: paused = 1 and
+// PauseStarted (middleware.PauseObserver): paused = 1 and
 // pauses_total{reason} + 1.
-func (m *Metrics) PauseStarted(reason string) {
-	m.paused.WithLabelValues().Set(1)
-	m.pauses.WithLabelValues(reason).Inc()
+func (o observer) PauseStarted(reason string) {
+	o.m.paused.WithLabelValues().Set(1)
+	o.m.pauses.WithLabelValues(reason).Inc()
 }
 
-// PauseEnded implements middleware.PauseObserver: paused = 0 and d added to
+// PauseEnded (middleware.PauseObserver): paused = 0 and d added to
 // paused_seconds_total.
-func (m *Metrics) PauseEnded(d time.Duration) {
-	m.paused.WithLabelValues().Set(0)
-	m.pausedSeconds.WithLabelValues().Add(d.Seconds())
+func (o observer) PauseEnded(d time.Duration) {
+	o.m.paused.WithLabelValues().Set(0)
+	o.m.pausedSeconds.WithLabelValues().Add(d.Seconds())
 }
 
-// RouteChecked implements middleware.RouteObserver: it sets
+// RouteChecked (middleware.RouteObserver): it sets
 // broker_route_in_place to 1 (problem "") or 0, and counts
 // broker_route_problems_total when problem is not "".
-func (m *Metrics) RouteChecked(queue, route, problem string) {
+func (o observer) RouteChecked(queue, route, problem string) {
 	if queue == "" {
 		queue = unknownQueue
 	}
 	if problem == "" {
-		m.routeInPlace.WithLabelValues(queue, route).Set(1)
+		o.m.routeInPlace.WithLabelValues(queue, route).Set(1)
 		return
 	}
-	m.routeInPlace.WithLabelValues(queue, route).Set(0)
-	m.routeProblems.WithLabelValues(queue, route).Inc()
+	o.m.routeInPlace.WithLabelValues(queue, route).Set(0)
+	o.m.routeProblems.WithLabelValues(queue, route).Inc()
 }
 
 // queue returns the queue label of msg.

@@ -79,7 +79,7 @@ func newHarness(t *testing.T, opts harnessOpts) *harness {
 	chain, err := router.New(router.Config{
 		Delayer:         delayer,
 		PoisonPublisher: poisonPub,
-		Policy:          router.Policy{MaxAttempts: 3, FallbackPause: 5 * time.Millisecond, Backoff: func() backoff.BackOff { return backoff.NewConstantBackOff(retryDelay) }, Observer: h.m},
+		Policy:          router.Policy{MaxAttempts: 3, FallbackPause: 5 * time.Millisecond, Backoff: func() backoff.BackOff { return backoff.NewConstantBackOff(retryDelay) }, Observer: h.m.Observer()},
 		Logger:          logger,
 	})
 	if err != nil {
@@ -593,15 +593,16 @@ func TestObserverDirect(t *testing.T) {
 	fromMeta.Metadata.Set(middleware.OriginalQueueKey, "q2")
 	bare := message.NewMessage("3", nil)
 
-	m.RetryScheduled(routed, 1, 300*time.Millisecond, 2*time.Millisecond)
-	m.RetryScheduled(routed, 2, 5*time.Second, 20*time.Millisecond)
-	m.RetryScheduled(fromMeta, 1, time.Second, time.Millisecond)
-	m.RetryFailed(bare, 1, errors.New("x"))
-	m.Poisoned(routed, 3, middleware.ClassExhausted)
-	m.Poisoned(fromMeta, 1, "")
-	m.PoisonFailed(fromMeta, 1, errors.New("x"))
-	m.Dropped(bare, 1)
-	m.Dropped(routed, 2)
+	obs := m.Observer()
+	obs.RetryScheduled(routed, 1, 300*time.Millisecond, 2*time.Millisecond)
+	obs.RetryScheduled(routed, 2, 5*time.Second, 20*time.Millisecond)
+	obs.RetryScheduled(fromMeta, 1, time.Second, time.Millisecond)
+	obs.RetryFailed(bare, 1, errors.New("x"))
+	obs.Poisoned(routed, 3, middleware.ClassExhausted)
+	obs.Poisoned(fromMeta, 1, "")
+	obs.PoisonFailed(fromMeta, 1, errors.New("x"))
+	obs.Dropped(bare, 1)
+	obs.Dropped(routed, 2)
 
 	const want = `
 # HELP app_dropped_total Messages acked and discarded on a drop verdict.
@@ -705,14 +706,15 @@ func TestDescriptions(t *testing.T) {
 	// Make one series of each metric so that Gather returns them.
 	msg := message.NewMessage("1", nil)
 	_, _ = m.Middleware(func(*message.Message) ([]*message.Message, error) { return nil, nil })(msg)
-	m.RetryScheduled(msg, 1, time.Second, time.Millisecond)
-	m.RetryFailed(msg, 1, errTransient)
-	m.Poisoned(msg, 1, "permanent")
-	m.PoisonFailed(msg, 1, errTransient)
-	m.Dropped(msg, 1)
-	m.PauseStarted("dependency-unavailable")
-	m.PauseEnded(time.Second)
-	m.RouteChecked("q", "dead-letter-first", "policy drift")
+	obs := m.Observer()
+	obs.RetryScheduled(msg, 1, time.Second, time.Millisecond)
+	obs.RetryFailed(msg, 1, errTransient)
+	obs.Poisoned(msg, 1, "permanent")
+	obs.PoisonFailed(msg, 1, errTransient)
+	obs.Dropped(msg, 1)
+	obs.(middleware.PauseObserver).PauseStarted("dependency-unavailable")
+	obs.(middleware.PauseObserver).PauseEnded(time.Second)
+	obs.(middleware.RouteObserver).RouteChecked("q", "dead-letter-first", "policy drift")
 
 	mfs, err := reg.Gather()
 	if err != nil {

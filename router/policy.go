@@ -16,7 +16,7 @@ import (
 // configures both a broker-free test chain (router.New with
 // middleware.MemoryDelayer over gochannel) and amqpretry.New:
 //
-//	policy := router.Policy{MaxAttempts: 4, Observer: m}
+//	policy := router.Policy{MaxAttempts: 4, Observer: m.Observer()}
 //	chain, err := router.New(router.Config{Policy: policy, Delayer: memDelayer, PoisonPublisher: pub})
 //	retry, err := amqpretry.New(amqpretry.Config{Policy: policy, Subscriber: subCfg})
 //
@@ -65,7 +65,7 @@ type Policy struct {
 	// Classifier. Its Delayer defaults to the chain's Delayer, its Counts to
 	// "the Classifier would retry it", its Logger to the chain's Logger, and
 	// its Observer to Observer when that implements middleware.PauseObserver
-	// (metrics.Metrics does). Default nil (off).
+	// (metrics.Metrics.Observer's does). Default nil (off).
 	Pause *middleware.PauseConfig
 	// Tracing, when set, makes an OpenTelemetry span per attempt and keeps
 	// all attempts of a message in one trace (see middleware.Tracing): it

@@ -1,27 +1,34 @@
 // Package audittest provides an in-memory audit.Store for tests: writes
 // are idempotent on the record IDs, like pgstore's, it keeps the records
-// it is asked to set aside (audit.SetAsider), and it has a DeliveryLog
-// (audit.DeliveryLog), so an audit.Consumer or audit.Resender runs on it
-// as on pgstore.
+// it is asked to set aside (audit.SetAsider), and it keeps a delivery log
+// as pgstore does (an arrival redelivered after a Consumer died between
+// commit and ack is stored once: see audit.Arrival.ID), so an
+// audit.Consumer or audit.Resender runs on it as on pgstore.
 package audittest
 
 import (
 	"context"
 
 	"github.com/rabbitretry/rabbitretry/audit"
+	"github.com/rabbitretry/rabbitretry/audit/internal/deliverylog"
 	"github.com/rabbitretry/rabbitretry/audit/internal/memstore"
 )
 
 // MemoryStore is an in-memory audit.Store. Safe for concurrent use.
 type MemoryStore struct {
+	logOffer
 	s *memstore.Store
 }
+
+// logOffer offers the store's delivery log to the audit.Consumer.
+type logOffer = deliverylog.Offer[audit.Arrival, audit.Attempt]
 
 var _ audit.SetAsider = (*MemoryStore)(nil)
 
 // NewMemoryStore returns an empty store.
 func NewMemoryStore() *MemoryStore {
-	return &MemoryStore{s: memstore.New()}
+	s := memstore.New()
+	return &MemoryStore{logOffer: deliverylog.NewOffer(s.DeliveryLog()), s: s}
 }
 
 // Write stores the records all or nothing; a record whose ID is stored
@@ -41,7 +48,3 @@ func (m *MemoryStore) Search(ctx context.Context, f audit.Filter) ([]audit.Messa
 func (m *MemoryStore) SetAside(ctx context.Context, records []audit.SetAside) error {
 	return m.s.SetAside(ctx, records)
 }
-
-// DeliveryLog returns the store's audit.DeliveryLog, kept in memory with
-// the records.
-func (m *MemoryStore) DeliveryLog() audit.DeliveryLog { return m.s.DeliveryLog() }

@@ -89,11 +89,6 @@ type Store interface {
 	Get(ctx context.Context, messageID string) (audit.Message, bool, error)
 }
 
-// Resender resends; implemented by *audit.Resender.
-type Resender interface {
-	Resend(ctx context.Context, f audit.Filter, opts audit.ResendOptions) (audit.ResendReport, error)
-}
-
 // Config configures the API handler.
 type Config struct {
 	// Store is searched. Required.
@@ -114,8 +109,9 @@ type Config struct {
 	// are open to whoever reaches the listener (auditctl serve listens on
 	// 127.0.0.1 by default).
 	ReadToken string
-	// Resender performs resends. Required with EnableResend.
-	Resender Resender
+	// Resend performs resends: an *audit.Resender's Resend method
+	// (Resend: resender.Resend). Required with EnableResend.
+	Resend func(ctx context.Context, f audit.Filter, opts audit.ResendOptions) (audit.ResendReport, error)
 	// ResendTimeout bounds one resend (default 5 min).
 	ResendTimeout time.Duration
 	// Logger logs resends and internal errors. Default watermill.NopLogger.
@@ -132,7 +128,7 @@ func (c *Config) setDefaults() {
 }
 
 // Validate reports the first invalid field: Store nil; with EnableResend,
-// ResendToken shorter than 16 bytes or Resender nil; a ReadToken shorter
+// ResendToken shorter than 16 bytes or Resend nil; a ReadToken shorter
 // than 16 bytes; ResendTimeout negative.
 func (c Config) Validate() error {
 	c.setDefaults()
@@ -143,8 +139,8 @@ func (c Config) Validate() error {
 		return errors.New("httpapi: Config.ResendToken is required with Config.EnableResend (resend must never be open to anyone who can reach the port)")
 	case c.EnableResend && len(c.ResendToken) < 16:
 		return errors.New("httpapi: Config.ResendToken is shorter than 16 bytes")
-	case c.EnableResend && c.Resender == nil:
-		return errors.New("httpapi: Config.Resender is required with Config.EnableResend")
+	case c.EnableResend && c.Resend == nil:
+		return errors.New("httpapi: Config.Resend is required with Config.EnableResend")
 	case c.ReadToken != "" && len(c.ReadToken) < 16:
 		return errors.New("httpapi: Config.ReadToken is shorter than 16 bytes")
 	case c.ResendTimeout < 0:

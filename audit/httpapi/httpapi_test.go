@@ -236,11 +236,11 @@ func TestResendIsOffByDefaultAndNeedsTheToken(t *testing.T) {
 	req := `{"filter":{"message_id":"m-1"},"mode":"to-queue"}`
 	rs := &fakeResender{}
 	// Read-only by default: the route does not exist.
-	srv := serve(t, httpapi.Config{Store: sampleStore(), Resender: rs, ResendToken: token})
+	srv := serve(t, httpapi.Config{Store: sampleStore(), Resend: rs.Resend, ResendToken: token})
 	if code, _ := do(t, "POST", srv.URL+"/v1/resend", "Bearer "+token, req); code != 404 {
 		t.Fatalf("resend not enabled: %d, want 404", code)
 	}
-	srv = serve(t, httpapi.Config{Store: sampleStore(), Resender: rs, EnableResend: true, ResendToken: token})
+	srv = serve(t, httpapi.Config{Store: sampleStore(), Resend: rs.Resend, EnableResend: true, ResendToken: token})
 	for auth, want := range map[string]int{
 		"":                      401,
 		"Basic Zm9vOmJhcg==":    401,
@@ -272,7 +272,7 @@ func TestResendIsOffByDefaultAndNeedsTheToken(t *testing.T) {
 
 func TestResendValidatesTheRequest(t *testing.T) {
 	rs := &fakeResender{}
-	srv := serve(t, httpapi.Config{Store: sampleStore(), Resender: rs, EnableResend: true, ResendToken: token})
+	srv := serve(t, httpapi.Config{Store: sampleStore(), Resend: rs.Resend, EnableResend: true, ResendToken: token})
 	for body, want := range map[string]string{
 		`{"filter":{},"mode":"to-queue"}`:                                "every message",
 		`{"filter":{"limit":5},"mode":"to-exchange"}`:                    "every message",
@@ -307,7 +307,7 @@ func TestResendDryRunThroughRealResender(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer r.Close()
-	srv := serve(t, httpapi.Config{Store: st, Resender: r, EnableResend: true, ResendToken: token})
+	srv := serve(t, httpapi.Config{Store: st, Resend: r.Resend, EnableResend: true, ResendToken: token})
 	code, b := do(t, "POST", srv.URL+"/v1/resend", "Bearer "+token, `{"filter":{"message_id":"m-1"},"mode":"to-queue","dry_run":true}`)
 	var rep audit.ResendReport
 	if err := json.Unmarshal(b, &rep); code != 200 || err != nil {
@@ -326,9 +326,9 @@ func TestConfigValidate(t *testing.T) {
 		want string
 	}{
 		{httpapi.Config{}, "Store"},
-		{httpapi.Config{Store: st, EnableResend: true, Resender: &fakeResender{}}, "ResendToken"},
-		{httpapi.Config{Store: st, EnableResend: true, Resender: &fakeResender{}, ResendToken: "short"}, "ResendToken"},
-		{httpapi.Config{Store: st, EnableResend: true, ResendToken: token}, "Resender"},
+		{httpapi.Config{Store: st, EnableResend: true, Resend: (&fakeResender{}).Resend}, "ResendToken"},
+		{httpapi.Config{Store: st, EnableResend: true, Resend: (&fakeResender{}).Resend, ResendToken: "short"}, "ResendToken"},
+		{httpapi.Config{Store: st, EnableResend: true, ResendToken: token}, "Resend"},
 		{httpapi.Config{Store: st, ResendTimeout: -time.Second}, "ResendTimeout"},
 	} {
 		if _, err := httpapi.New(c.cfg); err == nil || !strings.Contains(err.Error(), c.want) {
@@ -339,7 +339,7 @@ func TestConfigValidate(t *testing.T) {
 
 func TestReadToken(t *testing.T) {
 	const readToken = "reader-token-0123456789"
-	srv := serve(t, httpapi.Config{Store: sampleStore(), ReadToken: readToken, EnableResend: true, ResendToken: token, Resender: &fakeResender{},
+	srv := serve(t, httpapi.Config{Store: sampleStore(), ReadToken: readToken, EnableResend: true, ResendToken: token, Resend: (&fakeResender{}).Resend,
 		Stats: func(context.Context) (any, error) { return map[string]int{}, nil }})
 	for _, path := range []string{"/v1/messages?queue=billing", "/v1/messages/m-1", "/v1/stats"} {
 		for auth, want := range map[string]int{"": 401, "Bearer nope": 403, "Bearer " + readToken: 200, "Bearer " + token: 200} {
@@ -371,7 +371,7 @@ func (b *blockingResender) Resend(_ context.Context, _ audit.Filter, o audit.Res
 
 func TestOneResendAtATime(t *testing.T) {
 	b := &blockingResender{started: make(chan struct{}, 2), release: make(chan struct{})}
-	srv := serve(t, httpapi.Config{Store: sampleStore(), Resender: b, EnableResend: true, ResendToken: token})
+	srv := serve(t, httpapi.Config{Store: sampleStore(), Resend: b.Resend, EnableResend: true, ResendToken: token})
 	req := `{"filter":{"message_id":"m-1"},"mode":"to-queue"}`
 	first := make(chan int, 1)
 	go func() { // no t.Fatal off the test goroutine
@@ -395,5 +395,25 @@ func TestOneResendAtATime(t *testing.T) {
 	}
 	if code, _ := do(t, "POST", srv.URL+"/v1/resend", "Bearer "+token, req); code != 200 {
 		t.Fatalf("resend after the first finished: %d", code)
+	}
+}
+
+// The API's empty-filter check (a 400 before the resend lock) agrees with
+// the Resender's own (audit.ErrEmptyFilter), in dry run (no broker needed).
+func TestEmptyFilterAgreesWithResender(t *testing.T) {
+	st := sampleStore()
+	r, err := audit.NewResender(audit.ResenderConfig{URI: "amqp://guest:guest@127.0.0.1:1/", Store: st})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	for _, f := range []audit.Filter{
+		{}, {Limit: 5}, {After: "cursor"}, {Headers: map[string]any{}}, {Limit: 5, After: "cursor", Headers: map[string]any{}},
+		{MessageID: "m-1"}, {Queue: "billing"}, {Headers: map[string]any{"tenant": "acme"}}, {From: time.Unix(1, 0)}, {Outcome: audit.OutcomeRetry},
+	} {
+		_, err := r.Resend(context.Background(), f, audit.ResendOptions{Mode: audit.ResendToQueue, DryRun: true})
+		if got, want := httpapi.EmptyFilter(f), errors.Is(err, audit.ErrEmptyFilter); got != want {
+			t.Errorf("%+v: emptyFilter %v, Resender refuses it as empty %v (%v)", f, got, want, err)
+		}
 	}
 }

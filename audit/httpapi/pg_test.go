@@ -80,7 +80,7 @@ func TestBadInputIs400WithoutDatabaseText(t *testing.T) {
 		t.Fatal(err)
 	}
 	srv := serve(t, httpapi.Config{Store: st, Logger: watermill.NewStdLoggerWithOut(logs, false, false),
-		EnableResend: true, ResendToken: token, Resender: rs})
+		EnableResend: true, ResendToken: token, Resend: rs.Resend})
 	dbWords := []string{"SQLSTATE", "ERROR:", "invalid byte sequence", "pgstore", "pgx", "unsupported Unicode"}
 	for _, q := range []string{
 		"message_id=a%00b", "message_id=%ff%fe", "correlation_id=x%00", "queue=%c3%28", "exchange=%00",
@@ -146,7 +146,7 @@ func TestResendBreadthOverHTTP(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	srv := serve(t, httpapi.Config{Store: st, EnableResend: true, ResendToken: token, Resender: rs})
+	srv := serve(t, httpapi.Config{Store: st, EnableResend: true, ResendToken: token, Resend: rs.Resend})
 	post := func(body string) (int, string) {
 		code, b := do(t, "POST", srv.URL+"/v1/resend", "Bearer "+token, body)
 		return code, string(b)

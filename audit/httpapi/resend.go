@@ -6,10 +6,12 @@ import (
 	"errors"
 	"io"
 	"net/http"
+	"reflect"
 
 	"github.com/ThreeDotsLabs/watermill"
 
 	"github.com/rabbitretry/rabbitretry/audit"
+	"github.com/rabbitretry/rabbitretry/internal/auditconst"
 )
 
 // resendRequest is the body of POST /v1/resend; the fields are
@@ -44,6 +46,18 @@ type resendErrorResponse struct {
 	Report audit.ResendReport `json:"report"`
 }
 
+// emptyFilter reports whether f selects every message (only Limit and
+// After set, or nothing), as audit.Resender.Resend decides it before
+// refusing with audit.ErrEmptyFilter: checked here so that such a request
+// is a 400 before it takes the one-resend-at-a-time lock.
+func emptyFilter(f audit.Filter) bool {
+	f.Limit, f.After = 0, ""
+	if len(f.Headers) == 0 {
+		f.Headers = nil
+	}
+	return reflect.ValueOf(f).IsZero()
+}
+
 func (a *api) resend(w http.ResponseWriter, r *http.Request) {
 	if !a.authorized(w, r) {
 		return
@@ -60,7 +74,7 @@ func (a *api) resend(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	opts := audit.ResendOptions{Mode: req.Mode, Queue: req.Queue, DryRun: req.DryRun, Limit: req.Limit, AllowAll: req.AllowAll, ExpectedCount: req.ExpectedCount}
-	if err := opts.Validate(); err != nil {
+	if err := auditconst.CheckResendOptions(string(opts.Mode), opts.Queue, opts.Limit, opts.ExpectedCount); err != nil {
 		writeError(w, http.StatusBadRequest, err.Error())
 		return
 	}
@@ -72,7 +86,7 @@ func (a *api) resend(w http.ResponseWriter, r *http.Request) {
 		writeError(w, http.StatusBadRequest, "filter: "+err.Error())
 		return
 	}
-	if audit.IsEmptyFilter(req.Filter) && !req.AllowAll {
+	if emptyFilter(req.Filter) && !req.AllowAll {
 		writeError(w, http.StatusBadRequest, audit.ErrEmptyFilter.Error())
 		return
 	}
@@ -86,7 +100,7 @@ func (a *api) resend(w http.ResponseWriter, r *http.Request) {
 	// A resend that started finishes even if the client goes away.
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(r.Context()), a.cfg.ResendTimeout)
 	defer cancel()
-	rep, err := a.cfg.Resender.Resend(ctx, req.Filter, opts)
+	rep, err := a.cfg.Resend(ctx, req.Filter, opts)
 	fields := watermill.LogFields{
 		"remote": r.RemoteAddr, "mode": string(opts.Mode), "dry_run": opts.DryRun,
 		"matched": rep.Matched, "sent": rep.Sent, "failed": rep.Failed, "skipped": rep.Skipped,

@@ -8,17 +8,21 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/rabbitretry/rabbitretry/audit"
+	"github.com/rabbitretry/rabbitretry/audit/internal/deliverylog"
 )
 
-// deliveryLog is the Store's audit.DeliveryLog: the same pool and schema,
-// table unacked_arrivals (migration 0005).
-type deliveryLog Store
-
-// DeliveryLog returns the store's audit.DeliveryLog (table
-// unacked_arrivals): the audit.Consumer records there each stored
+// deliveryLog is the Store's delivery log (deliverylog.Log): the same pool
+// and schema, table unacked_arrivals (migration 0005). The Store offers it
+// to the audit.Consumer (logOffer), which records there each stored
 // arrival's delivery until its ack, so that an arrival redelivered after
 // the Consumer process died between commit and ack is stored exactly once.
-func (s *Store) DeliveryLog() audit.DeliveryLog { return (*deliveryLog)(s) }
+type deliveryLog Store
+
+// logOffer offers the Store's deliveryLog to the audit.Consumer; embedded
+// under this unexported name, it adds nothing to the Store's API.
+type logOffer = deliverylog.Offer[audit.Arrival, audit.Attempt]
+
+var _ deliverylog.Log[audit.Arrival, audit.Attempt] = (*deliveryLog)(nil)
 
 // unackedRetention is how long a row of unacked_arrivals (migration 0005)
 // is kept at most: a row whose Consumer died for good and whose delivery
@@ -49,8 +53,8 @@ UPDATE ` + t + ` SET acking = true WHERE session = $1 AND arrival_id = ANY($2)`,
 
 // WriteDeliveries is Store.Write, plus the rows of deliveries in table
 // unacked_arrivals (not acking), in the same transaction
-// (audit.DeliveryLog).
-func (s *deliveryLog) WriteDeliveries(ctx context.Context, arrivals []audit.Arrival, attempts []audit.Attempt, deliveries []audit.UnackedDelivery) error {
+// (deliverylog.Log).
+func (s *deliveryLog) WriteDeliveries(ctx context.Context, arrivals []audit.Arrival, attempts []audit.Attempt, deliveries []deliverylog.Delivery) error {
 	if len(arrivals) == 0 && len(attempts) == 0 && len(deliveries) == 0 {
 		return nil
 	}
@@ -62,7 +66,7 @@ func (s *deliveryLog) WriteDeliveries(ctx context.Context, arrivals []audit.Arri
 		}
 	}
 	if len(deliveries) > 0 {
-		d := append([]audit.UnackedDelivery(nil), deliveries...)
+		d := append([]deliverylog.Delivery(nil), deliveries...)
 		sort.Slice(d, func(i, j int) bool { return d[i].ArrivalID < d[j].ArrivalID }) // lock order
 		ids, fps, sess := make([]string, 0, len(d)), make([]string, 0, len(d)), make([]string, 0, len(d))
 		for i, x := range d {
@@ -83,14 +87,14 @@ func (s *deliveryLog) WriteDeliveries(ctx context.Context, arrivals []audit.Arri
 }
 
 // UnackedDeliveries returns the unacked_arrivals rows of these
-// fingerprints, oldest first (audit.DeliveryLog).
-func (s *deliveryLog) UnackedDeliveries(ctx context.Context, fingerprints []string) ([]audit.UnackedDelivery, error) {
+// fingerprints, oldest first (deliverylog.Log).
+func (s *deliveryLog) UnackedDeliveries(ctx context.Context, fingerprints []string) ([]deliverylog.Delivery, error) {
 	rows, err := s.pool.Query(ctx, s.q.unackedSQL().byFingerprint, fingerprints)
 	if err != nil {
 		return nil, fmt.Errorf("pgstore: unacked deliveries: %w", err)
 	}
-	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (audit.UnackedDelivery, error) {
-		var d audit.UnackedDelivery
+	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (deliverylog.Delivery, error) {
+		var d deliverylog.Delivery
 		err := r.Scan(&d.ArrivalID, &d.Fingerprint, &d.Session, &d.Acking)
 		return d, err
 	})
@@ -101,7 +105,7 @@ func (s *deliveryLog) UnackedDeliveries(ctx context.Context, fingerprints []stri
 }
 
 // ClaimDelivery moves the row of arrivalID from session from to session
-// to, unless it is acking; false if no such row (audit.DeliveryLog). One
+// to, unless it is acking; false if no such row (deliverylog.Log). One
 // UPDATE: of two Consumers claiming one row, one wins.
 func (s *deliveryLog) ClaimDelivery(ctx context.Context, arrivalID, from, to string) (bool, error) {
 	tag, err := s.pool.Exec(ctx, s.q.unackedSQL().claim, arrivalID, from, to)
@@ -112,7 +116,7 @@ func (s *deliveryLog) ClaimDelivery(ctx context.Context, arrivalID, from, to str
 }
 
 // TakeAckingDelivery deletes the row of arrivalID if session holds it and
-// it is acking; false if not (audit.DeliveryLog). One DELETE: of two
+// it is acking; false if not (deliverylog.Log). One DELETE: of two
 // Consumers, one wins.
 func (s *deliveryLog) TakeAckingDelivery(ctx context.Context, arrivalID, session string) (bool, error) {
 	tag, err := s.pool.Exec(ctx, s.q.unackedSQL().take, arrivalID, session)
@@ -124,7 +128,7 @@ func (s *deliveryLog) TakeAckingDelivery(ctx context.Context, arrivalID, session
 
 // DeliveriesAcking deletes session's acking unacked_arrivals rows and
 // every row older than unackedRetention, and marks session's rows of
-// these arrival IDs acking, in one statement (audit.DeliveryLog).
+// these arrival IDs acking, in one statement (deliverylog.Log).
 func (s *deliveryLog) DeliveriesAcking(ctx context.Context, session string, arrivalIDs []string) error {
 	if _, err := s.pool.Exec(ctx, s.q.unackedSQL().acking, session, arrivalIDs); err != nil {
 		return fmt.Errorf("pgstore: mark deliveries acking: %w", err)
@@ -133,7 +137,7 @@ func (s *deliveryLog) DeliveriesAcking(ctx context.Context, session string, arri
 }
 
 // DeliveriesNotAcked clears acking on session's rows of these arrival IDs
-// (audit.DeliveryLog).
+// (deliverylog.Log).
 func (s *deliveryLog) DeliveriesNotAcked(ctx context.Context, session string, arrivalIDs []string) error {
 	if _, err := s.pool.Exec(ctx, s.q.unackedSQL().notAcked, session, arrivalIDs); err != nil {
 		return fmt.Errorf("pgstore: unmark deliveries acking: %w", err)

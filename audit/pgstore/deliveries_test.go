@@ -9,25 +9,26 @@ import (
 	"time"
 
 	"github.com/rabbitretry/rabbitretry/audit"
+	"github.com/rabbitretry/rabbitretry/audit/internal/deliverylog"
 )
 
-// The unacked_arrivals rows (audit.DeliveryLog): written with their
+// The unacked_arrivals rows (deliverylog.Log): written with their
 // arrivals in one transaction, a row moved to a new session by a rewrite,
 // each row claimed by exactly one of many concurrent claimers, marked
 // acking (then not claimable) and deleted by the next mark only for its
 // own session, and rows older than a day pruned.
 func TestDeliveryLogRows(t *testing.T) {
 	st := newTestStore(t)
-	s := st.DeliveryLog()
+	s := (*deliveryLog)(st)
 	ctx := context.Background()
 	now := time.Now()
 	a1, a2, a3 := arrival("m1", now), arrival("m1", now), arrival("m2", now)
 	a1.ID, a2.ID, a3.ID = "id-1", "id-2", "id-3"
-	d := func(id, fp, sess string) audit.UnackedDelivery {
-		return audit.UnackedDelivery{ArrivalID: id, Fingerprint: fp, Session: sess}
+	d := func(id, fp, sess string) deliverylog.Delivery {
+		return deliverylog.Delivery{ArrivalID: id, Fingerprint: fp, Session: sess}
 	}
 	if err := s.WriteDeliveries(ctx, []audit.Arrival{a1, a2, a3}, nil,
-		[]audit.UnackedDelivery{d("id-1", "fp-same", "dead"), d("id-2", "fp-same", "dead"), d("id-3", "fp-other", "live")}); err != nil {
+		[]deliverylog.Delivery{d("id-1", "fp-same", "dead"), d("id-2", "fp-same", "dead"), d("id-3", "fp-other", "live")}); err != nil {
 		t.Fatal(err)
 	}
 	if arr, _, _ := counts(t, st); arr != 3 {
@@ -73,7 +74,7 @@ func TestDeliveryLogRows(t *testing.T) {
 	}
 	// A rewrite of a claimed arrival (the redelivery's batch) keeps one row,
 	// now the writer's session; the arrival is not stored twice.
-	if err := s.WriteDeliveries(ctx, nil, nil, []audit.UnackedDelivery{d("id-1", "fp-same", "next")}); err != nil {
+	if err := s.WriteDeliveries(ctx, nil, nil, []deliverylog.Delivery{d("id-1", "fp-same", "next")}); err != nil {
 		t.Fatal(err)
 	}
 	rows, _ = s.UnackedDeliveries(ctx, []string{"fp-same"})
@@ -123,7 +124,7 @@ func TestDeliveryLogRows(t *testing.T) {
 	}
 	// An acking row of a session that died is taken once (a matching
 	// redelivery is stored again, flagged).
-	if err := s.WriteDeliveries(ctx, nil, nil, []audit.UnackedDelivery{d("id-4", "fp-4", "died")}); err != nil {
+	if err := s.WriteDeliveries(ctx, nil, nil, []deliverylog.Delivery{d("id-4", "fp-4", "died")}); err != nil {
 		t.Fatal(err)
 	}
 	if err := s.DeliveriesAcking(ctx, "died", []string{"id-4"}); err != nil {

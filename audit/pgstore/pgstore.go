@@ -70,6 +70,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/rabbitretry/rabbitretry/audit"
+	"github.com/rabbitretry/rabbitretry/audit/internal/deliverylog"
 	"github.com/rabbitretry/rabbitretry/internal/auditconst"
 
 	"github.com/rabbitretry/rabbitretry/internal/redact"
@@ -149,8 +150,12 @@ func (c Config) Validate() error {
 	return validSchema(c.Schema)
 }
 
-// Store is the PostgreSQL audit.Store. It is safe for concurrent use.
+// Store is the PostgreSQL audit.Store. It is safe for concurrent use. It
+// keeps a delivery log (table unacked_arrivals), through which the
+// audit.Consumer stores an arrival redelivered after a crash between commit
+// and ack exactly once (see audit.Arrival.ID).
 type Store struct {
+	logOffer
 	pool    *pgxpool.Pool
 	ownPool bool
 	schema  string
@@ -172,6 +177,7 @@ func New(ctx context.Context, cfg Config) (*Store, error) {
 	cctx, cancel := context.WithTimeout(ctx, cfg.ConnectTimeout)
 	defer cancel()
 	s := &Store{pool: cfg.Pool, schema: cfg.Schema}
+	s.logOffer = deliverylog.NewOffer[audit.Arrival, audit.Attempt]((*deliveryLog)(s))
 	if s.pool == nil {
 		pool, err := pgxpool.New(cctx, cfg.DSN)
 		if err != nil {

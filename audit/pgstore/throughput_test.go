@@ -11,6 +11,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/rabbitretry/rabbitretry/audit"
+	"github.com/rabbitretry/rabbitretry/audit/internal/deliverylog"
 )
 
 // throughputBatch returns a batch of n records like the audit consumer's:
@@ -175,7 +176,7 @@ func BenchmarkWrite500(b *testing.B) {
 }
 
 // TestDeliveryLogThroughput measures the Consumer's store work per batch
-// with the DeliveryLog: WriteDeliveries (500 records, a row per arrival),
+// with the delivery log: WriteDeliveries (500 records, a row per arrival),
 // then the one statement per batch on its rows, the old one (DELETE by
 // session and IDs after the ack) against DeliveriesAcking (before the
 // ack: delete the rows marked before, mark these). One writer, batches
@@ -196,7 +197,7 @@ func TestDeliveryLogThroughput(t *testing.T) {
 			return err
 		}},
 		{"acking-before-ack", func(s *Store, session string, ids []string) error {
-			return s.DeliveryLog().DeliveriesAcking(ctx, session, ids)
+			return (*deliveryLog)(s).DeliveriesAcking(ctx, session, ids)
 		}},
 	}
 	for _, m := range methods {
@@ -204,7 +205,7 @@ func TestDeliveryLogThroughput(t *testing.T) {
 		type bt struct {
 			arr []audit.Arrival
 			att []audit.Attempt
-			d   []audit.UnackedDelivery
+			d   []deliverylog.Delivery
 			ids []string
 		}
 		var bs []bt
@@ -213,7 +214,7 @@ func TestDeliveryLogThroughput(t *testing.T) {
 			x := bt{arr: a, att: b}
 			for j := range a {
 				a[j].ID = fmt.Sprintf("b%03d-%04d", i, j)
-				x.d = append(x.d, audit.UnackedDelivery{ArrivalID: a[j].ID, Fingerprint: fmt.Sprint("fp-", j), Session: "s"})
+				x.d = append(x.d, deliverylog.Delivery{ArrivalID: a[j].ID, Fingerprint: fmt.Sprint("fp-", j), Session: "s"})
 				x.ids = append(x.ids, a[j].ID)
 			}
 			bs = append(bs, x)
@@ -221,7 +222,7 @@ func TestDeliveryLogThroughput(t *testing.T) {
 		var ackTime time.Duration
 		start := time.Now()
 		for _, b := range bs {
-			if err := s.DeliveryLog().WriteDeliveries(ctx, b.arr, b.att, b.d); err != nil {
+			if err := (*deliveryLog)(s).WriteDeliveries(ctx, b.arr, b.att, b.d); err != nil {
 				t.Fatal(err)
 			}
 			st := time.Now()

@@ -26,7 +26,7 @@ import (
 // stored (or repeated within the call) are skipped (INSERT ... ON CONFLICT
 // (id) DO NOTHING), so a batch redelivered by RabbitMQ after a crash
 // between commit and ack is written again without duplicates (the
-// audit.Consumer writes through DeliveryLog().WriteDeliveries, which also
+// audit.Consumer writes through the Store's delivery log, which also
 // records each arrival's delivery until its ack, so that a redelivered
 // arrival keeps its ID across a crash). The rows go
 // in one round trip: one INSERT ... SELECT FROM unnest(arrays) per table

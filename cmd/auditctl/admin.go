@@ -146,7 +146,7 @@ func cmdServe(e *env) int {
 			return fail(e.stderr, err)
 		}
 		defer r.Close()
-		cfg.EnableResend, cfg.ResendToken, cfg.Resender = true, os.Getenv(tokenEnv), r
+		cfg.EnableResend, cfg.ResendToken, cfg.Resend = true, os.Getenv(tokenEnv), r.Resend
 	}
 	h, err := httpapi.New(cfg)
 	if err != nil {

@@ -278,7 +278,7 @@ func run(ctx context.Context, cfg config) (sum summary, err error) {
 		defer cancel()
 		_ = rec.Close(cctx)
 	}()
-	retry, err := amqpretry.New(amqpretry.Config{URI: cfg.URI, Subscriber: subCfg, Policy: router.Policy{MaxAttempts: 3, Backoff: func() backoff.BackOff { return backoff.NewConstantBackOff(200 * time.Millisecond) }, Observer: rec}, Logger: logger}) // with metrics too: middleware.Observers(m, rec)
+	retry, err := amqpretry.New(amqpretry.Config{URI: cfg.URI, Subscriber: subCfg, Policy: router.Policy{MaxAttempts: 3, Backoff: func() backoff.BackOff { return backoff.NewConstantBackOff(200 * time.Millisecond) }, Observer: rec.Observer()}, Logger: logger}) // with metrics too: middleware.Observers(m.Observer(), rec.Observer())
 
 	if err != nil {
 		return sum, err

@@ -140,7 +140,7 @@ func (b *bench) scenarioAudit() (err error) {
 		defer cancel()
 		_ = rec.Close(cctx)
 	}()
-	retry, _, closeAll, err := e.retryConsumer(amqpretry.Config{Subscriber: subCfg, Naming: e.naming("audit"), Logger: e.logger, Policy: router.Policy{Observer: rec}}, q)
+	retry, _, closeAll, err := e.retryConsumer(amqpretry.Config{Subscriber: subCfg, Naming: e.naming("audit"), Logger: e.logger, Policy: router.Policy{Observer: rec.Observer()}}, q)
 	if err != nil {
 		return err
 	}

@@ -278,7 +278,7 @@ func run(ctx context.Context, cfg config) (sum summary, err error) {
 	subCfg.QueueBind = wamqp.QueueBindConfig{GenerateRoutingKey: func(string) string { return cfg.RoutingKey }}
 	subCfg.Consume.Qos.PrefetchCount = 16
 	retry, err := amqpretry.New(amqpretry.Config{
-		URI: cfg.URI, Subscriber: subCfg, Policy: router.Policy{MaxAttempts: 3, Backoff: backoffPolicy, Observer: m}, Logger: logger,
+		URI: cfg.URI, Subscriber: subCfg, Policy: router.Policy{MaxAttempts: 3, Backoff: backoffPolicy, Observer: m.Observer()}, Logger: logger,
 	})
 	if err != nil {
 		return sum, fmt.Errorf("connecting to RabbitMQ at %s: %w (start it with `make broker`)", redactURI(cfg.URI), err)

@@ -1,12 +1,17 @@
 // Package auditconst holds the audit's defaults and limits that our own
 // binaries (cmd/auditctl, examples/bench) and tests share with the audit
-// packages. The public API states each of them in the doc of the field or
-// function it applies to; only the binaries need them as names (flag
-// defaults, the same checks before a call). It imports nothing, so every
-// audit package may import it.
+// packages, and the checks of a resend request that audit and audit/httpapi
+// share (CheckResendOptions). The public API states each of them in the doc
+// of the field or function it applies to; only the binaries need them as
+// names (flag defaults, the same checks before a call). It imports only the
+// standard library, so every audit package may import it.
 package auditconst
 
-import "time"
+import (
+	"errors"
+	"fmt"
+	"time"
+)
 
 // Package audit.
 const (
@@ -55,3 +60,36 @@ const (
 	StatusSkipped   = "skipped"    // not sendable (no body, truncated body, no queue)
 	StatusUnsent    = "unsent"     // not tried: Resend stopped before it (see its error)
 )
+
+// Values of audit.ResendOptions.Mode (audit.ResendToQueue,
+// audit.ResendToExchange).
+const (
+	ModeToQueue    = "to-queue"
+	ModeToExchange = "to-exchange"
+)
+
+// CheckResendOptions checks the fields of an audit.ResendOptions: a known
+// Mode, Queue only with ModeToQueue (at most 255 bytes), Limit and
+// ExpectedCount within 0..MaxResendLimit. audit.Resender.Resend refuses
+// options it rejects; the HTTP API answers them with a 400 before calling
+// it.
+func CheckResendOptions(mode, queue string, limit, expectedCount int) error {
+	switch mode {
+	case ModeToQueue, ModeToExchange:
+	case "":
+		return fmt.Errorf("audit: ResendOptions.Mode is required (%q or %q)", ModeToQueue, ModeToExchange)
+	default:
+		return fmt.Errorf("audit: ResendOptions.Mode %q: want %q or %q", mode, ModeToQueue, ModeToExchange)
+	}
+	switch {
+	case queue != "" && mode != ModeToQueue:
+		return fmt.Errorf("audit: ResendOptions.Queue is only for mode %q", ModeToQueue)
+	case len(queue) > 255:
+		return errors.New("audit: ResendOptions.Queue is longer than 255 bytes")
+	case limit < 0 || limit > MaxResendLimit:
+		return fmt.Errorf("audit: ResendOptions.Limit %d: want 0..%d", limit, MaxResendLimit)
+	case expectedCount < 0 || expectedCount > MaxResendLimit:
+		return fmt.Errorf("audit: ResendOptions.ExpectedCount %d: want 0..%d", expectedCount, MaxResendLimit)
+	}
+	return nil
+}

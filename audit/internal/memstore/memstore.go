@@ -16,14 +16,17 @@ import (
 	"sync"
 
 	"github.com/rabbitretry/rabbitretry/audit"
+	"github.com/rabbitretry/rabbitretry/audit/internal/deliverylog"
 )
 
 // ErrDown is returned by Write and Search while the store is Down.
 var ErrDown = errors.New("audittest: store down")
 
-// Store is an in-memory audit.Store with an audit.DeliveryLog and
+// Store is an in-memory audit.Store with a delivery log (offered to the
+// audit.Consumer, see package audit/internal/deliverylog) and
 // audit.SetAsider. Safe for concurrent use.
 type Store struct {
+	logOffer
 	mu       sync.Mutex
 	down     bool
 	arrivals map[string]audit.Arrival
@@ -33,17 +36,22 @@ type Store struct {
 	failed   int // Write calls refused while down
 	reject   func(messageID string) bool
 	aside    map[string]audit.SetAside
-	unacked  map[string]audit.UnackedDelivery
+	unacked  map[string]deliverylog.Delivery
 }
 
 var _ audit.SetAsider = (*Store)(nil)
 
-// deliveryLog is the Store's audit.DeliveryLog.
+// deliveryLog is the Store's delivery log.
 type deliveryLog Store
+
+// logOffer offers the Store's deliveryLog to the audit.Consumer.
+type logOffer = deliverylog.Offer[audit.Arrival, audit.Attempt]
 
 // New returns an empty, up store.
 func New() *Store {
-	return &Store{arrivals: map[string]audit.Arrival{}, attempts: map[string]audit.Attempt{}, unacked: map[string]audit.UnackedDelivery{}}
+	s := &Store{arrivals: map[string]audit.Arrival{}, attempts: map[string]audit.Attempt{}, unacked: map[string]deliverylog.Delivery{}}
+	s.logOffer = deliverylog.NewOffer(s.DeliveryLog())
+	return s
 }
 
 // SetDown makes Write and Search fail with ErrDown (true) or work again.
@@ -59,13 +67,15 @@ func (s *Store) Write(ctx context.Context, arrivals []audit.Arrival, attempts []
 	return (*deliveryLog)(s).WriteDeliveries(ctx, arrivals, attempts, nil)
 }
 
-// DeliveryLog returns the store's audit.DeliveryLog, kept in memory with
-// the records.
-func (s *Store) DeliveryLog() audit.DeliveryLog { return (*deliveryLog)(s) }
+// DeliveryLog returns the store's delivery log, kept in memory with the
+// records.
+func (s *Store) DeliveryLog() deliverylog.Log[audit.Arrival, audit.Attempt] {
+	return (*deliveryLog)(s)
+}
 
-// WriteDeliveries is Write, and records the deliveries (audit.DeliveryLog)
+// WriteDeliveries is Write, and records the deliveries (deliverylog.Log)
 // with it, all or nothing.
-func (s *deliveryLog) WriteDeliveries(ctx context.Context, arrivals []audit.Arrival, attempts []audit.Attempt, deliveries []audit.UnackedDelivery) error {
+func (s *deliveryLog) WriteDeliveries(ctx context.Context, arrivals []audit.Arrival, attempts []audit.Attempt, deliveries []deliverylog.Delivery) error {
 	if err := ctx.Err(); err != nil {
 		return err
 	}
@@ -111,14 +121,14 @@ func (s *deliveryLog) WriteDeliveries(ctx context.Context, arrivals []audit.Arri
 }
 
 // UnackedDeliveries returns the recorded deliveries of these fingerprints,
-// in arrival ID order (audit.DeliveryLog).
-func (s *deliveryLog) UnackedDeliveries(ctx context.Context, fingerprints []string) ([]audit.UnackedDelivery, error) {
+// in arrival ID order (deliverylog.Log).
+func (s *deliveryLog) UnackedDeliveries(ctx context.Context, fingerprints []string) ([]deliverylog.Delivery, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.down {
 		return nil, ErrDown
 	}
-	var out []audit.UnackedDelivery
+	var out []deliverylog.Delivery
 	for _, d := range s.unacked {
 		if slices.Contains(fingerprints, d.Fingerprint) {
 			out = append(out, d)
@@ -129,7 +139,7 @@ func (s *deliveryLog) UnackedDeliveries(ctx context.Context, fingerprints []stri
 }
 
 // ClaimDelivery moves a recorded delivery from session from to session to,
-// unless it is Acking (audit.DeliveryLog).
+// unless it is Acking (deliverylog.Log).
 func (s *deliveryLog) ClaimDelivery(ctx context.Context, arrivalID, from, to string) (bool, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -146,7 +156,7 @@ func (s *deliveryLog) ClaimDelivery(ctx context.Context, arrivalID, from, to str
 }
 
 // TakeAckingDelivery forgets a recorded delivery of session if it is
-// Acking (audit.DeliveryLog).
+// Acking (deliverylog.Log).
 func (s *deliveryLog) TakeAckingDelivery(ctx context.Context, arrivalID, session string) (bool, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -162,7 +172,7 @@ func (s *deliveryLog) TakeAckingDelivery(ctx context.Context, arrivalID, session
 }
 
 // DeliveriesAcking forgets session's Acking deliveries, then marks
-// session's deliveries of these arrival IDs Acking (audit.DeliveryLog).
+// session's deliveries of these arrival IDs Acking (deliverylog.Log).
 func (s *deliveryLog) DeliveriesAcking(ctx context.Context, session string, arrivalIDs []string) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -179,7 +189,7 @@ func (s *deliveryLog) DeliveriesAcking(ctx context.Context, session string, arri
 }
 
 // DeliveriesNotAcked clears Acking on session's deliveries of these
-// arrival IDs (audit.DeliveryLog).
+// arrival IDs (deliverylog.Log).
 func (s *deliveryLog) DeliveriesNotAcked(ctx context.Context, session string, arrivalIDs []string) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -199,7 +209,7 @@ func (s *deliveryLog) markLocked(session string, arrivalIDs []string, acking boo
 	}
 }
 
-// Unacked returns how many deliveries are recorded (audit.DeliveryLog):
+// Unacked returns how many deliveries are recorded (deliverylog.Log):
 // unacked, not yet Acking; and acking, marked Acking (their ack sent or
 // about to be).
 func (s *Store) Unacked() (unacked, acking int) {
