@@ -386,6 +386,11 @@ func (s *quarantineSubscriber) dial() (*amqp.Connection, error) {
 
 // SubscribeInitialize declares the originating queue's topology (the
 // quarantine queue included).
+// SettledContexts tells router.DrainingSubscriber that, like
+// watermill-amqp's subscriber it wraps, it ends each message's context
+// once the message's ack or nack is sent (runOne's cancel).
+func (s *quarantineSubscriber) SettledContexts() {}
+
 func (s *quarantineSubscriber) SubscribeInitialize(topic string) error {
 	return s.origin.SubscribeInitialize(topic)
 }

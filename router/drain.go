@@ -6,10 +6,12 @@ import (
 	"fmt"
 	"strings"
 	"sync"
+	"reflect"
 	"sync/atomic"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 	"github.com/rabbitretry/rabbitretry/middleware"
 )
 
@@ -19,9 +21,28 @@ import (
 const defaultDrainTimeout = 20 * time.Second
 
 // ackFlushGrace is how long Close waits, once every message handed out was
-// acked or nacked, before it closes the inner subscriber, so the inner
-// subscriber's goroutines send those acks first (see Close).
+// acked or nacked, before it closes an inner subscriber that does not say
+// when it has sent its acks (see endsMessageContexts), so that its
+// goroutines send them first.
 const ackFlushGrace = 100 * time.Millisecond
+
+// endsMessageContexts reports whether inner ends the context it gives each
+// message once it has sent that message's ack or nack to the broker:
+// watermill-amqp's Subscriber and watermill's GoChannel do (their
+// processMessage / sendMessageToSubscriber cancel it on return), and a
+// subscriber that says so with a SettledContexts method (amqpretry's
+// quarantine subscriber).
+func endsMessageContexts(inner message.Subscriber) bool {
+	if _, ok := inner.(interface{ SettledContexts() }); ok {
+		return true
+	}
+	if _, ok := inner.(*gochannel.GoChannel); ok {
+		return true
+	}
+	t := reflect.TypeOf(inner)
+	return t != nil && t.Kind() == reflect.Pointer &&
+		t.Elem().PkgPath() == "github.com/ThreeDotsLabs/watermill-amqp/v2/pkg/amqp" && t.Elem().Name() == "Subscriber"
+}
 
 // DrainingSubscriber wraps a message.Subscriber so that stopping the router
 // (cancelling the context given to message.Router.Run, or Router.Close,
@@ -55,6 +76,13 @@ const ackFlushGrace = 100 * time.Millisecond
 //     not see context.Canceled.
 //   - Close (Router.Close calls it): as above for every subscription.
 //
+// A message counts as in flight until the inner subscriber has sent its
+// ack or nack: watermill-amqp's Subscriber (v2), watermill's GoChannel and
+// amqpretry's quarantine subscriber end the context they give a message
+// once they have, and Close waits for that; for any other inner subscriber
+// it pauses 100 ms after the last ack instead. Closing watermill-amqp's
+// subscriber earlier could nack a delivery the router just acked.
+//
 // Close waits at most the drain timeout for in-flight messages; past it the
 // inner subscriber is closed anyway (its nack returns the rest to the
 // broker, and watermill-amqp cancels their contexts) and Close reports the
@@ -69,7 +97,12 @@ type DrainingSubscriber struct {
 
 	inflight   sync.WaitGroup
 	forwarders sync.WaitGroup
-	// settled: a message handed out was acked or nacked (see ackFlushGrace).
+	// innerSettles: inner ends each message's context once its ack or nack
+	// is sent (endsMessageContexts); a message in flight is then done only
+	// after that.
+	innerSettles bool
+	// settled: a message handed out was acked or nacked (see
+	// ackFlushGrace); only without innerSettles.
 	settled atomic.Bool
 
 	mu   sync.Mutex
@@ -91,7 +124,8 @@ func NewDrainingSubscriber(inner message.Subscriber, timeout time.Duration) *Dra
 	if timeout <= 0 {
 		timeout = defaultDrainTimeout
 	}
-	return &DrainingSubscriber{inner: inner, timeout: timeout, closing: make(chan struct{}), subs: map[*subscription]struct{}{}}
+	return &DrainingSubscriber{inner: inner, timeout: timeout, closing: make(chan struct{}), subs: map[*subscription]struct{}{},
+		innerSettles: endsMessageContexts(inner)}
 }
 
 // errSubscriberClosed (middleware.ErrClosed) is returned by Subscribe after
@@ -163,6 +197,9 @@ func (s *DrainingSubscriber) forward(ctx context.Context, sub *subscription, in 
 				return
 			}
 			sub.inflight.Add(1)
+			// The inner subscriber's context for msg (the chain replaces
+			// msg's own as it runs).
+			innerCtx := msg.Context()
 			go func() {
 				defer s.inflight.Done()
 				defer sub.inflight.Done()
@@ -170,7 +207,17 @@ func (s *DrainingSubscriber) forward(ctx context.Context, sub *subscription, in 
 				case <-msg.Acked():
 				case <-msg.Nacked():
 				}
-				s.settled.Store(true)
+				if !s.innerSettles {
+					s.settled.Store(true)
+					return
+				}
+				// The router's Ack only signals the inner subscriber; its own
+				// goroutine then sends the AMQP ack, and ends innerCtx. Close
+				// must not close it before: watermill-amqp v2 waits for the
+				// signal in a select that also watches its closing and picks
+				// at random when both are ready, so a close now could turn a
+				// just-acked delivery into a nack (a success run twice).
+				<-innerCtx.Done()
 			}()
 			// Received before the stop: handed out (the router reads its
 			// channel until it is closed), so it is not returned unprocessed.
@@ -246,12 +293,8 @@ func (s *DrainingSubscriber) Close() error {
 			drainErr = errors.New("router: in-flight messages did not finish within the drain timeout; the inner subscriber returns them to the broker")
 		}
 		if s.settled.Load() {
-			// The router's msg.Ack() only signals the inner subscriber, whose
-			// own goroutine then sends the AMQP ack; watermill-amqp v2 waits
-			// for that signal in a select that also watches its closing, and
-			// picks at random when both are ready, so closing it at once could
-			// turn a just-acked delivery into a nack (redelivered: a success
-			// run twice). Give those goroutines a moment to send their acks.
+			// An inner subscriber that does not say when its acks are sent
+			// (see forward): give its goroutines a moment to send them.
 			time.Sleep(ackFlushGrace)
 		}
 		s.closeErr = errors.Join(drainErr, s.inner.Close())

@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -147,4 +149,88 @@ func TestDrainingSubscriberNamedByInner(t *testing.T) {
 		t.Errorf("subscriber_poisoned = %q, want gochannel.GoChannel", got)
 	}
 	t.Logf("ACCOUNT published=1 handled=0 poisoned=1 duplicates=0 lost=0")
+}
+
+// slowAckInner is an inner subscriber whose goroutine sends a message's
+// ack some time after the router acked it (as watermill-amqp's does, from
+// its own goroutine), then ends the message's context.
+type slowAckInner struct {
+	out       chan *message.Message
+	ackSeen   chan struct{} // closed when its goroutine saw the router's ack
+	release   chan struct{} // the test lets it "send" the ack
+	mu        sync.Mutex
+	events    []string // "wire-ack", "close", in order
+	innerDone chan struct{}
+}
+
+func (f *slowAckInner) SettledContexts() {}
+
+func (f *slowAckInner) record(e string) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.events = append(f.events, e)
+}
+
+func (f *slowAckInner) Subscribe(ctx context.Context, _ string) (<-chan *message.Message, error) {
+	msg := message.NewMessage(watermill.NewUUID(), nil)
+	mctx, cancel := context.WithCancel(ctx)
+	msg.SetContext(mctx)
+	go func() {
+		defer close(f.innerDone)
+		f.out <- msg
+		<-msg.Acked()
+		close(f.ackSeen)
+		<-f.release
+		f.record("wire-ack")
+		cancel()
+	}()
+	return f.out, nil
+}
+
+func (f *slowAckInner) Close() error {
+	f.record("close")
+	return nil
+}
+
+// TestDrainClosesInnerAfterItsAcksAreSent: Close must not close the inner
+// subscriber while its goroutine has not yet sent the ack of a message the
+// router acked (watermill-amqp v2 would nack it: a success run twice),
+// however slow that goroutine is (here: held for several times the old
+// 100 ms grace).
+func TestDrainClosesInnerAfterItsAcksAreSent(t *testing.T) {
+	inner := &slowAckInner{out: make(chan *message.Message), ackSeen: make(chan struct{}), release: make(chan struct{}), innerDone: make(chan struct{})}
+	s := router.NewDrainingSubscriber(inner, 10*time.Second)
+	ch, err := s.Subscribe(context.Background(), "t")
+	if err != nil {
+		t.Fatal(err)
+	}
+	msg := <-ch
+	msg.Ack() // the router's ack
+	<-inner.ackSeen
+	closed := make(chan error, 1)
+	go func() { closed <- s.Close() }()
+	// Fault injection, not synchronisation: the inner goroutine is slow to
+	// send its ack.
+	held := time.NewTimer(500 * time.Millisecond)
+	select {
+	case err := <-closed:
+		t.Fatalf("Close returned (%v) before the inner subscriber sent its ack", err)
+	case <-held.C:
+	}
+	inner.mu.Lock()
+	early := slices.Contains(inner.events, "close")
+	inner.mu.Unlock()
+	if early {
+		t.Fatal("the inner subscriber was closed before it sent the ack of a message the router acked")
+	}
+	close(inner.release)
+	if err := <-closed; err != nil {
+		t.Fatal(err)
+	}
+	<-inner.innerDone
+	inner.mu.Lock()
+	defer inner.mu.Unlock()
+	if !slices.Equal(inner.events, []string{"wire-ack", "close"}) {
+		t.Fatalf("events %v, want the ack sent before the close", inner.events)
+	}
 }
