@@ -4,9 +4,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"reflect"
 	"strings"
 	"sync"
-	"reflect"
 	"sync/atomic"
 	"time"
 
