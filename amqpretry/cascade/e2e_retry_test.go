@@ -148,7 +148,7 @@ func (e *retryEnv) cleanup() {
 		}
 	}
 	_ = ch.ExchangeDelete(e.exchange, false, false)
-	if err := e.cascade.Delete(ch); err != nil {
+	if err := cascade.Core(e.cascade).Delete(ch); err != nil {
 		e.t.Errorf("deleting the cascade: %v", err)
 	}
 	_ = ch.Close()
@@ -216,7 +216,7 @@ func (l *obsLog) all() []seen {
 // after attempt 1, and not later than retryLateTolerance more.
 func checkGap(t *testing.T, first, second seen, delay time.Duration) {
 	t.Helper()
-	grain := cascade.DefaultGrain
+	grain := 100 * time.Millisecond // the default Grain
 	rounded := (delay + grain - 1) / grain * grain
 	n := uint64(rounded / grain)
 	hops := 0
