@@ -134,8 +134,8 @@ func TestE2E_PoisonPermanentAndExhausted(t *testing.T) {
 			if h(middleware.PoisonAttemptsKey) != attempts || h(middleware.ErrorClassKey) != class {
 				t.Errorf("%s: attempts %q class %q, want %s %s", uuid, h(middleware.PoisonAttemptsKey), h(middleware.ErrorClassKey), attempts, class)
 			}
-			if !strings.Contains(h(middleware.PoisonReasonKey), reason) {
-				t.Errorf("%s: reason %q does not contain %q", uuid, h(middleware.PoisonReasonKey), reason)
+			if !strings.Contains(h(retrymeta.PoisonReasonKey), reason) {
+				t.Errorf("%s: reason %q does not contain %q", uuid, h(retrymeta.PoisonReasonKey), reason)
 			}
 			if h(retrymeta.PoisonTopicKey) != q || h(retrymeta.PoisonHandlerKey) != "svc" || h(retrymeta.PoisonSubscriberKey) == "" {
 				t.Errorf("%s: watermill poison keys wrong: topic %q handler %q subscriber %q", uuid, h(retrymeta.PoisonTopicKey), h(retrymeta.PoisonHandlerKey), h(retrymeta.PoisonSubscriberKey))

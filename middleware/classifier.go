@@ -8,6 +8,8 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/rabbitretry/rabbitretry/internal/chainerr"
 )
 
 // Action is what the retry chain does with a failed message.
@@ -110,39 +112,16 @@ func isDrop(err error) bool {
 	return errors.As(err, &d)
 }
 
-// retryAfterError asks for the next attempt no earlier than After, e.g. from
-// an HTTP 429 or 503 Retry-After header. Construct it with RetryAfter.
-type retryAfterError struct {
-	Err   error
-	After time.Duration
-}
-
-// Error returns the wrapped error text with the requested delay.
-func (e *retryAfterError) Error() string {
-	return fmt.Sprintf("%v (retry after %s)", e.Err, e.After)
-}
-
-// Unwrap returns the wrapped handler error.
-func (e *retryAfterError) Unwrap() error { return e.Err }
-
 // RetryAfter wraps err with a handler-chosen delay d (time.Duration, must be
 // > 0; a delay <= 0 means "use the backoff policy"). The republisher uses
 // max(d, backoff delay); the AMQP delayer then rounds up to a delay tier.
-// RetryAfter(nil, d) returns nil.
+// RetryAfter(nil, d) returns nil. The Classifier reports the delay asked
+// in Classification.Delay (DefaultClassifier.Classify(err).Delay).
 func RetryAfter(err error, d time.Duration) error {
 	if err == nil {
 		return nil
 	}
-	return &retryAfterError{Err: err, After: d}
-}
-
-// RetryAfterFrom returns the delay requested with RetryAfter, if any.
-func RetryAfterFrom(err error) (time.Duration, bool) {
-	var ra *retryAfterError
-	if errors.As(err, &ra) && ra.After > 0 {
-		return ra.After, true
-	}
-	return 0, false
+	return &chainerr.RetryAfterError{Err: err, After: d}
 }
 
 // Rule is one classification rule: when Match returns true for a handler
@@ -184,7 +163,7 @@ func DefaultRules() []Rule {
 	return []Rule{
 		{Class: ClassDropped, Match: isDrop, Action: ActionDrop},
 		{Class: ClassPermanent, Match: isPermanent, Action: ActionPoison},
-		{Class: ClassRetryAfter, Match: func(err error) bool { _, ok := RetryAfterFrom(err); return ok }, Action: ActionRetry},
+		{Class: ClassRetryAfter, Match: func(err error) bool { _, ok := chainerr.RetryAfter(err); return ok }, Action: ActionRetry},
 		{Class: ClassMalformed, Match: MatchAs[*json.SyntaxError](), Action: ActionPoison},
 		{Class: ClassMalformed, Match: MatchAs[*json.UnmarshalTypeError](), Action: ActionPoison},
 		{Class: ClassMalformed, Match: MatchAs[*json.InvalidUnmarshalError](), Action: ActionPoison},
@@ -319,14 +298,14 @@ func (c *Classifier) Classify(err error) Classification {
 	for _, r := range c.rules {
 		if r.Match(err) {
 			cl := Classification{Action: r.Action, Class: r.Class}
-			if d, ok := RetryAfterFrom(err); ok && r.Action == ActionRetry {
+			if d, ok := chainerr.RetryAfter(err); ok && r.Action == ActionRetry {
 				cl.Delay = d
 			}
 			return cl
 		}
 	}
 	cl := Classification{Action: c.def, Class: c.defaultClass}
-	if d, ok := RetryAfterFrom(err); ok && c.def == ActionRetry {
+	if d, ok := chainerr.RetryAfter(err); ok && c.def == ActionRetry {
 		cl.Delay = d
 	}
 	return cl

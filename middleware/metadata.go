@@ -76,10 +76,6 @@ const (
 	// poison queue: the RFC 3339 time of the replay.
 	ReplayedKey = retrymeta.ReplayedKey
 
-	// PoisonReasonKey is Watermill's "reason_poisoned": on a poisoned
-	// message, the (truncated) error text.
-	PoisonReasonKey = retrymeta.PoisonReasonKey
-
 	// PoisonAttemptsKey holds, on a poisoned message, how many attempts were
 	// made (decimal): the poisoned message's one attempt count (the
 	// PoisonForwarder leaves AttemptKey off the poison copy).

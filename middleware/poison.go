@@ -150,7 +150,7 @@ func (f *PoisonForwarder) onFailure(msg *message.Message, out []*message.Message
 	f.cfg.Observer.Poisoned(msg, attempt, class)
 	f.cfg.Logger.Info("Message poisoned", watermill.LogFields{
 		"message_uuid": msg.UUID, "poison_topic": topic, "attempt": attempt,
-		"error_class": class, "error": p.Metadata[PoisonReasonKey],
+		"error_class": class, "error": p.Metadata[retrymeta.PoisonReasonKey],
 	})
 	return nil, nil
 }
@@ -184,7 +184,7 @@ func (f *PoisonForwarder) poisonCopy(ctx context.Context, msg *message.Message, 
 	// own attempt numbers would only repeat it (or, proven, contradict it).
 	delete(p.Metadata, AttemptKey)
 	delete(p.Metadata, retrymeta.ProvenAttemptKey)
-	p.Metadata.Set(PoisonReasonKey, text)
+	p.Metadata.Set(retrymeta.PoisonReasonKey, text)
 	p.Metadata.Set(retrymeta.PoisonTopicKey, message.SubscribeTopicFromCtx(ctx))
 	p.Metadata.Set(retrymeta.PoisonHandlerKey, message.HandlerNameFromCtx(ctx))
 	p.Metadata.Set(retrymeta.PoisonSubscriberKey, message.SubscriberNameFromCtx(ctx))

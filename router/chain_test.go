@@ -108,7 +108,7 @@ func TestTransientExhaustedIsPoisoned(t *testing.T) {
 		middleware.PoisonAttemptsKey: "3",
 		middleware.AttemptKey:        "", // one attempt count on a poison copy: PoisonAttemptsKey
 		middleware.ErrorClassKey:     middleware.ClassExhausted,
-		middleware.PoisonReasonKey:   "gave up after 3 attempts: service unavailable",
+		retrymeta.PoisonReasonKey:    "gave up after 3 attempts: service unavailable",
 		retrymeta.PoisonTopicKey:     topic,
 		retrymeta.PoisonHandlerKey:   "worker",
 		middleware.OriginalQueueKey:  topic,
@@ -153,7 +153,7 @@ func TestPermanentPoisonedAtOnce(t *testing.T) {
 		t.Fatalf("handler called %d times, want 1", seen.len())
 	}
 	if p.UUID != msg.UUID || p.Metadata.Get(middleware.ErrorClassKey) != middleware.ClassPermanent ||
-		p.Metadata.Get(middleware.PoisonAttemptsKey) != "1" || p.Metadata.Get(middleware.PoisonReasonKey) != "customer does not exist" {
+		p.Metadata.Get(middleware.PoisonAttemptsKey) != "1" || p.Metadata.Get(retrymeta.PoisonReasonKey) != "customer does not exist" {
 		t.Fatalf("poison metadata %v", p.Metadata)
 	}
 	if e.observer.count("retry") != 0 || e.delayer.Pending() != 0 {
@@ -244,7 +244,7 @@ func TestRecovererPanicIsRetriedThenPoisoned(t *testing.T) {
 	if p.UUID != msg.UUID || p.Metadata.Get(middleware.ErrorClassKey) != middleware.ClassExhausted || p.Metadata.Get(middleware.PoisonAttemptsKey) != "3" {
 		t.Fatalf("poison metadata %v", p.Metadata)
 	}
-	reason := p.Metadata.Get(middleware.PoisonReasonKey)
+	reason := p.Metadata.Get(retrymeta.PoisonReasonKey)
 	if !strings.Contains(reason, "panic occurred") || !strings.Contains(reason, "nil map write on attempt 3") {
 		t.Errorf("reason %q", reason)
 	}
@@ -582,7 +582,7 @@ func TestChainClassifierConfigUsed(t *testing.T) {
 		t.Fatal(err)
 	}
 	ps := pub.all()
-	if len(ps) != 1 || ps[0].Metadata.Get(middleware.ErrorClassKey) != "not-found" || ps[0].Metadata.Get(middleware.PoisonReasonKey) != "redacted" || d.n.Load() != 0 {
+	if len(ps) != 1 || ps[0].Metadata.Get(middleware.ErrorClassKey) != "not-found" || ps[0].Metadata.Get(retrymeta.PoisonReasonKey) != "redacted" || d.n.Load() != 0 {
 		t.Fatalf("poisoned %v", ps)
 	}
 	pub.mu.Lock()

@@ -15,7 +15,7 @@ import (
 )
 
 // defaultFallbackPause is the default of Config.FallbackPause.
-const defaultFallbackPause = time.Second
+const defaultFallbackPause = retrymeta.DefaultFallbackPause
 
 // fallbackMaxHold bounds how long the fallback holds a delivery for a
 // handler's RetryAfter (the subscription handles one message at a time, and
@@ -95,7 +95,7 @@ func (f *fallback) onFailure(msg *message.Message, err error) error {
 	case errors.As(err, &se) && se.HandlerRan():
 		next, handlerErr = se.Attempt+1, se.HandlerErr
 		proven = min(middleware.ProvenAttempt(msg), se.Attempt) + 1 // this run failed
-		asked, _ = middleware.RetryAfterFrom(se.HandlerErr)
+		asked, _ = chainerr.RetryAfter(se.HandlerErr)
 	case errors.As(err, &pe):
 		next, handlerErr = max(attempt, f.maxAttempts+1), pe.HandlerErr
 		proven = next // to be poisoned: never run again

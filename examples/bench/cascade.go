@@ -567,7 +567,7 @@ func (b *bench) newFillVariant(res *cascadeResult, variant string) (*fillVariant
 	if tiers {
 		topo := retry.Topology()
 		wx := topo.Naming().WaitExchange
-		m := retry.Marshaler()
+		m := retry.SubscriberConfig().Marshaler
 		pub := retry.Publisher()
 		v.schedule = func(ctx context.Context, msg *message.Message, d time.Duration) error {
 			// what amqpretry's Delayer.Schedule does for a delay > 0
@@ -581,7 +581,7 @@ func (b *bench) newFillVariant(res *cascadeResult, variant string) (*fillVariant
 		return v, nil
 	}
 	dcfg := cascadeCore(cc)
-	dcfg.Publisher, dcfg.Marshaler, dcfg.QueueName = retry.Publisher(), retry.Marshaler(), func(context.Context) string { return q }
+	dcfg.Publisher, dcfg.Marshaler, dcfg.QueueName = retry.Publisher(), amqpretry.Marshaler{Topology: retry.Topology()}, func(context.Context) string { return q }
 	d, err := cascadecore.NewDelayer(dcfg) // what cascade.Mode builds
 	if err != nil {
 		closeAll()
