@@ -348,7 +348,7 @@ func New(cfg Config) (*Retry, error) {
 		Policy:          policy,
 		Delayer:         chainDelayer,
 		PoisonPublisher: &poisonPublisher{publisher: pub, topology: topo, marshaler: marshaler, logger: cfg.Logger},
-		PoisonTopic:     func(ctx context.Context) string { return topo.PoisonQueue(cfg.QueueName(ctx)) },
+		PoisonTopic:     func(ctx context.Context) string { return topo.naming.PoisonQueue(cfg.QueueName(ctx)) },
 		Logger:          cfg.Logger,
 
 		// The same sources in every mode; with native delayed retry every

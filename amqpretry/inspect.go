@@ -243,14 +243,14 @@ func (t *Topology) Inspect(ctx context.Context, managementURL, vhost, queue stri
 		return s
 	}
 
-	known := map[string]bool{queue: true, t.PoisonQueue(queue): true, t.QuarantineQueue(queue): true}
+	known := map[string]bool{queue: true, t.naming.PoisonQueue(queue): true, t.naming.QuarantineQueue(queue): true}
 	rep.Queues = append(rep.Queues, state(queue, roleOrigin, 0, true))
 	for i, wq := range t.WaitQueues(queue) {
 		known[wq] = true
 		rep.Queues = append(rep.Queues, state(wq, roleWait, t.tiers[i], true))
 	}
-	rep.Queues = append(rep.Queues, state(t.PoisonQueue(queue), rolePoison, 0, true))
-	rep.Queues = append(rep.Queues, state(t.QuarantineQueue(queue), roleQuarantine, 0, true))
+	rep.Queues = append(rep.Queues, state(t.naming.PoisonQueue(queue), rolePoison, 0, true))
+	rep.Queues = append(rep.Queues, state(t.naming.QuarantineQueue(queue), roleQuarantine, 0, true))
 
 	prefix := queue + ".wait."
 	for _, lq := range listed {

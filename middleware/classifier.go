@@ -179,19 +179,21 @@ type Classification struct {
 	Delay time.Duration
 }
 
-// ClassifiedError carries a handler error with its Classification through
+// classifiedError carries a handler error with its Classification through
 // the middleware chain. The republisher and the poison forwarder read it with
-// errors.As; an error without it is classified with DefaultClassifier.
-type ClassifiedError struct {
+// errors.As; an error without it is classified with DefaultClassifier. It
+// is not public API: Classifier.Classify reads it back, and the router's
+// fallback and the audit read it through chainerr.Classified.
+type classifiedError struct {
 	Err error
 	Classification
 }
 
 // Error returns the handler error's text unchanged.
-func (e *ClassifiedError) Error() string { return e.Err.Error() }
+func (e *classifiedError) Error() string { return e.Err.Error() }
 
 // Unwrap returns the handler error.
-func (e *ClassifiedError) Unwrap() error { return e.Err }
+func (e *classifiedError) Unwrap() error { return e.Err }
 
 // ClassifierConfig configures a Classifier.
 type ClassifierConfig struct {
@@ -249,8 +251,8 @@ func (c ClassifierConfig) Validate() error {
 }
 
 // Classifier decides, for each handler error, whether to retry, poison or
-// drop. As a middleware it wraps the handler's error in a *ClassifiedError
-// and handles ActionDrop itself (ack, log); retry and poison are done by the
+// drop. As a middleware it wraps the handler's error with its
+// Classification (Classify reads it back) and handles ActionDrop itself (ack, log); retry and poison are done by the
 // republisher and the poison forwarder further out in the chain.
 type Classifier struct {
 	rules        []Rule
@@ -289,9 +291,9 @@ var DefaultClassifier = func() *Classifier {
 }()
 
 // Classify returns the verdict for err (err must be non-nil). An error that
-// is already a *ClassifiedError keeps its classification.
+// already carries a classification (the chain's own wrapping) keeps it.
 func (c *Classifier) Classify(err error) Classification {
-	var ce *ClassifiedError
+	var ce *classifiedError
 	if errors.As(err, &ce) {
 		return ce.Classification
 	}
@@ -312,17 +314,18 @@ func (c *Classifier) Classify(err error) Classification {
 }
 
 // classify wraps err with its classification (idempotent).
-func (c *Classifier) classify(err error) *ClassifiedError {
-	var ce *ClassifiedError
+func (c *Classifier) classify(err error) *classifiedError {
+	var ce *classifiedError
 	if errors.As(err, &ce) {
 		return ce
 	}
-	return &ClassifiedError{Err: err, Classification: c.Classify(err)}
+	return &classifiedError{Err: err, Classification: c.Classify(err)}
 }
 
 // Middleware classifies the handler's error. ActionDrop: the message is
 // acked (nil error, no produced messages) and the drop is logged.
-// Otherwise the error is returned wrapped in a *ClassifiedError.
+// Otherwise the error is returned wrapped with its Classification (which
+// Classify, of any Classifier, returns for it).
 //
 // A failure returned when the message's context (as it entered this
 // middleware, i.e. the subscriber's, not one a Timeout middleware further in
@@ -348,7 +351,7 @@ func (c *Classifier) Middleware(h message.HandlerFunc) message.HandlerFunc {
 
 //go:noinline
 func interrupted(err error) error {
-	return &ClassifiedError{Err: err, Classification: Classification{Action: ActionNack, Class: ClassInterrupted}}
+	return &classifiedError{Err: err, Classification: Classification{Action: ActionNack, Class: ClassInterrupted}}
 }
 
 // onFailure is kept out of line so that the success path's closure stays
@@ -371,7 +374,7 @@ func (c *Classifier) onFailure(msg *message.Message, out []*message.Message, err
 // classificationOf returns the classification carried by err, or the
 // DefaultClassifier's verdict for an unclassified error.
 func classificationOf(err error) Classification {
-	var ce *ClassifiedError
+	var ce *classifiedError
 	if errors.As(err, &ce) {
 		return ce.Classification
 	}

@@ -90,7 +90,7 @@ func defaultShouldPoison(err error) bool {
 	if errors.As(err, &ex) {
 		return true
 	}
-	var ce *ClassifiedError
+	var ce *classifiedError
 	if errors.As(err, &ce) {
 		return ce.Action == ActionPoison
 	}
@@ -156,11 +156,11 @@ func (f *PoisonForwarder) onFailure(msg *message.Message, out []*message.Message
 }
 
 // errorClass returns the class a failure is poisoned with (ErrorClassKey): the class of a
-// *ClassifiedError whose action is ActionPoison, else
+// classified error whose action is ActionPoison, else
 // ClassExhausted for a *chainerr.ExhaustedError, else the
 // error's classification.
 func errorClass(err error) string {
-	var ce *ClassifiedError
+	var ce *classifiedError
 	if errors.As(err, &ce) && ce.Action == ActionPoison {
 		return ce.Class
 	}
@@ -194,7 +194,18 @@ func (f *PoisonForwarder) poisonCopy(ctx context.Context, msg *message.Message, 
 }
 
 func init() {
-	// The router's fallback records the poison class through package
-	// chainerr: it is not public API.
+	// The router's fallback records the poison class, and reads a carried
+	// classification, through package chainerr: they are not public API.
 	chainerr.ErrorClass = errorClass
+	chainerr.Classified = classified
+}
+
+// classified returns the action and class carried by err (see
+// chainerr.Classified).
+func classified(err error) (action int, class string, ok bool) {
+	var ce *classifiedError
+	if !errors.As(err, &ce) {
+		return 0, "", false
+	}
+	return int(ce.Action), ce.Class, true
 }

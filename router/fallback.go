@@ -79,8 +79,7 @@ func (f *fallback) onFailure(msg *message.Message, err error) error {
 	if errors.As(err, &dl) {
 		return err
 	}
-	var ce *middleware.ClassifiedError
-	if errors.As(err, &ce) && ce.Action == middleware.ActionNack {
+	if action, _, ok := chainerr.Classified(err); ok && middleware.Action(action) == middleware.ActionNack {
 		return err
 	}
 	ctx := msg.Context()

@@ -124,6 +124,13 @@ func (e *PoisonError) Unwrap() error { return e.Err }
 // importer of router is.
 var ErrorClass func(err error) string
 
+// Classified returns the action (a middleware.Action) and the class of the
+// classification err carries (the Classifier's verdict, or a middleware's
+// own, e.g. ActionNack / "interrupted" for a delivery already given back),
+// ok false when it carries none. Package middleware sets it in its init,
+// like ErrorClass; the router's fallback and the audit read it.
+var Classified func(err error) (action int, class string, ok bool)
+
 // RetryAfterError asks for the next attempt no earlier than After, e.g.
 // from an HTTP 429 or 503 Retry-After header. middleware.RetryAfter makes
 // it; the Classifier reads it into Classification.Delay.
