@@ -23,6 +23,7 @@ import (
 	"github.com/rabbitretry/rabbitretry/amqpwire"
 	"github.com/rabbitretry/rabbitretry/internal/chainerr"
 	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
+	"github.com/rabbitretry/rabbitretry/internal/testkit"
 	"github.com/rabbitretry/rabbitretry/internal/wire"
 	"github.com/rabbitretry/rabbitretry/middleware"
 	"github.com/rabbitretry/rabbitretry/router"
@@ -683,12 +684,12 @@ func TestRetryAfterLongerThanDelayerHoldsEndToEnd(t *testing.T) {
 	const hold, asked = 60 * time.Millisecond, 250 * time.Millisecond
 	var hops atomic.Int64
 	wrap := func(inner middleware.Delayer) middleware.Delayer {
-		return middleware.DelayerFunc(func(ctx context.Context, msg *message.Message, delay time.Duration) error {
+		return testkit.DelayerFunc(func(ctx context.Context, msg *message.Message, delay time.Duration) error {
 			if m, ok := middleware.MinimumDelay(ctx); ok {
 				delay = max(delay, m)
 			}
 			held := min(delay, hold)
-			middleware.SetRemainingDelay(msg.Metadata, delay-held)
+			retrymeta.SetRemainingDelay(msg.Metadata, delay-held)
 			msg.Metadata.Set(retrymeta.DeliveryRetryPathKey, "true") // amqpretry's Marshaler sets it from the delivery
 			hops.Add(1)
 			return inner.Schedule(ctx, msg, held)

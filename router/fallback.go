@@ -127,7 +127,7 @@ func (f *fallback) onFailure(msg *message.Message, err error) error {
 			f.logger.Error("Fallback: retry copy not held on the second try; the copy goes back to the queue carrying the remaining delay, to be held again before it runs", serr, watermill.LogFields{
 				"message_uuid": msg.UUID, "queue": f.queueName(ctx), "attempt": attempt, "asked": asked.String(), "remaining": remaining.String(),
 			})
-			middleware.SetRemainingDelay(c.Metadata, remaining)
+			retrymeta.SetRemainingDelay(c.Metadata, remaining)
 			remaining = 0
 		}
 		if !f.wait(ctx, remaining) {
