@@ -125,7 +125,8 @@ func (c *Config) setDefaults() {
 			c.QueueType = QueueTypeQuorum
 		}
 	}
-	c.Policy = c.Policy.WithDefaults()
+	p := &c.Policy // router.New fills in the same defaults
+	retrymeta.FillPolicyDefaults(&p.MaxAttempts, &p.Backoff, &p.MaxRedeliveries, &p.FallbackPause)
 	if c.Mode == nil {
 		c.Mode = Tiers()
 	}
@@ -153,7 +154,7 @@ func (c Config) Validate() error {
 	if err := c.validateManagement(); err != nil {
 		return err
 	}
-	if err := c.HandlerDeadline.Validate(); err != nil {
+	if err := c.HandlerDeadline.validate(); err != nil {
 		return err
 	}
 	if c.PublisherChannels < 0 {
@@ -347,7 +348,7 @@ func New(cfg Config) (*Retry, error) {
 		Policy:          policy,
 		Delayer:         chainDelayer,
 		PoisonPublisher: &poisonPublisher{publisher: pub, topology: topo, marshaler: marshaler, logger: cfg.Logger},
-		PoisonTopic:     func(ctx context.Context) string { return topo.PoisonQueue(cfg.QueueName(ctx)) },
+		PoisonTopic:     func(ctx context.Context) string { return topo.naming.PoisonQueue(cfg.QueueName(ctx)) },
 		Logger:          cfg.Logger,
 
 		// The same sources in every mode; with native delayed retry every
@@ -508,14 +509,8 @@ func (r *Retry) SubscriberConfig() wamqp.Config { return r.subscriber }
 // Topology returns the topology builder (names, tiers, TierFor).
 func (r *Retry) Topology() *Topology { return r.topology }
 
-// Marshaler returns the x-death-aware Marshaler.
-func (r *Retry) Marshaler() Marshaler { return r.marshaler }
-
 // Publisher returns the confirm publisher used for retries and poison.
 func (r *Retry) Publisher() *confirm.Publisher { return r.publisher }
-
-// QueueName returns the originating queue for a subscribe topic.
-func (r *Retry) QueueName(topic string) string { return r.subscriber.Queue.GenerateName(topic) }
 
 // DeleteQueues deletes originating queue queue together with its wait
 // queues, poison queue and quarantine queue, with every message in them (queue.delete, unconditional;

@@ -96,8 +96,8 @@ type HandlerDeadline struct {
 	HandlerTimeout time.Duration
 }
 
-// Validate reports the first bad field.
-func (h HandlerDeadline) Validate() error {
+// validate reports the first bad field (Config.Validate calls it).
+func (h HandlerDeadline) validate() error {
 	if h.Margin < 0 {
 		return fmt.Errorf("amqpretry.Config.HandlerDeadline.Margin %v is negative", h.Margin)
 	}

@@ -57,13 +57,13 @@ func TestDeadlineFor(t *testing.T) {
 }
 
 func TestHandlerDeadlineValidate(t *testing.T) {
-	if err := (HandlerDeadline{Margin: -time.Second}).Validate(); err == nil || !strings.Contains(err.Error(), "HandlerDeadline.Margin") {
+	if err := (HandlerDeadline{Margin: -time.Second}).validate(); err == nil || !strings.Contains(err.Error(), "HandlerDeadline.Margin") {
 		t.Errorf("negative Margin: %v", err)
 	}
-	if err := (HandlerDeadline{HandlerTimeout: -time.Second}).Validate(); err == nil || !strings.Contains(err.Error(), "HandlerDeadline.HandlerTimeout") {
+	if err := (HandlerDeadline{HandlerTimeout: -time.Second}).validate(); err == nil || !strings.Contains(err.Error(), "HandlerDeadline.HandlerTimeout") {
 		t.Errorf("negative HandlerTimeout: %v", err)
 	}
-	if err := (HandlerDeadline{}).Validate(); err != nil {
+	if err := (HandlerDeadline{}).validate(); err != nil {
 		t.Errorf("zero value: %v", err)
 	}
 }

@@ -38,7 +38,7 @@ type tiersDelayer struct {
 // tier is TierFor(delay), or, when ctx carries a middleware.MinimumDelay (a
 // handler's RetryAfter), the smallest tier at or above it. A delay (or
 // RetryAfter) longer than the longest tier is held for the longest tier, and
-// the copy carries the rest (middleware.SetRemainingDelay): the
+// the copy carries the rest (retrymeta.SetRemainingDelay): the
 // RedeliveryGuard sends it round again when it comes back, as many times as
 // needed, so the next attempt never runs earlier than asked. A delay <= 0
 // goes straight back to the queue through the loop-back exchange. If the
@@ -70,7 +70,7 @@ type retryPlan struct {
 }
 
 // plan checks the queue's names and chooses msg's wait queue tier; for a
-// positive delay it sets msg's remaining delay (middleware.SetRemainingDelay).
+// positive delay it sets msg's remaining delay (retrymeta.SetRemainingDelay).
 func (d *tiersDelayer) plan(ctx context.Context, msg *message.Message, delay time.Duration) (retryPlan, error) {
 	q := d.queueName(ctx)
 	if err := d.topology.CheckNames(q); err != nil {
@@ -100,7 +100,7 @@ func (d *tiersDelayer) plan(ctx context.Context, msg *message.Message, delay tim
 			"queue": q, "requested": asked.String(), "tier": p.tier.String(), "remaining": p.remaining.String(),
 		})
 	}
-	middleware.SetRemainingDelay(msg.Metadata, p.remaining)
+	retrymeta.SetRemainingDelay(msg.Metadata, p.remaining)
 	return p, nil
 }
 

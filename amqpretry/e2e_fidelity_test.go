@@ -177,7 +177,7 @@ func TestE2E_HeaderTypesSurviveRetryAndPoison(t *testing.T) {
 		e.publishRaw(amqp.Publishing{Headers: h, Body: []byte("typed"), DeliveryMode: amqp.Persistent})
 
 		orig := e.getOne(tap)
-		pq := e.retry.Topology().PoisonQueue(q)
+		pq := e.retry.Topology().Naming().PoisonQueue(q)
 		waitFor(t, 15*time.Second, "the poison copy", func() bool { return e.depth(pq) == 1 })
 		e.stopRouter()
 		p := e.getOne(pq)
@@ -309,7 +309,7 @@ func TestE2E_DeliveryModeAndIdentityKept(t *testing.T) {
 		amqp.Publishing{Body: []byte("transient-anon-2"), DeliveryMode: amqp.Transient},
 		amqp.Publishing{Body: []byte("persistent-anon"), DeliveryMode: amqp.Persistent},
 	)
-	pq := e.retry.Topology().PoisonQueue(q)
+	pq := e.retry.Topology().Naming().PoisonQueue(q)
 	waitFor(t, 15*time.Second, "3 poison copies", func() bool { return e.depth(pq) == 3 })
 	e.stopRouter()
 	ds := e.drain(pq)
@@ -384,7 +384,7 @@ func TestE2E_ForgedOriginIgnored(t *testing.T) {
 			msg.Metadata.Set(middleware.OriginalRoutingKeyKey, "forged.key")
 			e.publish(msg)
 
-			pq := e.retry.Topology().PoisonQueue(qInbox)
+			pq := e.retry.Topology().Naming().PoisonQueue(qInbox)
 			waitFor(t, 20*time.Second, "the poison copy", func() bool { return e.depth(pq) == 1 })
 			if n := inbox.count(msg.UUID); n != 3 {
 				t.Errorf("inbox handled the message %d times before poisoning, want 3 (MaxAttempts)", n)

@@ -143,7 +143,7 @@ func (e *testEnv) close() {
 	ch, err := e.conn.Channel()
 	if err == nil {
 		for _, q := range e.queues {
-			for _, name := range append(e.retry.Topology().WaitQueues(q), q, e.retry.Topology().PoisonQueue(q), e.retry.Topology().QuarantineQueue(q)) {
+			for _, name := range append(e.retry.Topology().WaitQueues(q), q, e.retry.Topology().Naming().PoisonQueue(q), e.retry.Topology().Naming().QuarantineQueue(q)) {
 				_, _ = ch.QueueDelete(name, false, false, false)
 			}
 		}

@@ -108,7 +108,7 @@ func TestE2E_NativeDelayedRetry(t *testing.T) {
 		}
 		return n == 1
 	})
-	pq := e.retry.Topology().PoisonQueue(q)
+	pq := e.retry.Topology().Naming().PoisonQueue(q)
 	waitFor(t, 15*time.Second, "the failing message poisoned", func() bool { return e.depth(pq) == 1 })
 	time.Sleep(2 * minDelay) // nothing more may run
 	badAttempts, badTimes := rec.get(badUUID)

@@ -46,7 +46,7 @@ func TestE2E_ForwarderOutputListedAndReplayed(t *testing.T) {
 		sent[m.UUID] = true
 		e.publish(m)
 	}
-	pq := e.retry.Topology().PoisonQueue(q)
+	pq := e.retry.Topology().Naming().PoisonQueue(q)
 	waitFor(t, 10*time.Second, "all poisoned", func() bool { return e.depth(pq) == n })
 
 	a, err := admin.New(admin.Config{URI: e.uri})
@@ -128,7 +128,7 @@ func TestE2E_DeadLetteredIntoPoisonReplaysToItsQueue(t *testing.T) {
 	if err := e.ch.PublishWithContext(context.Background(), e.exchange, "order.created", false, false, p); err != nil {
 		t.Fatal(err)
 	}
-	pq := e.retry.Topology().PoisonQueue(q)
+	pq := e.retry.Topology().Naming().PoisonQueue(q)
 	waitFor(t, 10*time.Second, "the expired message in Q's poison queue", func() bool { return e.depth(pq) == 1 })
 	a, err := admin.New(admin.Config{URI: e.uri})
 	if err != nil {

@@ -38,7 +38,7 @@ func TestE2E_QuarantineGracefulStop(t *testing.T) {
 	})
 	q := e.queue("svc")
 	topo := e.retry.Topology()
-	qq := topo.QuarantineQueue(q)
+	qq := topo.Naming().QuarantineQueue(q)
 
 	var (
 		mu      sync.Mutex
@@ -132,11 +132,11 @@ func TestE2E_QuarantineGracefulStop(t *testing.T) {
 	stop = start()
 	total := nQuarantine + nOrigin
 	waitFor(t, 60*time.Second, "every message handled", func() bool {
-		return nHandled()+e.depth(topo.PoisonQueue(q)) >= total && e.depth(qq) == 0 && e.depth(q) == 0
+		return nHandled()+e.depth(topo.Naming().PoisonQueue(q)) >= total && e.depth(qq) == 0 && e.depth(q) == 0
 	})
 	stop()
 
-	poisoned := e.drain(topo.PoisonQueue(q))
+	poisoned := e.drain(topo.Naming().PoisonQueue(q))
 	mu.Lock()
 	defer mu.Unlock()
 	dups := 0
@@ -171,7 +171,7 @@ func TestE2E_QuarantineGracefulStop(t *testing.T) {
 func TestE2E_QuarantineHandBack(t *testing.T) {
 	e := newEnv(t, amqpretry.QueueTypeQuorum)
 	q := e.queue("svc")
-	qq := e.retry.Topology().QuarantineQueue(q)
+	qq := e.retry.Topology().Naming().QuarantineQueue(q)
 	newSub := func() (*router.DrainingSubscriber, <-chan *message.Message) {
 		sub, err := e.retry.NewSubscriber(watermill.NopLogger{}, 5*time.Second)
 		if err != nil {

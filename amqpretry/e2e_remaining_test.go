@@ -95,7 +95,7 @@ func TestE2E_RetryAfterBeyondLongestTier(t *testing.T) {
 				}
 				return k
 			}
-			pq := e.retry.Topology().PoisonQueue(q)
+			pq := e.retry.Topology().Naming().PoisonQueue(q)
 			waitFor(t, 30*time.Second, "every message's third attempt", func() bool { return handled()+e.depth(pq) == n })
 			e.waitQueuesEmpty(q, 10*time.Second)
 

@@ -73,7 +73,7 @@ func TestE2E_RetryReturnsToFailingQueueOnly(t *testing.T) {
 		if d := e.depth(qb); d != 0 {
 			t.Fatalf("B queue depth %d", d)
 		}
-		if d := e.depth(e.retry.Topology().PoisonQueue(qa)); d != 0 {
+		if d := e.depth(e.retry.Topology().Naming().PoisonQueue(qa)); d != 0 {
 			t.Fatalf("poison queue has %d messages, want 0", d)
 		}
 		recA.mu.Lock()
@@ -91,7 +91,7 @@ func TestE2E_RetryReturnsToFailingQueueOnly(t *testing.T) {
 
 // poisoned returns the poison queue's messages, acked.
 func (e *testEnv) poisoned(q string) []amqp.Delivery {
-	return e.drain(e.retry.Topology().PoisonQueue(q))
+	return e.drain(e.retry.Topology().Naming().PoisonQueue(q))
 }
 
 // A permanent error goes to the poison queue at once with its metadata; a
@@ -112,7 +112,7 @@ func TestE2E_PoisonPermanentAndExhausted(t *testing.T) {
 		e.start()
 		start := time.Now()
 		e.publish(perm, trans)
-		pq := e.retry.Topology().PoisonQueue(q)
+		pq := e.retry.Topology().Naming().PoisonQueue(q)
 		waitFor(t, 15*time.Second, "2 poisoned messages", func() bool { return e.depth(pq) == 2 })
 		e.stopRouter()
 		if got, _ := rec.get(perm.UUID); len(got) != 1 {
@@ -134,8 +134,8 @@ func TestE2E_PoisonPermanentAndExhausted(t *testing.T) {
 			if h(middleware.PoisonAttemptsKey) != attempts || h(middleware.ErrorClassKey) != class {
 				t.Errorf("%s: attempts %q class %q, want %s %s", uuid, h(middleware.PoisonAttemptsKey), h(middleware.ErrorClassKey), attempts, class)
 			}
-			if !strings.Contains(h(middleware.PoisonReasonKey), reason) {
-				t.Errorf("%s: reason %q does not contain %q", uuid, h(middleware.PoisonReasonKey), reason)
+			if !strings.Contains(h(retrymeta.PoisonReasonKey), reason) {
+				t.Errorf("%s: reason %q does not contain %q", uuid, h(retrymeta.PoisonReasonKey), reason)
 			}
 			if h(retrymeta.PoisonTopicKey) != q || h(retrymeta.PoisonHandlerKey) != "svc" || h(retrymeta.PoisonSubscriberKey) == "" {
 				t.Errorf("%s: watermill poison keys wrong: topic %q handler %q subscriber %q", uuid, h(retrymeta.PoisonTopicKey), h(retrymeta.PoisonHandlerKey), h(retrymeta.PoisonSubscriberKey))
@@ -208,7 +208,7 @@ func TestE2E_ThousandMessagesAccounting(t *testing.T) {
 		})
 		e.start()
 		e.publish(msgs...)
-		pq := e.retry.Topology().PoisonQueue(q)
+		pq := e.retry.Topology().Naming().PoisonQueue(q)
 		waitFor(t, 60*time.Second, "every message handled or poisoned", func() bool {
 			mu.Lock()
 			h := len(handled)
@@ -480,7 +480,7 @@ func forgedRetryHeaders(t *testing.T, mode, qt string, opts ...envOption) {
 			}
 			uuids[c.name] = m.UUID
 		}
-		pq := e.retry.Topology().PoisonQueue(q)
+		pq := e.retry.Topology().Naming().PoisonQueue(q)
 		waitFor(t, 30*time.Second, "all forged messages poisoned", func() bool { return e.depth(pq) == len(cases) })
 		runs := 0
 		for _, c := range cases {
@@ -568,7 +568,7 @@ func TestE2E_DeadLetterFirstRetryOfACopy(t *testing.T) {
 	e.start()
 	msg := message.NewMessage(watermill.NewUUID(), []byte("x"))
 	e.publish(msg)
-	pq := e.retry.Topology().PoisonQueue(q)
+	pq := e.retry.Topology().Naming().PoisonQueue(q)
 	waitFor(t, 15*time.Second, "poisoned", func() bool { return e.depth(pq) == 1 })
 	attempts, _ := rec.get(msg.UUID)
 	if fmt.Sprint(attempts) != "[1 2 3 4 5]" {
@@ -598,7 +598,7 @@ func TestE2E_PropertiesKeptAcrossRetries(t *testing.T) {
 	if err := e.ch.PublishWithContext(context.Background(), e.exchange, "order.created", false, false, p); err != nil {
 		t.Fatal(err)
 	}
-	pq := e.retry.Topology().PoisonQueue(q)
+	pq := e.retry.Topology().Naming().PoisonQueue(q)
 	waitFor(t, 10*time.Second, "poisoned after 2 attempts", func() bool { return e.depth(pq) == 1 })
 	rec.mu.Lock()
 	second := rec.meta[msg.UUID][1]

@@ -64,7 +64,7 @@ func TestE2E_TracingOneTracePerMessage(t *testing.T) {
 	e.publish(flaky, bare)
 
 	waitFor(t, 30*time.Second, "3 runs each", func() bool { return runs.count("flaky-1") == 3 && runs.count("bare-1") == 3 })
-	waitFor(t, 30*time.Second, "poison copy", func() bool { return e.depth(e.retry.Topology().PoisonQueue(q)) == 1 })
+	waitFor(t, 30*time.Second, "poison copy", func() bool { return e.depth(e.retry.Topology().Naming().PoisonQueue(q)) == 1 })
 	waitFor(t, 10*time.Second, "6 process spans", func() bool {
 		n := 0
 		for _, s := range rec.Ended() {
@@ -144,7 +144,7 @@ func TestE2E_TracingOneTracePerMessage(t *testing.T) {
 		t.Errorf("first attempt's parent %s, want the producer span %s", p.SpanID(), producer.SpanContext().SpanID())
 	}
 	check("bare-1", trace.TraceID{}, []string{"retry_scheduled", "retry_scheduled", "poisoned"})
-	poisoned := e.drain(e.retry.Topology().PoisonQueue(q))
+	poisoned := e.drain(e.retry.Topology().Naming().PoisonQueue(q))
 	if len(poisoned) != 1 || poisoned[0].Headers["traceparent"] == nil {
 		t.Errorf("poison copy carries no traceparent: %v", poisoned)
 	}

@@ -243,14 +243,14 @@ func (t *Topology) Inspect(ctx context.Context, managementURL, vhost, queue stri
 		return s
 	}
 
-	known := map[string]bool{queue: true, t.PoisonQueue(queue): true, t.QuarantineQueue(queue): true}
+	known := map[string]bool{queue: true, t.naming.PoisonQueue(queue): true, t.naming.QuarantineQueue(queue): true}
 	rep.Queues = append(rep.Queues, state(queue, roleOrigin, 0, true))
 	for i, wq := range t.WaitQueues(queue) {
 		known[wq] = true
 		rep.Queues = append(rep.Queues, state(wq, roleWait, t.tiers[i], true))
 	}
-	rep.Queues = append(rep.Queues, state(t.PoisonQueue(queue), rolePoison, 0, true))
-	rep.Queues = append(rep.Queues, state(t.QuarantineQueue(queue), roleQuarantine, 0, true))
+	rep.Queues = append(rep.Queues, state(t.naming.PoisonQueue(queue), rolePoison, 0, true))
+	rep.Queues = append(rep.Queues, state(t.naming.QuarantineQueue(queue), roleQuarantine, 0, true))
 
 	prefix := queue + ".wait."
 	for _, lq := range listed {
@@ -407,9 +407,9 @@ func (r *Retry) vhost() (string, error) {
 	return u.Vhost, nil
 }
 
-// Inspect is Topology().Inspect on the vhost of the subscriber's AMQP URI
+// inspect is Topology().Inspect on the vhost of the subscriber's AMQP URI
 // (Config.Subscriber.Connection).
-func (r *Retry) Inspect(ctx context.Context, managementURL, queue string) (*TopologyReport, error) {
+func (r *Retry) inspect(ctx context.Context, managementURL, queue string) (*TopologyReport, error) {
 	vhost, err := r.vhost()
 	if err != nil {
 		return nil, err
@@ -418,14 +418,14 @@ func (r *Retry) Inspect(ctx context.Context, managementURL, queue string) (*Topo
 }
 
 // DeleteQueuesAndOrphans is DeleteQueues plus Q's orphan wait queues
-// (found by Inspect through the management API at managementURL, on the
+// (found by Topology.Inspect through the management API at managementURL, on the
 // vhost of the subscriber's AMQP URI): it deletes Q, its poison queue, its
 // wait queues and its orphan wait queues with every message in them
 // (queue.delete, unconditional; a missing queue is not an error). The
 // shared exchanges stay. Meant for demos, tests and decommissioning; it
 // returns the first management API or broker error.
 func (r *Retry) DeleteQueuesAndOrphans(ctx context.Context, managementURL, queue string) error {
-	rep, err := r.Inspect(ctx, managementURL, queue)
+	rep, err := r.inspect(ctx, managementURL, queue)
 	if err != nil {
 		return err
 	}

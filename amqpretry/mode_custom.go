@@ -106,8 +106,8 @@ type CustomDelayer struct {
 
 // DelayerFactory builds a CustomDelayer for New (the Custom mode).
 // It is called once, after the retry publisher is connected; an error
-// makes New fail (the publisher is closed). The delay cascade provides one:
-// cascade.DelayerFactory (cascade.Mode wraps it in Custom).
+// makes New fail (the publisher is closed). The delay cascade is one:
+// cascade.Mode is Custom around its factory.
 type DelayerFactory func(DelayerDeps) (CustomDelayer, error)
 
 // splitDelayer sends copies with no delay through amqpretry's loop-back

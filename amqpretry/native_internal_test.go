@@ -31,7 +31,9 @@ func TestNativeDelayedRetryValidate(t *testing.T) {
 		t.Fatalf("Max 0 (= Min): %v", err)
 	}
 	// (The old "dead-letter" case, NativeDelayedRetry with
-	// DeadLetterFirstRetry, cannot be written any more: one Mode value.)
+	// DeadLetterFirstRetry, cannot be written any more: one Mode value;
+	// TestModesExcludeEachOther asserts the native mode never dead-letters
+	// first retries.)
 	for name, tc := range map[string]struct {
 		mut  func(c *Config)
 		nmut func(n *native)

@@ -83,7 +83,7 @@ func (d *tiersDelayer) Quarantine(ctx context.Context, msg *message.Message) err
 	if !d.topology.quarantines.consumed(q) {
 		return fmt.Errorf("amqpretry: queue %q: %w", q, retrymeta.ErrNoQuarantine)
 	}
-	qq := d.topology.QuarantineQueue(q)
+	qq := d.topology.naming.QuarantineQueue(q)
 	if err := d.publish(ctx, msg, d.topology.naming.LoopBackExchange, qq, q); err != nil {
 		return err
 	}
@@ -237,7 +237,7 @@ func (s *quarantineSubscriber) stopped(ctx context.Context) bool {
 // quarantineSubscriber) until ctx ends or the subscriber closes: at once
 // when woken (this process moved a message there), else every s.poll.
 func (s *quarantineSubscriber) consumeQuarantine(ctx context.Context, queue string, wake <-chan struct{}, gate *sync.RWMutex, out chan<- *message.Message) {
-	qq := s.topo.QuarantineQueue(queue)
+	qq := s.topo.naming.QuarantineQueue(queue)
 	fields := watermill.LogFields{"queue": queue, "quarantine_queue": qq}
 	var (
 		conn *amqp.Connection

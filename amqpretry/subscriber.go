@@ -57,5 +57,5 @@ func (r *Retry) NewSubscriber(logger watermill.LoggerAdapter, drainTimeout time.
 // Marshaler) to queue's quarantine queue through the loop-back exchange,
 // confirmed.
 func (r *Retry) handBack(ctx context.Context, msg *message.Message, queue string) error {
-	return r.delayer.publish(ctx, msg, r.topology.naming.LoopBackExchange, r.topology.QuarantineQueue(queue), queue)
+	return r.delayer.publish(ctx, msg, r.topology.naming.LoopBackExchange, r.topology.naming.QuarantineQueue(queue), queue)
 }

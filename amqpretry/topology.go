@@ -249,16 +249,10 @@ func (t *Topology) WaitQueues(queue string) []string {
 	return names
 }
 
-// PoisonQueue returns Q's poison queue name.
-func (t *Topology) PoisonQueue(queue string) string { return t.naming.PoisonQueue(queue) }
-
-// QuarantineQueue returns Q's quarantine queue name (Naming.QuarantineQueue).
-func (t *Topology) QuarantineQueue(queue string) string { return t.naming.QuarantineQueue(queue) }
-
 // sideQueues are the queues DeclareRetry declares for Q: its wait queues,
 // poison queue and quarantine queue.
 func (t *Topology) sideQueues(queue string) []string {
-	return append(t.WaitQueues(queue), t.PoisonQueue(queue), t.QuarantineQueue(queue))
+	return append(t.WaitQueues(queue), t.naming.PoisonQueue(queue), t.naming.QuarantineQueue(queue))
 }
 
 // CheckNames returns an error naming the first derived queue name longer

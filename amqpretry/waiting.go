@@ -35,7 +35,7 @@ func (r *Retry) Waiting(ctx context.Context, queues ...string) ([]WaitingDepth, 
 		for _, tier := range r.topology.tiers {
 			stages = append(stages, struct{ name, stage string }{r.topology.naming.WaitQueue(q, tier), retrymeta.FormatDelay(tier)})
 		}
-		stages = append(stages, struct{ name, stage string }{r.topology.PoisonQueue(q), "poison"})
+		stages = append(stages, struct{ name, stage string }{r.topology.naming.PoisonQueue(q), "poison"})
 		for _, s := range stages {
 			if err := ctx.Err(); err != nil {
 				return out, err

@@ -223,7 +223,7 @@ func (e *brokerEnv) retryConsumer(queue string, maxAttempts int, h message.NoPub
 	if err != nil {
 		e.t.Fatal(err)
 	}
-	e.queues = append(e.queues, append(retry.Topology().WaitQueues(queue), retry.Topology().PoisonQueue(queue))...)
+	e.queues = append(e.queues, append(retry.Topology().WaitQueues(queue), retry.Topology().Naming().PoisonQueue(queue))...)
 	sub, err := wamqp.NewSubscriber(retry.SubscriberConfig(), watermill.NopLogger{})
 	if err != nil {
 		e.t.Fatal(err)

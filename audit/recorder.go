@@ -2,7 +2,6 @@ package audit
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"sync"
 	"sync/atomic"
@@ -14,6 +13,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitretry/rabbitretry/confirm"
+	"github.com/rabbitretry/rabbitretry/internal/chainerr"
 	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 	"github.com/rabbitretry/rabbitretry/middleware"
 )
@@ -235,9 +235,8 @@ func (r *Recorder) attemptFrom(msg *message.Message, st *attemptState, chainErr 
 	st.mu.Lock()
 	defer st.mu.Unlock()
 	a.Duration, a.Error, a.ErrorClass = st.took, st.errText, st.class
-	var ce *middleware.ClassifiedError
-	if chainErr != nil && errors.As(chainErr, &ce) && ce.Class != "" {
-		a.ErrorClass = ce.Class // e.g. "interrupted": what the chain acted on
+	if _, class, ok := chainerr.Classified(chainErr); chainErr != nil && ok && class != "" {
+		a.ErrorClass = class // e.g. "interrupted": what the chain acted on
 	}
 	switch {
 	case st.outcome != "":

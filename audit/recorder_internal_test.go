@@ -107,7 +107,7 @@ func TestRecorderOutcomes(t *testing.T) {
 		t.Fatal(err)
 	}
 	var failSchedule sync.Map // uuid -> remaining forced Schedule failures
-	delayer := middleware.DelayerFunc(func(ctx context.Context, msg *message.Message, d time.Duration) error {
+	delayer := testkit.DelayerFunc(func(ctx context.Context, msg *message.Message, d time.Duration) error {
 		if v, ok := failSchedule.Load(msg.UUID); ok && v.(int) > 0 {
 			failSchedule.Store(msg.UUID, v.(int)-1)
 			return errors.New("wait queue refused the copy")

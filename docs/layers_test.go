@@ -51,6 +51,10 @@ var layers = map[string][]string{
 	"internal/wire": {"internal/retrymeta"},
 	// Parsing of auditctl's and the HTTP API's filter syntax, on audit's types.
 	"internal/auditparse": {"audit"},
+	// The delay cascade's machinery behind amqpretry/cascade (its names,
+	// declares, Delayer, Publisher, census, redirect), shared with
+	// rabbitretry-topology: the cascade's layer.
+	"internal/cascadecore": {"middleware", "amqpwire", "confirm", "amqpretry"},
 }
 
 // noInternal: packages that may not import internal/... either, except the

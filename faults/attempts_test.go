@@ -40,7 +40,7 @@ func testCascade(e *env) cascade.Config {
 		e.t.Cleanup(func() {
 			ch := e.admin.channel()
 			defer ch.Close()
-			if err := ccfg.Delete(ch); err != nil {
+			if err := cascadeCore(ccfg).Delete(ch); err != nil {
 				e.t.Errorf("deleting the cascade: %v", err)
 			}
 		})

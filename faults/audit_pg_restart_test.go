@@ -207,7 +207,7 @@ func TestAuditPostgresRestartMidStorm(t *testing.T) {
 			t.Logf("cleanup: %v", err)
 		}
 		_ = c.Close()
-		adm.deleteAll(append(retry.Topology().WaitQueues(queue), queue, retry.Topology().PoisonQueue(queue)),
+		adm.deleteAll(append(retry.Topology().WaitQueues(queue), queue, retry.Topology().Naming().PoisonQueue(queue)),
 			[]string{exchange, retryNaming.LoopBackExchange, retryNaming.WaitExchange, retryNaming.PoisonExchange})
 	})
 	sub, err := wamqp.NewSubscriber(retry.SubscriberConfig(), watermill.NopLogger{})

@@ -17,11 +17,12 @@ import (
 
 	"github.com/rabbitretry/rabbitretry/amqpretry"
 	"github.com/rabbitretry/rabbitretry/amqpretry/cascade"
+	"github.com/rabbitretry/rabbitretry/internal/cascadecore"
 	"github.com/rabbitretry/rabbitretry/internal/testkit"
 )
 
 // The fault scenarios with the delay cascade selected
-// (amqpretry.Config.DelayerFactory = cascade.DelayerFactory): retries wait
+// (amqpretry.Config.Mode = cascade.Mode): retries wait
 // in the cascade's quorum level queues (at-least-once dead-lettering), not
 // in wait queues; zero-delay copies (fallback, RedeliveryGuard) still use
 // the loop-back exchange.
@@ -38,7 +39,7 @@ func cascadeEnv(t *testing.T, opts ...envOption) (*env, cascade.Config) {
 	t.Cleanup(func() {
 		ch := e.admin.channel()
 		defer ch.Close()
-		if err := ccfg.Delete(ch); err != nil {
+		if err := cascadeCore(ccfg).Delete(ch); err != nil {
 			t.Errorf("deleting the cascade: %v", err)
 		}
 	})
@@ -234,7 +235,7 @@ func levelLeaderDown(t *testing.T, verb string) {
 	t.Cleanup(func() {
 		ch := a.channel()
 		defer ch.Close()
-		_ = ccfg.Delete(ch)
+		_ = cascadeCore(ccfg).Delete(ch)
 		_, _ = ch.QueueDelete(dest, false, false, false)
 	})
 	pub, err := cascade.NewPublisher(ccfg)
@@ -245,7 +246,7 @@ func levelLeaderDown(t *testing.T, verb string) {
 	if err := pub.Bind(dest); err != nil {
 		t.Fatal(err)
 	}
-	level := ccfg.LevelName(7)
+	level := cascadeCore(ccfg).LevelName(7)
 	const n = 600
 	const wait = 12800 * time.Millisecond
 	uuids := make([]string, n)
@@ -379,7 +380,7 @@ func TestCascadeCensusDiskAlarm(t *testing.T) {
 	uri := brokerURI(t)
 	a := newAdmin(t, uri)
 	dest := uniquePrefix(t) + ".dest"
-	cfg := cascade.Config{Prefix: uniquePrefix(t) + ".cascade", Levels: 12, URI: uri,
+	cfg := cascadecore.Config{Prefix: uniquePrefix(t) + ".cascade", Levels: 12, URI: uri,
 		QueueName: func(context.Context) string { return dest }}
 	ch := a.channel()
 	if _, err := ch.QueueDeclare(dest, true, false, false, false, amqp.Table{"x-queue-type": "quorum"}); err != nil {
@@ -391,7 +392,7 @@ func TestCascadeCensusDiskAlarm(t *testing.T) {
 		_ = cfg.Delete(ch)
 		_, _ = ch.QueueDelete(dest, false, false, false)
 	})
-	d, err := cascade.NewDelayer(cfg)
+	d, err := cascadecore.NewDelayer(cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -453,7 +454,7 @@ func TestCascadeCensusDiskAlarm(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
 	defer cancel()
 	start := time.Now()
-	rep, err := cascade.Census(ctx, cfg, cascade.CensusOptions{})
+	rep, err := cascadecore.Census(ctx, cfg, cascadecore.CensusOptions{})
 	took := time.Since(start)
 	t.Logf("census under the disk alarm: returned after %v (deadline 3 s): %v; taken %d, put back %d, returned %d",
 		took.Round(time.Millisecond), err, rep.Taken, rep.PutBack, rep.Returned)
@@ -494,4 +495,11 @@ func maxTime(a, b time.Time) time.Time {
 		return b
 	}
 	return a
+}
+
+// cascadeCore is c's naming as the cascade's machinery takes it (Delete,
+// LevelName): the settings of a test cascade that tells only Prefix, Grain,
+// Levels and QueueType.
+func cascadeCore(c cascade.Config) cascadecore.Config {
+	return cascadecore.Config{Prefix: c.Prefix, Grain: c.Grain, Levels: c.Levels, QueueType: c.QueueType}
 }

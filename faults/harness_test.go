@@ -354,8 +354,8 @@ func newEnv(t *testing.T, queueType string, opts ...envOption) *env {
 }
 
 func (e *env) waitQueues() []string    { return e.retry.Topology().WaitQueues(e.queue) }
-func (e *env) poisonQueue() string     { return e.retry.Topology().PoisonQueue(e.queue) }
-func (e *env) quarantineQueue() string { return e.retry.Topology().QuarantineQueue(e.queue) }
+func (e *env) poisonQueue() string     { return e.retry.Topology().Naming().PoisonQueue(e.queue) }
+func (e *env) quarantineQueue() string { return e.retry.Topology().Naming().QuarantineQueue(e.queue) }
 func (e *env) allQueues() []string {
 	return append(e.waitQueues(), e.queue, e.poisonQueue(), e.quarantineQueue())
 }

@@ -169,7 +169,7 @@ func TestErrorTextBounded(t *testing.T) {
 	check("retry copy "+middleware.LastErrorKey, retryLastError)
 	mu.Unlock()
 	h := ds[0].Headers
-	check("poison "+middleware.PoisonReasonKey, h[middleware.PoisonReasonKey].(string))
+	check("poison "+retrymeta.PoisonReasonKey, h[retrymeta.PoisonReasonKey].(string))
 	check("poison "+middleware.LastErrorKey, h[middleware.LastErrorKey].(string))
 	total := 0
 	for k, v := range h {
@@ -178,7 +178,7 @@ func TestErrorTextBounded(t *testing.T) {
 		}
 	}
 	t.Logf("poison copy: reason %d bytes, last-error %d bytes, all string headers %d bytes",
-		len(h[middleware.PoisonReasonKey].(string)), len(h[middleware.LastErrorKey].(string)), total)
+		len(h[retrymeta.PoisonReasonKey].(string)), len(h[middleware.LastErrorKey].(string)), total)
 }
 
 // A custom Config.ErrorText redacts secrets from every header the library
@@ -227,7 +227,7 @@ func TestErrorTextRedaction(t *testing.T) {
 			t.Errorf("poison copy: header %s = %q leaks the secret", k, s)
 		}
 	}
-	if r := ds[0].Headers[middleware.PoisonReasonKey].(string); !strings.Contains(r, "amqp://REDACTED@rabbit.internal") {
+	if r := ds[0].Headers[retrymeta.PoisonReasonKey].(string); !strings.Contains(r, "amqp://REDACTED@rabbit.internal") {
 		t.Errorf("reason %q: not the redacted text", r)
 	}
 	if got := metas[len(metas)-1].Get(middleware.LastErrorKey); !strings.Contains(got, "REDACTED") {

@@ -20,6 +20,7 @@ import (
 	dto "github.com/prometheus/client_model/go"
 
 	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
+	"github.com/rabbitretry/rabbitretry/internal/testkit"
 	"github.com/rabbitretry/rabbitretry/metrics"
 	"github.com/rabbitretry/rabbitretry/middleware"
 	"github.com/rabbitretry/rabbitretry/router"
@@ -408,7 +409,7 @@ func TestChainFailures(t *testing.T) {
 	var schedule failOnce
 	h := newHarness(t, harnessOpts{
 		delayer: func(d *middleware.MemoryDelayer) middleware.Delayer {
-			return middleware.DelayerFunc(func(ctx context.Context, msg *message.Message, delay time.Duration) error {
+			return testkit.DelayerFunc(func(ctx context.Context, msg *message.Message, delay time.Duration) error {
 				if schedule.first() {
 					return errors.New("wait queue unavailable")
 				}

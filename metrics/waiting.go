@@ -28,7 +28,7 @@ type WaitingConfig struct {
 	// Sample reads the depths; it is called on every scrape with a context
 	// bounded by Timeout. With amqpretry: Retry.Waiting (wait queues and
 	// poison queue of the given queues); with the cascade:
-	// cascade.Delayer.Waiting. Required.
+	// cascade.Config.Waiting (or Publisher.Waiting). Required.
 	Sample func(ctx context.Context) ([]WaitingCount, error)
 	// Timeout bounds one Sample call. Default 5 s.
 	Timeout time.Duration

@@ -9,6 +9,8 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/rabbitretry/rabbitretry/internal/chainerr"
 )
 
 // Action is what the retry chain does with a failed message.
@@ -111,39 +113,16 @@ func isDrop(err error) bool {
 	return errors.As(err, &d)
 }
 
-// retryAfterError asks for the next attempt no earlier than After, e.g. from
-// an HTTP 429 or 503 Retry-After header. Construct it with RetryAfter.
-type retryAfterError struct {
-	Err   error
-	After time.Duration
-}
-
-// Error returns the wrapped error text with the requested delay.
-func (e *retryAfterError) Error() string {
-	return fmt.Sprintf("%v (retry after %s)", e.Err, e.After)
-}
-
-// Unwrap returns the wrapped handler error.
-func (e *retryAfterError) Unwrap() error { return e.Err }
-
 // RetryAfter wraps err with a handler-chosen delay d (time.Duration, must be
 // > 0; a delay <= 0 means "use the backoff policy"). The republisher uses
 // max(d, backoff delay); the AMQP delayer then rounds up to a delay tier.
-// RetryAfter(nil, d) returns nil.
+// RetryAfter(nil, d) returns nil. The Classifier reports the delay asked
+// in Classification.Delay (DefaultClassifier.Classify(err).Delay).
 func RetryAfter(err error, d time.Duration) error {
 	if err == nil {
 		return nil
 	}
-	return &retryAfterError{Err: err, After: d}
-}
-
-// RetryAfterFrom returns the delay requested with RetryAfter, if any.
-func RetryAfterFrom(err error) (time.Duration, bool) {
-	var ra *retryAfterError
-	if errors.As(err, &ra) && ra.After > 0 {
-		return ra.After, true
-	}
-	return 0, false
+	return &chainerr.RetryAfterError{Err: err, After: d}
 }
 
 // Rule is one classification rule: when Match returns true for a handler
@@ -185,7 +164,7 @@ func DefaultRules() []Rule {
 	return []Rule{
 		{Class: ClassDropped, Match: isDrop, Action: ActionDrop},
 		{Class: ClassPermanent, Match: isPermanent, Action: ActionPoison},
-		{Class: ClassRetryAfter, Match: func(err error) bool { _, ok := RetryAfterFrom(err); return ok }, Action: ActionRetry},
+		{Class: ClassRetryAfter, Match: func(err error) bool { _, ok := chainerr.RetryAfter(err); return ok }, Action: ActionRetry},
 		{Class: ClassMalformed, Match: MatchAs[*json.SyntaxError](), Action: ActionPoison},
 		{Class: ClassMalformed, Match: MatchAs[*json.UnmarshalTypeError](), Action: ActionPoison},
 		{Class: ClassMalformed, Match: MatchAs[*json.InvalidUnmarshalError](), Action: ActionPoison},
@@ -201,19 +180,21 @@ type Classification struct {
 	Delay time.Duration
 }
 
-// ClassifiedError carries a handler error with its Classification through
+// classifiedError carries a handler error with its Classification through
 // the middleware chain. The republisher and the poison forwarder read it with
-// errors.As; an error without it is classified with DefaultClassifier.
-type ClassifiedError struct {
+// errors.As; an error without it is classified with DefaultClassifier. It
+// is not public API: Classifier.Classify reads it back, and the router's
+// fallback and the audit read it through chainerr.Classified.
+type classifiedError struct {
 	Err error
 	Classification
 }
 
 // Error returns the handler error's text unchanged.
-func (e *ClassifiedError) Error() string { return e.Err.Error() }
+func (e *classifiedError) Error() string { return e.Err.Error() }
 
 // Unwrap returns the handler error.
-func (e *ClassifiedError) Unwrap() error { return e.Err }
+func (e *classifiedError) Unwrap() error { return e.Err }
 
 // ClassifierConfig configures a Classifier.
 type ClassifierConfig struct {
@@ -271,8 +252,8 @@ func (c ClassifierConfig) Validate() error {
 }
 
 // Classifier decides, for each handler error, whether to retry, poison or
-// drop. As a middleware it wraps the handler's error in a *ClassifiedError
-// and handles ActionDrop itself (ack, log); retry and poison are done by the
+// drop. As a middleware it wraps the handler's error with its
+// Classification (Classify reads it back) and handles ActionDrop itself (ack, log); retry and poison are done by the
 // republisher and the poison forwarder further out in the chain.
 type Classifier struct {
 	rules        []Rule
@@ -311,40 +292,41 @@ var DefaultClassifier = func() *Classifier {
 }()
 
 // Classify returns the verdict for err (err must be non-nil). An error that
-// is already a *ClassifiedError keeps its classification.
+// already carries a classification (the chain's own wrapping) keeps it.
 func (c *Classifier) Classify(err error) Classification {
-	var ce *ClassifiedError
+	var ce *classifiedError
 	if errors.As(err, &ce) {
 		return ce.Classification
 	}
 	for _, r := range c.rules {
 		if r.Match(err) {
 			cl := Classification{Action: r.Action, Class: r.Class}
-			if d, ok := RetryAfterFrom(err); ok && r.Action == ActionRetry {
+			if d, ok := chainerr.RetryAfter(err); ok && r.Action == ActionRetry {
 				cl.Delay = d
 			}
 			return cl
 		}
 	}
 	cl := Classification{Action: c.def, Class: c.defaultClass}
-	if d, ok := RetryAfterFrom(err); ok && c.def == ActionRetry {
+	if d, ok := chainerr.RetryAfter(err); ok && c.def == ActionRetry {
 		cl.Delay = d
 	}
 	return cl
 }
 
 // classify wraps err with its classification (idempotent).
-func (c *Classifier) classify(err error) *ClassifiedError {
-	var ce *ClassifiedError
+func (c *Classifier) classify(err error) *classifiedError {
+	var ce *classifiedError
 	if errors.As(err, &ce) {
 		return ce
 	}
-	return &ClassifiedError{Err: err, Classification: c.Classify(err)}
+	return &classifiedError{Err: err, Classification: c.Classify(err)}
 }
 
 // Middleware classifies the handler's error. ActionDrop: the message is
 // acked (nil error, no produced messages) and the drop is logged.
-// Otherwise the error is returned wrapped in a *ClassifiedError.
+// Otherwise the error is returned wrapped with its Classification (which
+// Classify, of any Classifier, returns for it).
 //
 // A failure returned when the message's context (as it entered this
 // middleware, i.e. the subscriber's, not one a Timeout middleware further in
@@ -378,7 +360,7 @@ func (c *Classifier) Middleware(h message.HandlerFunc) message.HandlerFunc {
 //go:noinline
 func (c *Classifier) onFailure(ctx context.Context, msg *message.Message, err error) error {
 	if ctx.Err() != nil || !c.alive(msg) {
-		return &ClassifiedError{Err: err, Classification: Classification{Action: ActionNack, Class: ClassInterrupted}}
+		return &classifiedError{Err: err, Classification: Classification{Action: ActionNack, Class: ClassInterrupted}}
 	}
 	ce := c.classify(err)
 	if ce.Action == ActionDrop {
@@ -395,7 +377,7 @@ func (c *Classifier) onFailure(ctx context.Context, msg *message.Message, err er
 // classificationOf returns the classification carried by err, or the
 // DefaultClassifier's verdict for an unclassified error.
 func classificationOf(err error) Classification {
-	var ce *ClassifiedError
+	var ce *classifiedError
 	if errors.As(err, &ce) {
 		return ce.Classification
 	}

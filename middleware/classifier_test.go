@@ -104,8 +104,8 @@ func TestMarkersOfNilAreNil(t *testing.T) {
 	if middleware.IsPermanent(errors.New("x")) || middleware.IsDrop(errors.New("x")) {
 		t.Fatal("plain error reported as marked")
 	}
-	if _, ok := middleware.RetryAfterFrom(errors.New("x")); ok {
-		t.Fatal("RetryAfterFrom on a plain error")
+	if d := middleware.DefaultClassifier.Classify(errors.New("x")).Delay; d != 0 {
+		t.Fatalf("a plain error asks for delay %v", d)
 	}
 	base := errors.New("root cause")
 	for _, err := range []error{middleware.Permanent(base), middleware.Drop(base), middleware.RetryAfter(base, time.Second)} {

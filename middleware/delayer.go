@@ -23,14 +23,6 @@ type Delayer interface {
 	Schedule(ctx context.Context, msg *message.Message, delay time.Duration) error
 }
 
-// DelayerFunc adapts a function to Delayer.
-type DelayerFunc func(ctx context.Context, msg *message.Message, delay time.Duration) error
-
-// Schedule calls f.
-func (f DelayerFunc) Schedule(ctx context.Context, msg *message.Message, delay time.Duration) error {
-	return f(ctx, msg, delay)
-}
-
 // ErrCannotDelay marks a Delayer error that no later attempt can fix, e.g. a
 // copy too large to be republished and delivered. The republisher then sends
 // the message to the poison queue (class "undelayable") instead of nacking

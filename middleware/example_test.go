@@ -10,6 +10,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+	wmw "github.com/ThreeDotsLabs/watermill/message/router/middleware"
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
@@ -70,8 +71,8 @@ func ExampleRetryAfter() {
 	errRateLimited := errors.New("rate limited")
 	err := middleware.RetryAfter(fmt.Errorf("charge card: %w", errRateLimited), 2*time.Minute)
 
-	d, ok := middleware.RetryAfterFrom(err)
-	fmt.Println(d, ok, errors.Is(err, errRateLimited))
+	c := middleware.DefaultClassifier.Classify(err)
+	fmt.Println(c.Delay, c.Action == middleware.ActionRetry, errors.Is(err, errRateLimited))
 	fmt.Println(middleware.RetryAfter(nil, time.Minute) == nil)
 	// Output:
 	// 2m0s true true
@@ -179,7 +180,7 @@ func ExampleNewPoisonForwarder() {
 	}
 	p := <-ch
 	p.Ack()
-	for _, k := range []string{middleware.PoisonReasonKey, middleware.ErrorClassKey, middleware.PoisonAttemptsKey, middleware.OriginalQueueKey} {
+	for _, k := range []string{wmw.ReasonForPoisonedKey, middleware.ErrorClassKey, middleware.PoisonAttemptsKey, middleware.OriginalQueueKey} {
 		fmt.Printf("%s=%s\n", k, p.Metadata.Get(k))
 	}
 	// Output:

@@ -15,6 +15,10 @@ func (r *Republisher) Delay(n int, requested time.Duration) (time.Duration, bool
 	return r.delayFor(n, requested)
 }
 
+// ClassifiedError is the chain's wrapping of a classified handler error,
+// for the external tests that inject a classification.
+type ClassifiedError = classifiedError
+
 // Unexported predicates and methods the external tests use.
 var (
 	IsPermanent         = isPermanent

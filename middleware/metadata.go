@@ -4,8 +4,6 @@ import (
 	"context"
 	"time"
 
-	"github.com/ThreeDotsLabs/watermill/message"
-
 	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 )
 
@@ -76,10 +74,6 @@ const (
 	// poison queue: the RFC 3339 time of the replay.
 	ReplayedKey = retrymeta.ReplayedKey
 
-	// PoisonReasonKey is Watermill's "reason_poisoned": on a poisoned
-	// message, the (truncated) error text.
-	PoisonReasonKey = retrymeta.PoisonReasonKey
-
 	// PoisonAttemptsKey holds, on a poisoned message, how many attempts were
 	// made (decimal): the poisoned message's one attempt count (the
 	// PoisonForwarder leaves AttemptKey off the poison copy).
@@ -108,13 +102,3 @@ func IsRetryState(k string) bool { return retrymeta.IsRetryState(k) }
 // Delayer that rounds delays (amqpretry's tiers) rounds up to it, never
 // bringing the message back earlier than the handler asked.
 func MinimumDelay(ctx context.Context) (time.Duration, bool) { return retrymeta.MinimumDelay(ctx) }
-
-// SetRemainingDelay records on md, the metadata of a copy a Delayer is
-// scheduling, the part d of the asked delay it cannot hold (in whole
-// milliseconds, rounded up so the message never comes back early); d <= 0
-// deletes it. The RedeliveryGuard holds a delivery carrying a remaining
-// delay again for that time before running it. A Delayer that holds every
-// delay in full (MemoryDelayer) need not call it; one with a longest delay
-// (amqpretry's tiers, the delay cascade) calls it on every copy it
-// schedules with a positive delay.
-func SetRemainingDelay(md message.Metadata, d time.Duration) { retrymeta.SetRemainingDelay(md, d) }

@@ -12,6 +12,7 @@ import (
 	"github.com/rabbitretry/rabbitretry/amqpwire"
 	"github.com/rabbitretry/rabbitretry/internal/chainerr"
 	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
+	"github.com/rabbitretry/rabbitretry/internal/testkit"
 	"github.com/rabbitretry/rabbitretry/middleware"
 )
 
@@ -76,7 +77,7 @@ func TestAcquiredCountSourceWithHeader(t *testing.T) {
 // x-acquired-count.
 func TestNativeRetryErrorAndStrip(t *testing.T) {
 	r, err := middleware.NewRepublisher(middleware.RepublisherConfig{
-		Delayer:     middleware.DelayerFunc(func(_ context.Context, _ *message.Message, _ time.Duration) error { return chainerr.ErrNativeRetry }),
+		Delayer:     testkit.DelayerFunc(func(_ context.Context, _ *message.Message, _ time.Duration) error { return chainerr.ErrNativeRetry }),
 		MaxAttempts: 3,
 	})
 	if err != nil {
@@ -102,7 +103,7 @@ func TestNativeRetryErrorAndStrip(t *testing.T) {
 func TestRedeliveryGuardRedeliveriesCounted(t *testing.T) {
 	copies := 0
 	g, err := middleware.NewRedeliveryGuard(middleware.RedeliveryGuardConfig{
-		Delayer:             middleware.DelayerFunc(func(context.Context, *message.Message, time.Duration) error { copies++; return nil }),
+		Delayer:             testkit.DelayerFunc(func(context.Context, *message.Message, time.Duration) error { copies++; return nil }),
 		RedeliveriesCounted: true,
 	})
 	if err != nil {

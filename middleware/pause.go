@@ -208,13 +208,6 @@ func NewPause(cfg PauseConfig) (*Pause, error) {
 	return p, nil
 }
 
-// Paused reports whether consumption is paused now, and since when.
-func (p *Pause) Paused() (bool, time.Time) {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	return p.paused, p.since
-}
-
 // Middleware holds messages while paused; see Pause.
 func (p *Pause) Middleware(h message.HandlerFunc) message.HandlerFunc {
 	return func(msg *message.Message) ([]*message.Message, error) {

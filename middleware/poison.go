@@ -90,7 +90,7 @@ func defaultShouldPoison(err error) bool {
 	if errors.As(err, &ex) {
 		return true
 	}
-	var ce *ClassifiedError
+	var ce *classifiedError
 	if errors.As(err, &ce) {
 		return ce.Action == ActionPoison
 	}
@@ -150,17 +150,17 @@ func (f *PoisonForwarder) onFailure(msg *message.Message, out []*message.Message
 	f.cfg.Observer.Poisoned(msg, attempt, class)
 	f.cfg.Logger.Info("Message poisoned", watermill.LogFields{
 		"message_uuid": msg.UUID, "poison_topic": topic, "attempt": attempt,
-		"error_class": class, "error": p.Metadata[PoisonReasonKey],
+		"error_class": class, "error": p.Metadata[retrymeta.PoisonReasonKey],
 	})
 	return nil, nil
 }
 
 // errorClass returns the class a failure is poisoned with (ErrorClassKey): the class of a
-// *ClassifiedError whose action is ActionPoison, else
+// classified error whose action is ActionPoison, else
 // ClassExhausted for a *chainerr.ExhaustedError, else the
 // error's classification.
 func errorClass(err error) string {
-	var ce *ClassifiedError
+	var ce *classifiedError
 	if errors.As(err, &ce) && ce.Action == ActionPoison {
 		return ce.Class
 	}
@@ -184,7 +184,7 @@ func (f *PoisonForwarder) poisonCopy(ctx context.Context, msg *message.Message, 
 	// own attempt numbers would only repeat it (or, proven, contradict it).
 	delete(p.Metadata, AttemptKey)
 	delete(p.Metadata, retrymeta.ProvenAttemptKey)
-	p.Metadata.Set(PoisonReasonKey, text)
+	p.Metadata.Set(retrymeta.PoisonReasonKey, text)
 	p.Metadata.Set(retrymeta.PoisonTopicKey, message.SubscribeTopicFromCtx(ctx))
 	p.Metadata.Set(retrymeta.PoisonHandlerKey, message.HandlerNameFromCtx(ctx))
 	p.Metadata.Set(retrymeta.PoisonSubscriberKey, message.SubscriberNameFromCtx(ctx))
@@ -194,7 +194,18 @@ func (f *PoisonForwarder) poisonCopy(ctx context.Context, msg *message.Message, 
 }
 
 func init() {
-	// The router's fallback records the poison class through package
-	// chainerr: it is not public API.
+	// The router's fallback records the poison class, and reads a carried
+	// classification, through package chainerr: they are not public API.
 	chainerr.ErrorClass = errorClass
+	chainerr.Classified = classified
+}
+
+// classified returns the action and class carried by err (see
+// chainerr.Classified).
+func classified(err error) (action int, class string, ok bool) {
+	var ce *classifiedError
+	if !errors.As(err, &ce) {
+		return 0, "", false
+	}
+	return int(ce.Action), ce.Class, true
 }

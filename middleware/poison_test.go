@@ -172,7 +172,7 @@ func TestForwarderPoisonsPermanentInRouter(t *testing.T) {
 	ts := pfFixedNow.Format(time.RFC3339Nano)
 	want := map[string]string{
 		"user-key":                       "user-value",
-		middleware.PoisonReasonKey:       "order 42 refused",
+		retrymeta.PoisonReasonKey:        "order 42 refused",
 		retrymeta.PoisonTopicKey:         "orders",
 		retrymeta.PoisonHandlerKey:       "orders-handler",
 		retrymeta.PoisonSubscriberKey:    "gochannel.GoChannel",
@@ -204,7 +204,7 @@ func TestForwarderPoisonsPermanentInRouter(t *testing.T) {
 		}
 	}
 	// The key names are Watermill's own.
-	for k, v := range map[string]string{middleware.PoisonReasonKey: "reason_poisoned", retrymeta.PoisonTopicKey: "topic_poisoned", retrymeta.PoisonHandlerKey: "handler_poisoned", retrymeta.PoisonSubscriberKey: "subscriber_poisoned", middleware.PoisonAttemptsKey: "rabbitretry-attempts"} {
+	for k, v := range map[string]string{retrymeta.PoisonReasonKey: "reason_poisoned", retrymeta.PoisonTopicKey: "topic_poisoned", retrymeta.PoisonHandlerKey: "handler_poisoned", retrymeta.PoisonSubscriberKey: "subscriber_poisoned", middleware.PoisonAttemptsKey: "rabbitretry-attempts"} {
 		if k != v {
 			t.Errorf("key %q, want %q", k, v)
 		}
@@ -247,7 +247,7 @@ func TestForwarderWithCounterInRouter(t *testing.T) {
 		t.Fatalf("published %d to %v", len(msgs), topics)
 	}
 	md := msgs[0].Metadata
-	if md.Get(middleware.PoisonAttemptsKey) != "4" || md.Get(middleware.ErrorClassKey) != middleware.ClassExhausted || md.Get(middleware.PoisonReasonKey) != "gave up after 4 attempts: down" {
+	if md.Get(middleware.PoisonAttemptsKey) != "4" || md.Get(middleware.ErrorClassKey) != middleware.ClassExhausted || md.Get(retrymeta.PoisonReasonKey) != "gave up after 4 attempts: down" {
 		t.Fatalf("metadata %v", md)
 	}
 }
@@ -400,7 +400,7 @@ func TestForwarderErrorTextTruncated(t *testing.T) {
 		t.Fatal(err)
 	}
 	_, msgs := pub.published()
-	for _, k := range []string{middleware.PoisonReasonKey, middleware.LastErrorKey} {
+	for _, k := range []string{retrymeta.PoisonReasonKey, middleware.LastErrorKey} {
 		v := msgs[0].Metadata.Get(k)
 		if len(v) > retrymeta.DefaultMaxErrorBytes || len(v) < retrymeta.DefaultMaxErrorBytes-4 {
 			t.Errorf("%s is %d bytes, want at most (and close to) %d", k, len(v), retrymeta.DefaultMaxErrorBytes)
@@ -434,8 +434,8 @@ func TestForwarderCustomConfig(t *testing.T) {
 		t.Fatalf("published %d to %v", len(msgs), topics)
 	}
 	md := msgs[0].Metadata
-	if md.Get(middleware.PoisonReasonKey) != "poison me: password=[redacted]" || md.Get(middleware.LastErrorKey) != "poison me: password=[redacted]" {
-		t.Errorf("error text not redacted: %q / %q", md.Get(middleware.PoisonReasonKey), md.Get(middleware.LastErrorKey))
+	if md.Get(retrymeta.PoisonReasonKey) != "poison me: password=[redacted]" || md.Get(middleware.LastErrorKey) != "poison me: password=[redacted]" {
+		t.Errorf("error text not redacted: %q / %q", md.Get(retrymeta.PoisonReasonKey), md.Get(middleware.LastErrorKey))
 	}
 	for k, v := range md {
 		if strings.Contains(v, "hunter2") {

@@ -108,7 +108,7 @@ func (c RedeliveryGuardConfig) Validate() error {
 // time, only while nothing else runs), so a redelivery there is its own
 // crash or consumer timeout. Only such an attributable redelivery counts
 // and can poison it: the one that brings its count to MaxRedeliveries-1 (at
-// least 1; see MaxRedeliveries) returns a *ClassifiedError with
+// least 1; see MaxRedeliveries) returns an error classified
 // ActionPoison and class ClassRedeliveryLimit (the forwarder poisons it); an
 // earlier one puts it back into the quarantine with the count raised. A message that
 // runs in the quarantine and succeeds is acked; a failure takes the normal
@@ -193,7 +193,7 @@ func (g *RedeliveryGuard) onRedelivered(msg *message.Message) error {
 		limit = max(limit-1, 1)
 	}
 	if n >= limit {
-		return &ClassifiedError{
+		return &classifiedError{
 			Err: fmt.Errorf("redelivered %d times (MaxRedeliveries %d): it crashed, timed out or was returned by its consumer each time",
 				n, g.cfg.MaxRedeliveries),
 			Classification: Classification{Action: ActionPoison, Class: ClassRedeliveryLimit},
@@ -245,7 +245,7 @@ func (g *RedeliveryGuard) onEarly(msg *message.Message, d time.Duration) error {
 // failing message whose poison copy is refused, run without limit.
 func (g *RedeliveryGuard) copyNotHeld(serr error, attempt int, fields watermill.LogFields, what string) error {
 	if errors.Is(serr, ErrCannotDelay) {
-		return &ClassifiedError{
+		return &classifiedError{
 			Err:            fmt.Errorf("%s, and no copy is possible: %w", what, serr),
 			Classification: Classification{Action: ActionPoison, Class: ClassUndelayable},
 		}

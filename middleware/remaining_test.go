@@ -14,11 +14,11 @@ import (
 
 func TestSetRemainingDelay(t *testing.T) {
 	md := message.Metadata{}
-	middleware.SetRemainingDelay(md, 1500*time.Microsecond)
+	retrymeta.SetRemainingDelay(md, 1500*time.Microsecond)
 	if got := md.Get(retrymeta.RemainingDelayKey); got != "2" {
 		t.Errorf("1.5 ms written as %q, want 2 (rounded up)", got)
 	}
-	middleware.SetRemainingDelay(md, 0)
+	retrymeta.SetRemainingDelay(md, 0)
 	if _, ok := md[retrymeta.RemainingDelayKey]; ok {
 		t.Error("SetRemainingDelay(0) kept the key")
 	}

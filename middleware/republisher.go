@@ -176,7 +176,7 @@ func (r *Republisher) pastLastAttempt(msg *message.Message) error {
 	if class := msg.Metadata.Get(ErrorClassKey); class != "" {
 		// Parked by the fallback after a refused poison publish: keep the
 		// class it was being poisoned with (e.g. "permanent").
-		return &ClassifiedError{Err: ex, Classification: Classification{Action: ActionPoison, Class: class}}
+		return &classifiedError{Err: ex, Classification: Classification{Action: ActionPoison, Class: class}}
 	}
 	return ex
 }
@@ -209,7 +209,7 @@ func (r *Republisher) onFailure(msg *message.Message, err error) error {
 	if serr := r.cfg.Delayer.Schedule(schedCtx, retry, delay); errors.Is(serr, ErrCannotDelay) {
 		// Retrying cannot work for this message: poison it rather than nack it.
 		r.cfg.Observer.RetryFailed(msg, attempt, serr)
-		return &ClassifiedError{
+		return &classifiedError{
 			Err:            fmt.Errorf("%w (and no retry is possible: %v)", err, serr),
 			Classification: Classification{Action: ActionPoison, Class: ClassUndelayable},
 		}

@@ -15,6 +15,7 @@ import (
 
 	"github.com/rabbitretry/rabbitretry/internal/chainerr"
 	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
+	"github.com/rabbitretry/rabbitretry/internal/testkit"
 	"github.com/rabbitretry/rabbitretry/middleware"
 )
 
@@ -461,7 +462,7 @@ func TestRepublisherConfigValidate(t *testing.T) {
 
 func TestDelayerFunc(t *testing.T) {
 	var got time.Duration
-	var f middleware.Delayer = middleware.DelayerFunc(func(_ context.Context, _ *message.Message, d time.Duration) error {
+	var f middleware.Delayer = testkit.DelayerFunc(func(_ context.Context, _ *message.Message, d time.Duration) error {
 		got = d
 		return nil
 	})
@@ -478,7 +479,7 @@ func TestRepublisherDeadLetterRetry(t *testing.T) {
 	var scheduled int
 	obs := &countingObserver{onScheduled: func() { scheduled++ }}
 	rep, err := middleware.NewRepublisher(middleware.RepublisherConfig{
-		Delayer: middleware.DelayerFunc(func(context.Context, *message.Message, time.Duration) error {
+		Delayer: testkit.DelayerFunc(func(context.Context, *message.Message, time.Duration) error {
 			return fmt.Errorf("wrapped: %w", chainerr.ErrDeadLetter)
 		}),
 		Observer: obs,

@@ -29,7 +29,7 @@ type Config struct {
 	PoisonTopic func(ctx context.Context) string
 	// Policy is the retry policy (attempts, backoff, classification,
 	// error text, redeliveries, fallback pause, Pause, Tracing, Observer),
-	// shared with amqpretry.Config. Defaults: Policy.WithDefaults.
+	// shared with amqpretry.Config. Defaults: see its fields.
 	Policy
 	// AttemptSources are summed into the attempt number. Default: the
 	// attempt header of the library's own copies for QueueName
@@ -111,7 +111,7 @@ func New(cfg Config) (*Chain, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	cfg.Policy = cfg.Policy.WithDefaults()
+	cfg.Policy = cfg.Policy.withDefaults()
 	queueName := cfg.QueueName
 	if queueName == nil {
 		queueName = message.SubscribeTopicFromCtx

@@ -23,6 +23,7 @@ import (
 	"github.com/rabbitretry/rabbitretry/amqpwire"
 	"github.com/rabbitretry/rabbitretry/internal/chainerr"
 	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
+	"github.com/rabbitretry/rabbitretry/internal/testkit"
 	"github.com/rabbitretry/rabbitretry/internal/wire"
 	"github.com/rabbitretry/rabbitretry/middleware"
 	"github.com/rabbitretry/rabbitretry/router"
@@ -108,7 +109,7 @@ func TestTransientExhaustedIsPoisoned(t *testing.T) {
 		middleware.PoisonAttemptsKey: "3",
 		middleware.AttemptKey:        "", // one attempt count on a poison copy: PoisonAttemptsKey
 		middleware.ErrorClassKey:     middleware.ClassExhausted,
-		middleware.PoisonReasonKey:   "gave up after 3 attempts: service unavailable",
+		retrymeta.PoisonReasonKey:    "gave up after 3 attempts: service unavailable",
 		retrymeta.PoisonTopicKey:     topic,
 		retrymeta.PoisonHandlerKey:   "worker",
 		middleware.OriginalQueueKey:  topic,
@@ -153,7 +154,7 @@ func TestPermanentPoisonedAtOnce(t *testing.T) {
 		t.Fatalf("handler called %d times, want 1", seen.len())
 	}
 	if p.UUID != msg.UUID || p.Metadata.Get(middleware.ErrorClassKey) != middleware.ClassPermanent ||
-		p.Metadata.Get(middleware.PoisonAttemptsKey) != "1" || p.Metadata.Get(middleware.PoisonReasonKey) != "customer does not exist" {
+		p.Metadata.Get(middleware.PoisonAttemptsKey) != "1" || p.Metadata.Get(retrymeta.PoisonReasonKey) != "customer does not exist" {
 		t.Fatalf("poison metadata %v", p.Metadata)
 	}
 	if e.observer.count("retry") != 0 || e.delayer.Pending() != 0 {
@@ -244,7 +245,7 @@ func TestRecovererPanicIsRetriedThenPoisoned(t *testing.T) {
 	if p.UUID != msg.UUID || p.Metadata.Get(middleware.ErrorClassKey) != middleware.ClassExhausted || p.Metadata.Get(middleware.PoisonAttemptsKey) != "3" {
 		t.Fatalf("poison metadata %v", p.Metadata)
 	}
-	reason := p.Metadata.Get(middleware.PoisonReasonKey)
+	reason := p.Metadata.Get(retrymeta.PoisonReasonKey)
 	if !strings.Contains(reason, "panic occurred") || !strings.Contains(reason, "nil map write on attempt 3") {
 		t.Errorf("reason %q", reason)
 	}
@@ -582,7 +583,7 @@ func TestChainClassifierConfigUsed(t *testing.T) {
 		t.Fatal(err)
 	}
 	ps := pub.all()
-	if len(ps) != 1 || ps[0].Metadata.Get(middleware.ErrorClassKey) != "not-found" || ps[0].Metadata.Get(middleware.PoisonReasonKey) != "redacted" || d.n.Load() != 0 {
+	if len(ps) != 1 || ps[0].Metadata.Get(middleware.ErrorClassKey) != "not-found" || ps[0].Metadata.Get(retrymeta.PoisonReasonKey) != "redacted" || d.n.Load() != 0 {
 		t.Fatalf("poisoned %v", ps)
 	}
 	pub.mu.Lock()
@@ -683,12 +684,12 @@ func TestRetryAfterLongerThanDelayerHoldsEndToEnd(t *testing.T) {
 	const hold, asked = 60 * time.Millisecond, 250 * time.Millisecond
 	var hops atomic.Int64
 	wrap := func(inner middleware.Delayer) middleware.Delayer {
-		return middleware.DelayerFunc(func(ctx context.Context, msg *message.Message, delay time.Duration) error {
+		return testkit.DelayerFunc(func(ctx context.Context, msg *message.Message, delay time.Duration) error {
 			if m, ok := middleware.MinimumDelay(ctx); ok {
 				delay = max(delay, m)
 			}
 			held := min(delay, hold)
-			middleware.SetRemainingDelay(msg.Metadata, delay-held)
+			retrymeta.SetRemainingDelay(msg.Metadata, delay-held)
 			msg.Metadata.Set(retrymeta.DeliveryRetryPathKey, "true") // amqpretry's Marshaler sets it from the delivery
 			hops.Add(1)
 			return inner.Schedule(ctx, msg, held)

@@ -15,7 +15,7 @@ import (
 )
 
 // defaultFallbackPause is the default of Config.FallbackPause.
-const defaultFallbackPause = time.Second
+const defaultFallbackPause = retrymeta.DefaultFallbackPause
 
 // fallbackMaxHold bounds how long the fallback holds a delivery for a
 // handler's RetryAfter (the subscription handles one message at a time, and
@@ -79,8 +79,7 @@ func (f *fallback) onFailure(msg *message.Message, err error) error {
 	if errors.As(err, &dl) {
 		return err
 	}
-	var ce *middleware.ClassifiedError
-	if errors.As(err, &ce) && ce.Action == middleware.ActionNack {
+	if action, _, ok := chainerr.Classified(err); ok && middleware.Action(action) == middleware.ActionNack {
 		return err
 	}
 	ctx := msg.Context()
@@ -95,7 +94,7 @@ func (f *fallback) onFailure(msg *message.Message, err error) error {
 	case errors.As(err, &se) && se.HandlerRan():
 		next, handlerErr = se.Attempt+1, se.HandlerErr
 		proven = min(middleware.ProvenAttempt(msg), se.Attempt) + 1 // this run failed
-		asked, _ = middleware.RetryAfterFrom(se.HandlerErr)
+		asked, _ = chainerr.RetryAfter(se.HandlerErr)
 	case errors.As(err, &pe):
 		next, handlerErr = max(attempt, f.maxAttempts+1), pe.HandlerErr
 		proven = next // to be poisoned: never run again
@@ -128,7 +127,7 @@ func (f *fallback) onFailure(msg *message.Message, err error) error {
 			f.logger.Error("Fallback: retry copy not held on the second try; the copy goes back to the queue carrying the remaining delay, to be held again before it runs", serr, watermill.LogFields{
 				"message_uuid": msg.UUID, "queue": f.queueName(ctx), "attempt": attempt, "asked": asked.String(), "remaining": remaining.String(),
 			})
-			middleware.SetRemainingDelay(c.Metadata, remaining)
+			retrymeta.SetRemainingDelay(c.Metadata, remaining)
 			remaining = 0
 		}
 		if !f.wait(ctx, remaining) {

@@ -54,8 +54,8 @@ func TestPause_DependencyOutageChargesNothing(t *testing.T) {
 		e.publish(t, message.NewMessage(fmt.Sprintf("m%d", i), nil))
 	}
 	waitFor(t, 5*time.Second, func() bool { s, _ := obs.transitions(); return s == 1 && runs.len() >= 3 })
-	if paused, _ := e.chain.Pause.Paused(); !paused {
-		t.Fatal("not paused after a dependency error")
+	if s, en := obs.transitions(); s != 1 || en != 0 { // paused now: started, not ended
+		t.Fatalf("not paused after a dependency error: %d pauses started, %d ended", s, en)
 	}
 	down.Store(false)
 	waitFor(t, 10*time.Second, func() bool { mu.Lock(); defer mu.Unlock(); return len(succeeded) == n })
@@ -160,14 +160,15 @@ func TestPause_FailureRate(t *testing.T) {
 	}
 	down.Store(false)
 	waitFor(t, 10*time.Second, func() bool { mu.Lock(); defer mu.Unlock(); return len(ok) == n-charged })
+	waitFor(t, 5*time.Second, func() bool { _, en := obs.transitions(); return en == 1 }) // resumed
 	if got := obs.count("retry"); got != charged {
 		t.Errorf("retries grew from %d to %d after the trip", charged, got)
 	}
 	// A permanent failure never counts toward the rate.
 	e.publish(t, message.NewMessage("bad", []byte("bad")))
 	waitFor(t, 5*time.Second, func() bool { return obs.count("poisoned") == 1 })
-	if paused, _ := e.chain.Pause.Paused(); paused {
-		t.Error("a permanent failure paused consumption")
+	if s, en := obs.transitions(); s != 1 || en != 1 { // the Pause told the observer before the poison forwarder ran
+		t.Errorf("a permanent failure paused consumption: %d pauses started, %d ended", s, en)
 	}
 }
 

@@ -20,7 +20,7 @@ import (
 //	chain, err := router.New(router.Config{Policy: policy, Delayer: memDelayer, PoisonPublisher: pub})
 //	retry, err := amqpretry.New(amqpretry.Config{Policy: policy, Subscriber: subCfg})
 //
-// Zero values take the defaults WithDefaults gives (the same in both).
+// Zero values take the defaults given on each field (the same in both).
 type Policy struct {
 	// MaxAttempts is the total number of attempts, the first included.
 	// Default 5; range [1,
@@ -76,21 +76,10 @@ type Policy struct {
 	Observer middleware.Observer
 }
 
-// WithDefaults returns p with the zero MaxAttempts, Backoff,
+// withDefaults returns p with the zero MaxAttempts, Backoff,
 // MaxRedeliveries and FallbackPause set to their defaults (see the fields);
 // the others keep nil, which their users read as the default.
-func (p Policy) WithDefaults() Policy {
-	if p.MaxAttempts == 0 {
-		p.MaxAttempts = retrymeta.DefaultMaxAttempts
-	}
-	if p.Backoff == nil {
-		p.Backoff = retrymeta.DefaultBackoff
-	}
-	if p.MaxRedeliveries == 0 {
-		p.MaxRedeliveries = retrymeta.DefaultMaxRedeliveries
-	}
-	if p.FallbackPause == 0 {
-		p.FallbackPause = defaultFallbackPause
-	}
+func (p Policy) withDefaults() Policy {
+	retrymeta.FillPolicyDefaults(&p.MaxAttempts, &p.Backoff, &p.MaxRedeliveries, &p.FallbackPause)
 	return p
 }

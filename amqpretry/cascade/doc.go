@@ -7,7 +7,7 @@
 // the design of the NServiceBus RabbitMQ transport's delay infrastructure,
 // written afresh here.
 //
-// It offers a retry Delayer (middleware.Delayer: exact retry delays instead
+// It offers a retry mode for amqpretry.New (Mode: exact retry delays instead
 // of amqpretry's per-queue tiers, which round a delay by up to √2 and make a
 // RetryAfter(37s) wait for the next tier up) and a watermill
 // message.Publisher for scheduled messages set with Watermill's delay
@@ -28,7 +28,7 @@
 //	    --("*." × (L-1-n) + "0.#")--> level n-1's exchange (exchange-to-exchange
 //	                                   binding; level 0: the delivery exchange)
 //	exchange "<prefix>.delivery" (topic)
-//	    --("*." × L + Q)--> Q, for each destination queue Q (BindDestination)
+//	    --("*." × L + Q)--> Q, for each destination queue Q
 //
 // Routing key: the delay in grains, n = ceil(delay / g), written as its L
 // bits, most significant first, one word "0" or "1" each, then the
@@ -38,8 +38,8 @@
 //	0.0.0.0.0.0.0.0.0.0.0.0.0.0.0.0.0.0.0.0.0.0.1.1.1.1.orders
 //
 // A delayed message is published to the exchange of the level of its
-// highest set bit (EntryExchange; the levels above it would only pass it
-// on). At each level n
+// highest set bit (the levels above it would only pass it on). At each
+// level n
 // the key's bit n (word L-1-n) decides: 1, the message waits in level n's
 // queue for 2^n × g and is then dead-lettered, with its routing key kept
 // (no x-dead-letter-routing-key), to level n-1's exchange; 0, the exchange
@@ -57,7 +57,7 @@
 // ("Time-To-Live and Expiration": only the head message expires). A
 // publisher's per-message expiration is therefore removed from the copy.
 //
-// Arithmetic and limits: MaxDelay = (2^L - 1) × g. Level L-1's TTL, 2^(L-1)
+// Arithmetic and limits: the longest delay, MaxDelay, is (2^L - 1) × g. Level L-1's TTL, 2^(L-1)
 // × g, must be at most amqpretry.MaxTTL (2^32-1 ms). Defaults: g = 100 ms
 // and L = 26, so MaxDelay = 67,108,863 grains = 6,710,886.3 s ≈ 77.7 days
 // (above MaxTTL ≈ 49.7 days) and the top TTL is 3,355,443.2 s. A message
@@ -84,8 +84,7 @@
 // dead-lettering, RabbitMQ 3.10+): the level queue keeps a message until
 // the next level's queue (or the destination) confirmed it, so the cascade
 // is at-least-once across node restarts (a duplicate is possible, a loss
-// is not). Quorum level queues also carry x-delivery-limit
-// levelDeliveryLimit (2^31-1): returns by interrupted censuses count
+// is not). Quorum level queues also carry x-delivery-limit 2^31-1: returns by interrupted censuses count
 // against a quorum queue's delivery limit on RabbitMQ 4.x (default 20), and
 // a message over it would be dead-lettered to the next level, early.
 // Classic queues dead-letter at-most-once ("Dead Letter Exchanges": a
@@ -93,9 +92,10 @@
 // choose them only where that is acceptable.
 //
 // Every process sharing a prefix must use the same Levels, Grain and
-// QueueType: Declare first declares a settings marker (settingsExchange)
-// that the broker refuses to redeclare with other settings, and returns
-// ErrSettingsMismatch naming both before binding anything.
+// QueueType: declaring the cascade first declares a settings marker (an
+// exchange "<prefix>.settings") that the broker refuses to redeclare with
+// other settings, and returns ErrSettingsMismatch naming both before
+// binding anything.
 //
 // Publishing is mandatory with publisher confirms (amqpretry's
 // confirm.Publisher, "Consumer Acknowledgements and Publisher Confirms"):
@@ -114,13 +114,13 @@
 // 4.3, a message due after 100 ms and bound 2 s later arrived after 180 s
 // (the worker's resend interval, dead_letter_worker_publisher_confirm_timeout,
 // 3 min by default). Bind each destination before publishing to it (the
-// Delayer and Publisher do, once per queue per process) and again after
+// retry Delayer (Mode) and the Publisher do, once per queue per process) and again after
 // recreating a queue (a subscriber's topology builder is a good place).
 //
 // The same holds between levels: a level queue, level exchange or the
 // delivery exchange deleted by an operator leaves the messages above it
-// in their level's dead-letter buffer. A Delayer or Publisher checks the
-// cascade every Config.TopologyCheck (5 s) and declares it again, with its
+// in their level's dead-letter buffer. The retry Delayer and a Publisher check the
+// cascade every Config.TopologyCheck (5 s) and declare it again, with their
 // destinations' bindings, when a piece is missing, so only messages that
 // reached the gap before that wait for the worker's resend; with
 // Config.ManagementURL the repair has the workers resend them at once (a
@@ -144,41 +144,41 @@
 // middleware.ErrCannotDelay, a copy whose headers could then exceed
 // amqpwire.MaxCopyHeaderBytes. Its basic.deliver routing key is the
 // cascade key, not the queue name, and its exchange is the one its last
-// routing started from (a level exchange, or the delivery exchange):
-// Config.DeliveredQueue recognises both.
+// routing started from (a level exchange, or the delivery exchange): the
+// Retry's Marshaler (with Mode) recognises both.
 //
 // # With amqpretry.New
 //
 // Mode plugs the cascade into amqpretry.New as its retry mode
-// (amqpretry.Config.Mode: cascade.Mode(cfg), an amqpretry.Custom mode
-// around DelayerFactory): retries with a positive delay go
+// (amqpretry.Config.Mode: cascade.Mode(cfg), an amqpretry.Custom mode):
+// retries with a positive delay go
 // through the cascade, exact to the grain, and no wait queue is declared;
 // zero-delay copies (fallback, RedeliveryGuard) keep amqpretry's loop-back
 // exchange; the subscriber's topology builder declares the cascade and
 // binds each originating queue on every (re)connect; and the Retry's
-// Marshaler counts a delivery from the cascade (DeliveredQueue) as a
-// retry-path delivery, so the origin metadata of the first failure is
+// Marshaler counts a delivery from the cascade as a retry-path delivery, so the origin metadata of the first failure is
 // kept.
 //
 // # Operators
 //
-// Config.Waiting (and Delayer.Waiting, Publisher.Waiting) gives each level
-// queue's ready count (passive queue.declare): instant, and it touches no
-// message. Counts per destination, with the earliest and latest due time,
-// come from Census: it takes the waiting messages out of the level queues
-// and puts each back with its remaining delay (every message the Delayer
-// and Publisher send carries its due time in header rabbitretry-cascade-due, clamped to what
-// its level and key allow), the copy's publish and the original's ack in
-// one transaction, so an interrupted census (Ctrl-C, deadline, dropped
-// connection, resource alarm) leaves each message put back or untouched,
-// and returns within its deadline + about 2 s; CensusOptions.Move
-// readdresses a queue's waiting messages to another queue on the way.
-// Config.Redirect is the instant alternative for a decommissioned queue:
-// it binds the new queue with the old one's delivery pattern and unbinds
-// the old one, so the waiting messages arrive at the new queue when due,
-// untouched; Config.Unredirect undoes it. The command rabbitretry-topology
-// has them all (cascade waiting|census|move|redirect|unredirect).
-// Config.Delete removes the cascade with every waiting message.
+// Config.Waiting (and Publisher.Waiting) gives each level queue's ready
+// count (passive queue.declare): instant, and it touches no message. The
+// command rabbitretry-topology does the rest (cascade
+// waiting|census|move|redirect|unredirect): counts per destination, with
+// the earliest and latest due time, come from its census, which takes the
+// waiting messages out of the level queues and puts each back with its
+// remaining delay (every message the cascade sends carries its due time in
+// header rabbitretry-cascade-due, clamped to what its level and key
+// allow), the copy's publish and the original's ack in one transaction, so
+// an interrupted census (Ctrl-C, deadline, dropped connection, resource
+// alarm) leaves each message put back or untouched, and returns within
+// its deadline + about 2 s; move readdresses a queue's waiting messages to
+// another queue on the way. Redirect is the instant alternative for a
+// decommissioned queue: it binds the new queue with the old one's delivery
+// pattern and unbinds the old one, so the waiting messages arrive at the
+// new queue when due, untouched; unredirect undoes it. Deleting the level
+// queues and exchanges ("<prefix>.level.NN", "<prefix>.delivery",
+// "<prefix>.settings") removes the cascade with every waiting message.
 //
 // RabbitMQ pages relied upon: "Time-To-Live and Expiration" (queue TTL,
 // expiry at the head, FIFO), "Dead Letter Exchanges" (dead-lettering keeps
@@ -191,5 +191,6 @@
 // # Imports
 //
 // What it may import: of this module amqpretry, router, confirm, amqpwire,
-// middleware and internal/.... Enforced by TestLayers in docs/.
+// middleware and internal/...; the machinery is in internal/cascadecore.
+// Enforced by TestLayers in docs/.
 package cascade

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"strconv"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -148,7 +149,7 @@ func (e *retryEnv) cleanup() {
 		}
 	}
 	_ = ch.ExchangeDelete(e.exchange, false, false)
-	if err := e.cascade.Delete(ch); err != nil {
+	if err := cascade.Core(e.cascade).Delete(ch); err != nil {
 		e.t.Errorf("deleting the cascade: %v", err)
 	}
 	_ = ch.Close()
@@ -216,7 +217,7 @@ func (l *obsLog) all() []seen {
 // after attempt 1, and not later than retryLateTolerance more.
 func checkGap(t *testing.T, first, second seen, delay time.Duration) {
 	t.Helper()
-	grain := cascade.DefaultGrain
+	grain := 100 * time.Millisecond // the default Grain
 	rounded := (delay + grain - 1) / grain * grain
 	n := uint64(rounded / grain)
 	hops := 0
@@ -430,5 +431,45 @@ func TestRetryAfterBeyondMaxDelay(t *testing.T) {
 	}
 	if got := second.md.Get(retrymeta.RemainingDelayKey); got != "" {
 		t.Errorf("attempt 2 carries %s=%q", retrymeta.RemainingDelayKey, got)
+	}
+}
+
+// TestModeRefusesBadSettings restores, under Config.Mode, what
+// TestConfigRefusesTierModes guarded before the mode became one value (the
+// cascade refused together with Tiers, DeadLetterFirstRetry or
+// NativeDelayedRetry, naming the field): the cascade Mode is the Retry's
+// only delay mechanism (no wait-queue tier declared, Mode "custom"), and
+// New refuses, naming the field, the cascade settings the mode cannot use
+// (its own Publisher or URI: the Retry's publisher is used) or that are
+// invalid (Levels out of range).
+func TestModeRefusesBadSettings(t *testing.T) {
+	uri := testkit.URI(t)
+	prefix := testkit.UniqueName(t, "cascmode")
+	newRetry := func(cc cascade.Config) (*amqpretry.Retry, error) {
+		return amqpretry.New(amqpretry.Config{URI: uri, Subscriber: wamqp.NewDurableQueueConfig(uri), QueueType: amqpretry.QueueTypeQuorum,
+			Mode: cascade.Mode(cc), Logger: watermill.NopLogger{}})
+	}
+	for field, cc := range map[string]cascade.Config{
+		"Config.URI":            {Prefix: prefix, URI: uri},
+		"cascade.Config.Levels": {Prefix: prefix, Levels: 40},
+	} {
+		r, err := newRetry(cc)
+		if err == nil {
+			_ = r.Close()
+		}
+		if err == nil || !strings.Contains(err.Error(), field) || !strings.Contains(err.Error(), "Config.Mode") {
+			t.Errorf("cascade.Mode with a bad %s: err = %v, want an error naming it and Config.Mode", field, err)
+		}
+	}
+	r, err := newRetry(cascade.Config{Prefix: prefix})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	if tiers := r.Topology().Tiers(); len(tiers) != 0 {
+		t.Errorf("with the cascade, wait-queue tiers %v, want none", tiers)
+	}
+	if q := r.Topology().WaitQueues("orders"); len(q) != 0 {
+		t.Errorf("with the cascade, wait queues %v for orders, want none", q)
 	}
 }

@@ -15,7 +15,7 @@ import (
 
 	amqp "github.com/rabbitmq/amqp091-go"
 
-	"github.com/rabbitretry/rabbitretry/amqpretry/cascade"
+	"github.com/rabbitretry/rabbitretry/internal/cascadecore"
 )
 
 // cascadeOptions are the flags of the cascade subcommands.
@@ -26,7 +26,7 @@ type cascadeOptions struct {
 }
 
 func (c *cascadeOptions) flags(fs *flag.FlagSet) {
-	fs.StringVar(&c.prefix, "cascade-prefix", "", "cascade: name `prefix` of the delay cascade (default "+cascade.DefaultPrefix+")")
+	fs.StringVar(&c.prefix, "cascade-prefix", "", "cascade: name `prefix` of the delay cascade (default "+cascadecore.DefaultPrefix+")")
 	fs.DurationVar(&c.grain, "grain", 0, "cascade: the cascade's `grain` (default 100ms)")
 	fs.IntVar(&c.levels, "levels", 0, "cascade: number of `levels` (default: derived from --grain, 26 for 100ms)")
 	fs.StringVar(&c.from, "from", "", "cascade move, redirect, unredirect: the destination `queue` to take messages from")
@@ -166,10 +166,10 @@ func showFlagsSet(o *options) bool {
 	return o.queue != "" || o.tiers != "" || o.waitEx != "" || o.poisonEx != "" || o.loopBackEx != ""
 }
 
-// cascadeConfig builds the cascade.Config the flags describe, with Grain
+// cascadeConfig builds the cascadecore.Config the flags describe, with Grain
 // and Levels filled in, and the secrets to hide in errors; msg is a usage
 // message ("" when the flags are valid).
-func cascadeConfig(o *options) (cfg cascade.Config, sec secrets, msg string) {
+func cascadeConfig(o *options) (cfg cascadecore.Config, sec secrets, msg string) {
 	co := &o.cascade
 	o.defaultURI()
 	au, err := amqp.ParseURI(o.uri)
@@ -177,7 +177,7 @@ func cascadeConfig(o *options) (cfg cascade.Config, sec secrets, msg string) {
 		return cfg, nil, fmt.Sprintf("--uri: %v", err)
 	}
 	sec = secrets{au.Password}
-	cfg = cascade.Config{Prefix: co.prefix, Grain: co.grain, Levels: co.levels, QueueType: o.queueType}
+	cfg = cascadecore.Config{Prefix: co.prefix, Grain: co.grain, Levels: co.levels, QueueType: o.queueType}
 	if o.mgmtURL != "" { // cascade waiting: dead-letter backlogs and length limits too
 		mu, err := url.Parse(o.mgmtURL)
 		if err != nil || (mu.Scheme != "http" && mu.Scheme != "https") || mu.Host == "" {
@@ -192,7 +192,7 @@ func cascadeConfig(o *options) (cfg cascade.Config, sec secrets, msg string) {
 		return cfg, nil, strings.TrimPrefix(err.Error(), "cascade.")
 	}
 	if cfg.Grain == 0 {
-		cfg.Grain = cascade.DefaultGrain
+		cfg.Grain = cascadecore.DefaultGrain
 	}
 	if cfg.Levels == 0 {
 		key, _ := cfg.RoutingKey(0, "q") // L words "0", then "q"
@@ -202,14 +202,14 @@ func cascadeConfig(o *options) (cfg cascade.Config, sec secrets, msg string) {
 }
 
 // runCensus runs "cascade census" and "cascade move".
-func runCensus(ctx context.Context, o *options, sub string, cfg cascade.Config, levels []int, sec secrets, stdout, stderr io.Writer) int {
+func runCensus(ctx context.Context, o *options, sub string, cfg cascadecore.Config, levels []int, sec secrets, stdout, stderr io.Writer) int {
 	co := &o.cascade
-	opts := cascade.CensusOptions{Levels: levels, DryRun: o.dryRun}
+	opts := cascadecore.CensusOptions{Levels: levels, DryRun: o.dryRun}
 	if sub == "move" {
 		opts.Move = map[string]string{co.from: co.to}
 	}
 	cfg.URI = o.uri
-	rep, err := cascade.Census(ctx, cfg, opts)
+	rep, err := cascadecore.Census(ctx, cfg, opts)
 	if err != nil {
 		if rep.Taken > 0 {
 			fmt.Fprintf(stderr, "%s: stopped after taking %d message(s), %d put back; the others stay in their level queues\n", prog, rep.Taken, rep.PutBack)
@@ -229,7 +229,7 @@ func runCensus(ctx context.Context, o *options, sub string, cfg cascade.Config, 
 }
 
 // printWaiting prints "cascade waiting"'s table and summary.
-func printWaiting(stdout io.Writer, cfg cascade.Config, counts []cascade.LevelCount) {
+func printWaiting(stdout io.Writer, cfg cascadecore.Config, counts []cascadecore.LevelCount) {
 	tw := tabwriter.NewWriter(stdout, 0, 4, 2, ' ', 0)
 	if cfg.ManagementURL == "" {
 		fmt.Fprintln(tw, "LEVEL\tQUEUE\tTTL\tMESSAGES\tCONSUMERS")
@@ -272,7 +272,7 @@ func printWaiting(stdout io.Writer, cfg cascade.Config, counts []cascade.LevelCo
 	}
 }
 
-func printCensus(w io.Writer, cfg cascade.Config, sub string, co *cascadeOptions, dryRun bool, rep cascade.CensusReport) {
+func printCensus(w io.Writer, cfg cascadecore.Config, sub string, co *cascadeOptions, dryRun bool, rep cascadecore.CensusReport) {
 	now := time.Now()
 	due := func(t time.Time) string {
 		return fmt.Sprintf("%s (in %v)", t.UTC().Format(time.RFC3339), t.Sub(now).Round(100*time.Millisecond))
@@ -313,7 +313,7 @@ func printCensus(w io.Writer, cfg cascade.Config, sub string, co *cascadeOptions
 	}
 }
 
-func entryNote(d cascade.CensusEntry, dryRun bool) string {
+func entryNote(d cascadecore.CensusEntry, dryRun bool) string {
 	var notes []string
 	if d.MovedTo != "" {
 		if dryRun {

@@ -12,7 +12,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	amqp "github.com/rabbitmq/amqp091-go"
 
-	"github.com/rabbitretry/rabbitretry/amqpretry/cascade"
+	"github.com/rabbitretry/rabbitretry/internal/cascadecore"
 	"github.com/rabbitretry/rabbitretry/internal/testkit"
 )
 
@@ -59,8 +59,8 @@ func TestCascadeUsageErrors(t *testing.T) {
 func TestCascadeCommands(t *testing.T) {
 	uri := testkit.URI(t)
 	prefix := testkit.UniqueName(t, "it.topocascade")
-	cfg := cascade.Config{Prefix: prefix, Grain: 100 * time.Millisecond, Levels: 6, URI: uri}
-	pub, err := cascade.NewPublisher(cfg)
+	cfg := cascadecore.Config{Prefix: prefix, Grain: 100 * time.Millisecond, Levels: 6, URI: uri}
+	pub, err := cascadecore.NewPublisher(cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -125,7 +125,7 @@ func TestCascadeCommands(t *testing.T) {
 		}
 	}
 	code, out, errOut = runArgs(append([]string{"cascade", "census", "--json"}, base...)...)
-	var rep cascade.CensusReport
+	var rep cascadecore.CensusReport
 	if code != exitOK || json.Unmarshal([]byte(out), &rep) != nil {
 		t.Fatalf("census --json: exit %d, %s %s", code, out, errOut)
 	}
@@ -200,8 +200,8 @@ func hasRow(out string, fields ...string) bool {
 func TestCascadeUnredirectCommand(t *testing.T) {
 	uri := testkit.URI(t)
 	prefix := testkit.UniqueName(t, "it.topounredirect")
-	cfg := cascade.Config{Prefix: prefix, Grain: 100 * time.Millisecond, Levels: 6, URI: uri}
-	pub, err := cascade.NewPublisher(cfg)
+	cfg := cascadecore.Config{Prefix: prefix, Grain: 100 * time.Millisecond, Levels: 6, URI: uri}
+	pub, err := cascadecore.NewPublisher(cfg)
 	if err != nil {
 		t.Fatal(err)
 	}

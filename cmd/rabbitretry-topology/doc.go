@@ -16,22 +16,22 @@
 //
 //	show     print a table: queue, role, tier, messages, state (ok, missing, orphan)
 //	tidy     delete the empty orphan wait queues; list the ones kept and why
-//	cascade waiting   per level queue: TTL, messages, consumers (cascade.Config.Waiting:
+//	cascade waiting   per level queue: TTL, messages, consumers (as cascade.Config.Waiting:
 //	                  passive declares, fast, disturbs nothing); with --management-url also
 //	                  each level's dead-letter backlog (messages expired out of it and not
 //	                  yet in the next level) and any length limit on it
 //	cascade census    per destination (messages, earliest and latest due time), then per
-//	                  level and destination (cascade.Census): every waiting message is taken
+//	                  level and destination: every waiting message is taken
 //	                  out and put back with its remaining delay (the copy's publish and the
 //	                  original's ack in one transaction: interrupted, each message is put
 //	                  back or left untouched)
 //	cascade move      a census that puts the messages for --from back addressed to --to,
 //	                  keeping their due times; --dry-run counts what would move
 //	cascade redirect  bind --to with --from's key on the delivery exchange and unbind
-//	                  --from (cascade.Config.Redirect): waiting and future messages for
+//	                  --from: waiting and future messages for
 //	                  --from arrive at --to, untouched; stop --from's services first, as
 //	                  anything binding --from again makes its messages arrive at both
-//	cascade unredirect  undo redirect (cascade.Config.Unredirect): bind --from again, then
+//	cascade unredirect  undo redirect: bind --from again, then
 //	                  unbind --to's binding of --from's key
 //
 // Flags (before or after the command):

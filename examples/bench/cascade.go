@@ -25,6 +25,7 @@ import (
 	"github.com/rabbitretry/rabbitretry/amqpretry"
 	"github.com/rabbitretry/rabbitretry/amqpretry/cascade"
 	"github.com/rabbitretry/rabbitretry/amqpwire"
+	"github.com/rabbitretry/rabbitretry/internal/cascadecore"
 	"github.com/rabbitretry/rabbitretry/middleware"
 	"github.com/rabbitretry/rabbitretry/router"
 )
@@ -53,7 +54,7 @@ import (
 //     schedules from -cascade-workers goroutines (default 64) on one
 //     amqpretry confirm.Publisher, delays uniform in [1 h, 2 h): to a tier's
 //     wait queue (what amqpretry's Delayer does: marshal, publish to the
-//     wait exchange, confirm) vs cascade.Delayer.Schedule; each with its
+//     wait exchange, confirm) vs the cascade Delayer's Schedule; each with its
 //     default queue type (tiers: classic wait queues, cascade: quorum
 //     levels) and with the other one (variants tiers-quorum,
 //     cascade-classic), to tell the topology's cost from the queue type's.
@@ -183,24 +184,33 @@ type cascadeResult struct {
 	Probe     *cascadeProbe       `json:"routing_probe,omitempty"`
 }
 
+// cascadeCore is c as the cascade's machinery takes it (names, MaxDelay,
+// the raw Delayer): the bench measures below the public API.
+func cascadeCore(c cascade.Config) cascadecore.Config {
+	return cascadecore.Config{Prefix: c.Prefix, Grain: c.Grain, Levels: c.Levels, QueueType: c.QueueType,
+		Publisher: c.Publisher, URI: c.URI, Marshaler: c.Marshaler, QueueName: c.QueueName, Logger: c.Logger,
+		TopologyCheck: c.TopologyCheck, ManagementURL: c.ManagementURL, Vhost: c.Vhost, FullWait: c.FullWait}
+}
+
 // cascadeConfig is the bench's cascade: the defaults, under the run's
 // prefix, so cleanup removes it and nobody else's cascade is touched.
 func (e *env) cascadeConfig(queueType string) (cascade.Config, int) {
 	cc := cascade.Config{Prefix: e.name("cascade", queueType), Logger: e.logger, QueueType: queueType}
-	md, _ := cc.MaxDelay()
-	levels := bits.Len64(uint64(md / cascade.DefaultGrain))
+	core := cascadeCore(cc)
+	md, _ := core.MaxDelay()
+	levels := bits.Len64(uint64(md / cascadecore.DefaultGrain))
 	for n := range levels {
-		e.trackQueues(cc.LevelName(n))
-		e.trackExchanges(cc.LevelName(n))
+		e.trackQueues(core.LevelName(n))
+		e.trackExchanges(core.LevelName(n))
 	}
-	e.trackExchanges(cc.DeliveryExchange())
+	e.trackExchanges(core.DeliveryExchange())
 	return cc, levels
 }
 
 func (b *bench) scenarioCascade() error {
 	o := b.cascade
 	_, levels := b.env.cascadeConfig(amqpretry.QueueTypeQuorum)
-	res := &cascadeResult{PerBand: b.size("cascade", 20), GrainMs: cascade.DefaultGrain.Milliseconds(), Levels: levels, LevelType: amqpretry.QueueTypeQuorum}
+	res := &cascadeResult{PerBand: b.size("cascade", 20), GrainMs: cascadecore.DefaultGrain.Milliseconds(), Levels: levels, LevelType: amqpretry.QueueTypeQuorum}
 	for _, d := range cascadeBands {
 		if d <= o.maxDelay {
 			res.Bands = append(res.Bands, d.Milliseconds())
@@ -214,7 +224,7 @@ func (b *bench) scenarioCascade() error {
 	}
 	b.summary.Cascade = res
 	sc := "7 tiers vs cascade"
-	b.row(sc, "setup", fmt.Sprintf("tiers: per-queue classic wait queues (accuracy tiers %s); cascade: %d quorum levels, %v grain, shared", fmtDurs(cascadeAccuracyTiers), levels, cascade.DefaultGrain), "", "")
+	b.row(sc, "setup", fmt.Sprintf("tiers: per-queue classic wait queues (accuracy tiers %s); cascade: %d quorum levels, %v grain, shared", fmtDurs(cascadeAccuracyTiers), levels, cascadecore.DefaultGrain), "", "")
 	var errs []error
 	if slices.Contains(o.parts, "accuracy") {
 		if len(res.Bands) == 0 {
@@ -429,10 +439,10 @@ func (b *bench) cascadeAccuracy(res *cascadeResult) (err error) {
 		return err
 	}
 	grainWait := func(d time.Duration) time.Duration {
-		g := cascade.DefaultGrain
+		g := cascadecore.DefaultGrain
 		return (d + g - 1) / g * g
 	}
-	grains := func(d time.Duration) uint64 { return uint64(grainWait(d) / cascade.DefaultGrain) }
+	grains := func(d time.Duration) uint64 { return uint64(grainWait(d) / cascadecore.DefaultGrain) }
 	for vi, c := range []*cascadeCollector{colT, colC, colS} {
 		variant := []string{"tiers", "cascade", "scheduled"}[vi]
 		byBand := map[int64][]cascadeObs{}
@@ -557,7 +567,7 @@ func (b *bench) newFillVariant(res *cascadeResult, variant string) (*fillVariant
 	if tiers {
 		topo := retry.Topology()
 		wx := topo.Naming().WaitExchange
-		m := retry.Marshaler()
+		m := retry.SubscriberConfig().Marshaler
 		pub := retry.Publisher()
 		v.schedule = func(ctx context.Context, msg *message.Message, d time.Duration) error {
 			// what amqpretry's Delayer.Schedule does for a delay > 0
@@ -570,9 +580,9 @@ func (b *bench) newFillVariant(res *cascadeResult, variant string) (*fillVariant
 		v.holders = topo.WaitQueues(q)
 		return v, nil
 	}
-	dcfg := cc
-	dcfg.Publisher, dcfg.Marshaler, dcfg.QueueName = retry.Publisher(), retry.Marshaler(), func(context.Context) string { return q }
-	d, err := cascade.NewDelayer(dcfg) // what cascade.DelayerFactory builds
+	dcfg := cascadeCore(cc)
+	dcfg.Publisher, dcfg.Marshaler, dcfg.QueueName = retry.Publisher(), amqpretry.Marshaler{Topology: retry.Topology()}, func(context.Context) string { return q }
+	d, err := cascadecore.NewDelayer(dcfg) // what cascade.Mode builds
 	if err != nil {
 		closeAll()
 		return nil, err
@@ -587,7 +597,7 @@ func (b *bench) newFillVariant(res *cascadeResult, variant string) (*fillVariant
 	}
 	v.schedule = d.Schedule
 	for n := range res.Levels {
-		v.holders = append(v.holders, cc.LevelName(n))
+		v.holders = append(v.holders, dcfg.LevelName(n))
 	}
 	return v, nil
 }
@@ -682,7 +692,7 @@ func (b *bench) cascadeFill(res *cascadeResult) (err error) {
 			for _, d := range delays {
 				h := 1
 				if !tiers {
-					h = bits.OnesCount64(uint64((d + cascade.DefaultGrain - 1) / cascade.DefaultGrain))
+					h = bits.OnesCount64(uint64((d + cascadecore.DefaultGrain - 1) / cascadecore.DefaultGrain))
 				}
 				hopSum += h
 				hopMax = max(hopMax, h)
@@ -865,7 +875,7 @@ func (b *bench) cascadeRows(res *cascadeResult) {
 		v := fmt.Sprintf("%s (median of %d rounds of %d, %d goroutines: %s)", fmtRate(s.RatePerS), s.Rounds, s.Messages, s.Workers, fmtRatesUnit(s.Rates))
 		what := s.Variant + ": to the tier's wait queue (amqpretry Delayer's publish)"
 		if !strings.HasPrefix(s.Variant, "tiers") {
-			what = s.Variant + ": cascade.Delayer.Schedule"
+			what = s.Variant + ": the cascade Delayer's Schedule"
 		}
 		b.row(sc, fmt.Sprintf("scheduling throughput, confirmed, %s", what), v, "", "")
 		b.row(sc, fmt.Sprintf("one schedule at a time (%d, 1 goroutine), %s: latency p50 / p99; rate", s.SerialMessages, s.Variant),
@@ -933,7 +943,7 @@ dead-lettering), under the run's prefix.
    confirmed); a retry-like watermill message (attempt 2, failure metadata)
    with a delay uniform in [1 h, 2 h). Tiers: marshal + publish to the wait
    exchange with the tier's wait queue as key (what amqpretry's Delayer does
-   for a delay > 0), tiers 1h/2h. Cascade: ` + "`cascade.Delayer.Schedule`" + `
+   for a delay > 0), tiers 1h/2h. Cascade: ` + "`the cascade Delayer's Schedule`" + `
    (what DelayerFactory installs). Each with its default queue type (tiers:
    classic wait queues; cascade: quorum levels) and with the other one
    (tiers-quorum: ` + "`QueueType: quorum`" + `; cascade-classic: ` + "`cascade.Config{QueueType: classic}`" + `,
@@ -1071,7 +1081,8 @@ func (b *bench) cascadeRoutingProbe(res *cascadeResult, n int) (err error) {
 			err = cerr
 		}
 	}()
-	cc, levels := e.cascadeConfig(amqpretry.QueueTypeQuorum)
+	pc, levels := e.cascadeConfig(amqpretry.QueueTypeQuorum)
+	cc := cascadeCore(pc)
 	ch, err := e.channel()
 	if err != nil {
 		return err
@@ -1095,7 +1106,9 @@ func (b *bench) cascadeRoutingProbe(res *cascadeResult, n int) (err error) {
 			return err
 		}
 	}
-	grain := func(d time.Duration) uint64 { return uint64((d + cascade.DefaultGrain - 1) / cascade.DefaultGrain) }
+	grain := func(d time.Duration) uint64 {
+		return uint64((d + cascadecore.DefaultGrain - 1) / cascadecore.DefaultGrain)
+	}
 	first := func(int) string { return cc.FirstExchange() }
 	topBit := func(i int) string { return cc.EntryExchange(grain(delays[i])) }
 	purge := func() error {

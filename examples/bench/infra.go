@@ -93,7 +93,7 @@ func (e *env) trackExchanges(names ...string) {
 
 // trackRetry records the queues of an amqpretry topology for queue q.
 func (e *env) trackRetry(r *amqpretry.Retry, q string) {
-	e.trackQueues(q, r.Topology().PoisonQueue(q), r.Topology().QuarantineQueue(q))
+	e.trackQueues(q, r.Topology().Naming().PoisonQueue(q), r.Topology().Naming().QuarantineQueue(q))
 	e.trackQueues(r.Topology().WaitQueues(q)...)
 }
 

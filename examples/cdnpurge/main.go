@@ -542,7 +542,7 @@ func run(ctx context.Context, cfg config) (*summary, error) {
 		waitErr = err
 	}
 	s := tallyUp(t, stub, took)
-	if err := countLeft(cfg.URI, cfg.Queue, waitQueues, topo.PoisonQueue(cfg.Queue), s); err != nil && waitErr == nil {
+	if err := countLeft(cfg.URI, cfg.Queue, waitQueues, topo.Naming().PoisonQueue(cfg.Queue), s); err != nil && waitErr == nil {
 		waitErr = err
 	}
 	return s, waitErr

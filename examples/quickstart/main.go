@@ -269,7 +269,7 @@ func runAMQP(s *story, uri string, n int, timeout time.Duration) error {
 		}
 	}
 	fmt.Printf("retry tiers: %v (wait queues mailer.wait.<tier>), poison queue %s\n",
-		retry.Topology().Tiers(), retry.Topology().PoisonQueue("mailer"))
+		retry.Topology().Tiers(), retry.Topology().Naming().PoisonQueue("mailer"))
 
 	sub, err := retry.NewSubscriber(logger, 0) // drains in-flight handlers on shutdown
 	if err != nil {

@@ -284,7 +284,7 @@ func run(ctx context.Context, cfg config) (sum summary, err error) {
 		return sum, fmt.Errorf("connecting to RabbitMQ at %s: %w (start it with `make broker`)", redactURI(cfg.URI), err)
 	}
 	defer retry.Close()
-	poisonQueue := retry.Topology().PoisonQueue(queue)
+	poisonQueue := retry.Topology().Naming().PoisonQueue(queue)
 	if err := retry.DeleteQueues(queue); err != nil { // start from zero
 		return sum, err
 	}

@@ -8,6 +8,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/rabbitretry/rabbitretry/amqpretry/cascade"
+	"github.com/rabbitretry/rabbitretry/internal/cascadecore"
 	"github.com/rabbitretry/rabbitretry/internal/testkit"
 )
 
@@ -30,7 +31,7 @@ func TestScheduleStory(t *testing.T) {
 		if err != nil {
 			return
 		}
-		_ = ccfg.Delete(ch)
+		_ = cascadecore.Config{Prefix: ccfg.Prefix}.Delete(ch) // the cascade Run used
 		for _, q := range []string{".reminders", ".invoices", ".jobs"} {
 			_, _ = ch.QueueDelete(prefix+q, false, false, false)
 		}

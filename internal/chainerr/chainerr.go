@@ -11,6 +11,7 @@ package chainerr
 import (
 	"errors"
 	"fmt"
+	"time"
 )
 
 // ErrDeadLetter is returned (possibly wrapped) by a Delayer that lets the
@@ -122,3 +123,36 @@ func (e *PoisonError) Unwrap() error { return e.Err }
 // exporting it. Nil until package middleware is initialised, which every
 // importer of router is.
 var ErrorClass func(err error) string
+
+// Classified returns the action (a middleware.Action) and the class of the
+// classification err carries (the Classifier's verdict, or a middleware's
+// own, e.g. ActionNack / "interrupted" for a delivery already given back),
+// ok false when it carries none. Package middleware sets it in its init,
+// like ErrorClass; the router's fallback and the audit read it.
+var Classified func(err error) (action int, class string, ok bool)
+
+// RetryAfterError asks for the next attempt no earlier than After, e.g.
+// from an HTTP 429 or 503 Retry-After header. middleware.RetryAfter makes
+// it; the Classifier reads it into Classification.Delay.
+type RetryAfterError struct {
+	Err   error
+	After time.Duration
+}
+
+// Error returns the wrapped error text with the requested delay.
+func (e *RetryAfterError) Error() string {
+	return fmt.Sprintf("%v (retry after %s)", e.Err, e.After)
+}
+
+// Unwrap returns the wrapped handler error.
+func (e *RetryAfterError) Unwrap() error { return e.Err }
+
+// RetryAfter returns the delay requested with middleware.RetryAfter, if
+// any (a positive After).
+func RetryAfter(err error) (time.Duration, bool) {
+	var ra *RetryAfterError
+	if errors.As(err, &ra) && ra.After > 0 {
+		return ra.After, true
+	}
+	return 0, false
+}

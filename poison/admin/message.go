@@ -93,7 +93,7 @@ func messageFromDelivery(d amqp.Delivery) Message {
 	if m.UUID == "" {
 		m.UUID = d.MessageId
 	}
-	m.Reason = h(middleware.PoisonReasonKey)
+	m.Reason = h(retrymeta.PoisonReasonKey)
 	m.Class = h(middleware.ErrorClassKey)
 	m.Handler = h(retrymeta.PoisonHandlerKey)
 	m.Topic = h(retrymeta.PoisonTopicKey)

@@ -1,4 +1,4 @@
-package cascade
+package cascadecore
 
 import (
 	"context"
@@ -15,6 +15,7 @@ import (
 	"github.com/rabbitretry/rabbitretry/amqpretry"
 	"github.com/rabbitretry/rabbitretry/amqpwire"
 	"github.com/rabbitretry/rabbitretry/confirm"
+	"github.com/rabbitretry/rabbitretry/internal/retrymeta"
 	"github.com/rabbitretry/rabbitretry/middleware"
 )
 
@@ -405,7 +406,7 @@ func (d *Delayer) config() Config { return d.c.cfg }
 // The delay used is max(delay, middleware.MinimumDelay(ctx)) (a handler's
 // RetryAfter is a floor), rounded up to the grain. A delay above MaxDelay
 // is held for MaxDelay (77.7 days by default) and the copy carries the rest
-// (middleware.SetRemainingDelay, logged at Info): when it comes back, the
+// (retrymeta.SetRemainingDelay, logged at Info): when it comes back, the
 // RedeliveryGuard sends it through the cascade again, so it never runs
 // earlier than asked. A delay of 0 grains is published straight to the
 // delivery exchange. The first Schedule declares the cascade (Declare), the
@@ -440,7 +441,7 @@ func (d *Delayer) Schedule(ctx context.Context, msg *message.Message, delay time
 	}
 	if n > 0 {
 		// A copy sent straight back keeps what its maker set.
-		middleware.SetRemainingDelay(msg.Metadata, remaining)
+		retrymeta.SetRemainingDelay(msg.Metadata, remaining)
 	}
 	return d.c.send(context.WithoutCancel(ctx), msg, n, q)
 }

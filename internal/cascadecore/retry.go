@@ -1,4 +1,4 @@
-package cascade
+package cascadecore
 
 import (
 	"errors"
@@ -52,7 +52,7 @@ func Mode(cfg Config) amqpretry.Mode { return amqpretry.Custom(DelayerFactory(cf
 func DelayerFactory(cfg Config) amqpretry.DelayerFactory {
 	return func(deps amqpretry.DelayerDeps) (amqpretry.CustomDelayer, error) {
 		if cfg.Publisher != nil || cfg.URI != "" {
-			return amqpretry.CustomDelayer{}, errors.New("cascade.DelayerFactory: leave Config.Publisher and Config.URI empty: the Retry's publisher is used")
+			return amqpretry.CustomDelayer{}, errors.New("cascade.Mode: leave Config.Publisher and Config.URI empty: the Retry's publisher is used")
 		}
 		cfg.Publisher = deps.Publisher
 		if cfg.Marshaler.Inner == nil && cfg.Marshaler.MaxHeaderBytes == 0 && cfg.Marshaler.Topology == nil {

@@ -1,4 +1,4 @@
-package cascade
+package cascadecore
 
 import (
 	"context"
