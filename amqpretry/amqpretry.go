@@ -413,9 +413,9 @@ func (r *Retry) Middleware(h message.HandlerFunc) message.HandlerFunc {
 		// The healthy path stays small (no logging fields, no key built, a
 		// small frame): it runs on a fresh goroutine per message, whose
 		// stack is copied when it grows (see recordVerdict).
-		st := r.begin(msg)
-		if st == nil {
-			return nil, errDeliveryGone
+		st, err := r.begin(msg)
+		if err != nil {
+			return nil, err
 		}
 		return st.end(inner(msg))
 	}
@@ -433,14 +433,19 @@ func (st *runState) end(out []*message.Message, err error) ([]*message.Message, 
 }
 
 // begin starts msg's run (its run state, its handler deadline, the
-// quarantine and redelivery checks); nil when its delivery is already
-// gone. Out of line: Middleware's frame stays small.
+// quarantine and redelivery checks). Nothing runs, and nothing is copied,
+// for a message whose delivery is already gone (errDeliveryGone) or whose
+// context ended before the chain got it (errStopping). Out of line:
+// Middleware's frame stays small.
 //
 //go:noinline
-func (r *Retry) begin(msg *message.Message) *runState {
+func (r *Retry) begin(msg *message.Message) (*runState, error) {
+	if msg.Context().Err() != nil {
+		return nil, errStopping
+	}
 	st := beginRun(msg)
 	if !st.alive() {
-		return nil
+		return nil, errDeliveryGone
 	}
 	st.msg, st.retry = msg, r
 	if r.deadlines != nil {
@@ -456,7 +461,7 @@ func (r *Retry) begin(msg *message.Message) *runState {
 	if r.topology.deadLetterFirst || msg.Metadata[retrymeta.DeliveryRedeliveredKey] != "" {
 		r.beforeRun(msg, st)
 	}
-	return st
+	return st, nil
 }
 
 // beforeRun marks foreign x-death entries (DeadLetterFirstRetry) and, on a

@@ -17,6 +17,9 @@ import (
 	"github.com/rabbitretry/rabbitretry/middleware"
 )
 
+// footprintQueue is the queue footprintRetry's delivery came from.
+const footprintQueue = "rabbitretry-test.footprint"
+
 // footprintRetry returns a Retry and an unmarshaled healthy delivery
 // (two headers, persistent, not redelivered) as the router hands it to the
 // chain.
@@ -37,7 +40,7 @@ func footprintRetry(t *testing.T) (*amqpretry.Retry, *message.Message) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = r.Close() })
-	d := amqp.Delivery{Acknowledger: ch, DeliveryMode: amqp.Persistent, DeliveryTag: 1, RoutingKey: "footprint", Body: []byte("{}"),
+	d := amqp.Delivery{Acknowledger: ch, DeliveryMode: amqp.Persistent, DeliveryTag: 1, RoutingKey: footprintQueue, Body: []byte("{}"),
 		Headers: amqp.Table{wamqp.DefaultMessageUUIDHeaderKey: watermill.NewUUID(), "app-a": "1", "app-b": "2"}}
 	msg, err := r.SubscriberConfig().Marshaler.Unmarshal(d)
 	if err != nil {

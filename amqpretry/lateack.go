@@ -15,6 +15,15 @@ import (
 
 // errDeliveryGone is returned, without running the handler, for a message
 // whose delivery the broker already took back before the handler started.
+// errStopping is returned, without running the handler or copying
+// anything, for a message whose context had already ended when the chain
+// got it: the router is stopping (it cancels the subscribe context before
+// it closes the subscriber) and watermill-amqp's plain subscriber, which
+// can still hand out a message then, nacks it on close whatever the chain
+// decides. Acting on it could only leave a copy beside a requeued
+// original. With Retry.NewSubscriber no message is handed out that way.
+var errStopping = errors.New("amqpretry: the message's context ended before the chain ran it (the router is stopping); it goes back to the queue unprocessed")
+
 var errDeliveryGone = errors.New("amqpretry: the broker took this delivery back before it ran (channel closed or consumer cancelled, e.g. by a consumer timeout); it is redelivered")
 
 // lateVerdicts remembers the handler's result (nil or its error) for

@@ -196,6 +196,7 @@ type scan struct {
 	consumers int              // consumers at the start
 	scanned   int              // messages fetched
 	lastTag   uint64
+	acked     bool // remove sent an ack
 	matched   []item
 }
 
@@ -254,6 +255,7 @@ func (s *scan) remove(a *Admin, it item, done int) error {
 		}
 		return s.reason(err)
 	}
+	s.acked = true
 	a.at("acked", done)
 	if err := s.ch.Qos(0, 0, false); err != nil {
 		return s.reason(err)
@@ -374,6 +376,18 @@ const requeueWait = 2 * time.Second
 func (s *scan) release() error {
 	var nackErr error
 	if s.lastTag > 0 && !s.ch.IsClosed() {
+		if s.acked {
+			// The broker applies an ack on the queue's side after the
+			// channel has taken it (remove's qos round trip only proves
+			// the latter): when the queue lives on another cluster node,
+			// or is a quorum queue, news of the channel's close can reach
+			// the queue first, and it then requeues a message whose ack
+			// is still on its way (seen on the 3-node cluster: a moved
+			// message left in the poison queue as well). A basic.get
+			// travels the same way as the acks and is answered only after
+			// they were applied; what it fetches is requeued below.
+			_, _, _ = s.ch.Get(s.queue, false)
+		}
 		// Delivery tag 0 with multiple=true means "all outstanding
 		// deliveries" (AMQP 0-9-1 basic.nack); a concrete tag that was
 		// already acked would be an unknown delivery tag (406).

@@ -21,6 +21,13 @@
 // again, so that the next operation sees them. A message is removed (acked)
 // only after whatever had to be done with it succeeded; for Replay and Move
 // that means after the broker confirmed the copy with a publisher confirm.
+// Before the channel closes, a basic.get on the queue makes sure the queue
+// has applied those acks: on a cluster, RabbitMQ tells a queue on another
+// node about a closed channel by a route (an rpc:call through another
+// delegate process) that can overtake the channel's acks, and the queue
+// then requeues a message whose ack was still on its way (seen on the
+// 3-node 4.3 cluster: a moved message left in the poison queue as well);
+// the basic.get goes the acks' way and is answered after them.
 //
 // Consequences worth knowing:
 //
