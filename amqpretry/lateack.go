@@ -106,11 +106,12 @@ func recordVerdict(d *deadlines, queueName func(context.Context) string, h messa
 	// starts at 2 KB and is copied when it grows (measured: one copy per
 	// message cost more than the whole chain). So it keeps few values
 	// live across h, calls out of line with few arguments, and leaves
-	// every rare case to slow. (A closure, not the method value v.run:
-	// that adds a wrapper frame.)
+	// every rare case to slow. (A closure, not a method value: that adds
+	// a wrapper frame.) With the handler deadline disabled (d nil) no run
+	// is prepared and enter does nothing: the same path.
 	return func(msg *message.Message) ([]*message.Message, error) {
 		st := runOf(msg)
-		if st == nil || !st.prepared || st.replay.Load() {
+		if st == nil || st.replay.Load() || (!st.prepared && d != nil) {
 			return v.slow(st, msg)
 		}
 		v.d.enter(st, msg)
@@ -140,8 +141,8 @@ type verdictRecorder struct {
 	wrapped   message.HandlerFunc // h under d.wrap
 }
 
-// slow is recordVerdict's rare cases: no run state, a replayed result, no deadline
-// prepared.
+// slow is recordVerdict's rare cases: no run state, a replayed result, a
+// run whose deadline was not prepared.
 //
 //go:noinline
 func (v *verdictRecorder) slow(st *runState, msg *message.Message) ([]*message.Message, error) {
