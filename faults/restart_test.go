@@ -3,8 +3,10 @@ package faults
 import (
 	"context"
 	"errors"
+	"fmt"
 	"math/rand/v2"
 	"os/exec"
+	"strings"
 	"testing"
 	"time"
 
@@ -90,7 +92,8 @@ func restartBrokerApp(t *testing.T) {
 	if _, err := rabbitmqctl(t, 3*time.Minute, "-q", "await_startup", "--timeout", "170"); err != nil {
 		t.Fatal(err)
 	}
-	t.Logf("broker app restarted (stop %v, total %v)", stopped.Round(time.Millisecond), time.Since(start).Round(time.Millisecond))
+	t.Logf("broker app restarted (stop_app from %s, %v; back at %s, total %v)", start.Format("15:04:05.000"),
+		stopped.Round(time.Millisecond), time.Now().Format("15:04:05.000"), time.Since(start).Round(time.Millisecond))
 }
 
 // ensureBrokerApp starts the app if a failed test left it stopped.
@@ -105,6 +108,38 @@ func ensureBrokerApp(t *testing.T) {
 		return
 	}
 	_, _ = rabbitmqctl(t, 3*time.Minute, "-q", "await_startup", "--timeout", "170")
+}
+
+// restartSettleBound is how long a restart test waits for every message
+// to complete. A quorum wait queue dead-letters at-least-once: a message it
+// dead-lettered while the broker stopped, whose confirm never came, is
+// sent again when dead_letter_worker_publisher_confirm_timeout runs out
+// (180 s by default; rabbit_fifo_dlx_worker), so a retry can come back up
+// to 3 min late (never lost).
+const restartSettleBound = 4 * time.Minute
+
+// lostInClassicDeadLettering explains a lost message (accountExplained)
+// when RabbitMQ's classic dead-lettering, which is at-most-once, is the
+// only place it can have been lost: e's wait queues are classic, and the
+// last thing that happened to it is a retry copy the broker confirmed into
+// a wait queue (the last log entry about it is "Retry scheduled", for its
+// last handler attempt), before the last restart. After that confirm, the copy is the broker's until
+// its TTL dead-letters it into Q; a dead-letter published while the broker
+// stops can be dropped (docs/reliability.md). nil for quorum wait queues:
+// there every loss fails the test.
+func (e *env) lostInClassicDeadLettering(l *ledger, lastRestart time.Time) func(uuid string) string {
+	if e.queueType != amqpretry.QueueTypeClassic || e.native() {
+		return nil
+	}
+	return func(uuid string) string {
+		last, ok := e.logs.last(uuid)
+		attempts := l.attemptsOf(uuid)
+		if !ok || last.Msg != "Retry scheduled" || !last.At.Before(lastRestart) || len(attempts) == 0 ||
+			fmt.Sprint(last.Fields["attempt"]) != fmt.Sprint(attempts[len(attempts)-1]) {
+			return ""
+		}
+		return "dropped by RabbitMQ's at-most-once classic dead-lettering: confirmed into a wait queue, never dead-lettered back"
+	}
 }
 
 // 2,000 persistent messages, 30% failing transiently once or twice; the
@@ -154,18 +189,38 @@ func restartMidStorm(t *testing.T, e *env) {
 		inFlight = append(inFlight, waitingAt())
 		handledAt = append(handledAt, l.handled())
 		restartBrokerApp(t)
+		lastRestart := time.Now()
 		t.Logf("before the restarts: %v retries waiting (wait queues, or failed and not yet handled), %v messages handled", inFlight, handledAt)
 		if inFlight[0]+inFlight[1] == 0 || handledAt[1] >= n {
 			t.Errorf("the restarts did not hit the storm (waiting %v, handled %v)", inFlight, handledAt)
 		}
 
-		settled := e.settle(n, l.handled, 3*time.Minute)
+		// Complete: handled, or (classic wait queues) gone where only the
+		// broker's dead-lettering can have dropped it, with every queue
+		// quiet (settle).
+		explain := e.lostInClassicDeadLettering(l, lastRestart)
+		completed := l.handled
+		if explain != nil {
+			completed = func() int {
+				ok, c := l.successes(), 0
+				for _, u := range uuids {
+					if ok[u] > 0 || explain(u) != "" {
+						c++
+					}
+				}
+				return c
+			}
+		}
+		settled := e.settle(n, completed, restartSettleBound)
 		e.stop()
 		poisoned, _ := e.poisoned()
-		acc := account(t, uuids, l.successes(), poisoned)
+		acc := accountExplained(t, uuids, l.successes(), poisoned, explain)
 		reportPhantoms(t, l)
+		for _, u := range acc.LostUUIDs {
+			t.Logf("lost %s: handler attempts %v; log trail:\n  %s", u, l.attemptsOf(u), strings.Join(e.logs.trail(u), "\n  "))
+		}
 		if !settled {
-			t.Errorf("messages did not settle within 3 min")
+			t.Errorf("messages did not settle within %v", restartSettleBound)
 		}
 		e.checkEmpty()
 		if acc.Poisoned != 0 {
