@@ -728,6 +728,7 @@ type logEntry struct {
 type recLogger struct {
 	mu      sync.Mutex
 	entries []logEntry
+	byUUID  map[string]int // message_uuid -> index of its newest entry
 	fields  watermill.LogFields
 	parent  *recLogger
 }
@@ -743,7 +744,14 @@ func (l *recLogger) add(level, msg string, err error, fields watermill.LogFields
 	r := l.root()
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	r.entries = append(r.entries, logEntry{At: time.Now(), Level: level, Msg: msg, Err: err, Fields: l.fields.Add(fields)})
+	e := logEntry{At: time.Now(), Level: level, Msg: msg, Err: err, Fields: l.fields.Add(fields)}
+	if u, ok := e.Fields["message_uuid"].(string); ok {
+		if r.byUUID == nil {
+			r.byUUID = map[string]int{}
+		}
+		r.byUUID[u] = len(r.entries)
+	}
+	r.entries = append(r.entries, e)
 }
 
 func (l *recLogger) Error(msg string, err error, fields watermill.LogFields) {
@@ -785,12 +793,11 @@ func (l *recLogger) last(uuid string) (logEntry, bool) {
 	r := l.root()
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	for i := len(r.entries) - 1; i >= 0; i-- {
-		if r.entries[i].Fields["message_uuid"] == uuid {
-			return r.entries[i], true
-		}
+	i, ok := r.byUUID[uuid]
+	if !ok {
+		return logEntry{}, false
 	}
-	return logEntry{}, false
+	return r.entries[i], true
 }
 
 // find returns the entries whose message contains substr.
