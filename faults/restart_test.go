@@ -122,11 +122,11 @@ const restartSettleBound = 4 * time.Minute
 // when RabbitMQ's classic dead-lettering, which is at-most-once, is the
 // only place it can have been lost: e's wait queues are classic, and the
 // last thing that happened to it is a retry copy the broker confirmed into
-// a wait queue (the last log entry about it is "Retry scheduled", for its
-// last handler attempt), before the last restart. After that confirm, the copy is the broker's until
-// its TTL dead-letters it into Q; a dead-letter published while the broker
-// stops can be dropped (docs/reliability.md). nil for quorum wait queues:
-// there every loss fails the test.
+// a wait queue before the last restart (the last log entry about it is
+// "Retry scheduled", for its last handler attempt). After that confirm the
+// copy is the broker's until its TTL dead-letters it into Q; a dead-letter
+// published while the broker stops can be dropped (docs/reliability.md).
+// nil for quorum wait queues: there every loss fails the test.
 func (e *env) lostInClassicDeadLettering(l *ledger, lastRestart time.Time) func(uuid string) string {
 	if e.queueType != amqpretry.QueueTypeClassic || e.native() {
 		return nil
