@@ -191,7 +191,11 @@ func restartMidStorm(t *testing.T, e *env) {
 		restartBrokerApp(t)
 		lastRestart := time.Now()
 		t.Logf("before the restarts: %v retries waiting (wait queues, or failed and not yet handled), %v messages handled", inFlight, handledAt)
-		if inFlight[0]+inFlight[1] == 0 || handledAt[1] >= n {
+		// The first restart must hit the storm. The second may find it over:
+		// on the cluster only one node restarts, and the consumer, connected
+		// through the load balancer to another node, keeps going (seen: all
+		// 2,000 handled during a 12.5 s first restart).
+		if inFlight[0]+inFlight[1] == 0 || handledAt[0] >= n {
 			t.Errorf("the restarts did not hit the storm (waiting %v, handled %v)", inFlight, handledAt)
 		}
 
