@@ -13,12 +13,12 @@ import (
 	"github.com/rabbitretry/rabbitretry/confirm"
 )
 
-// storm configures runStorm.
 // maxStormBacklog bounds the messages a storm has published and not yet
 // seen handled: waves pause above it, so what is left to drain after the
 // fault does not depend on how long the fault took.
 const maxStormBacklog = 1000
 
+// storm configures runStorm.
 type storm struct {
 	// pause between waves of 50 messages.
 	pause time.Duration
